@@ -1,0 +1,23 @@
+"""tileweave: tensor-parallel GEMMs with their communication hidden inside.
+
+Public API (shapes per rank; W ranks in the group):
+
+* ``matmul(a, b)`` / ``linear(x, weight)``: the persistent Triton GEMM the fused ops run on.
+* ``all_gather_gemm(a_shard [M/W, K], b [K, N_loc], group)`` -> ``[M, N_loc]``; ``AllGatherGemm``.
+* ``gemm_reduce_scatter(a [M, K_loc], b [K_loc, N], group)`` -> ``[M/W, N]``; ``GemmReduceScatter``.
+* ``last_path(op)``: which path ("fused", "fallback", "local", "triton") the last call took.
+"""
+
+from tileweave.ops._launch import last_path
+from tileweave.ops.all_gather_gemm import AllGatherGemm, all_gather_gemm
+from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter, gemm_reduce_scatter
+from tileweave.ops.matmul import linear, matmul
+from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
+from tileweave.tune.configs import GemmConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllGatherGemm", "CollectiveTimeout", "GemmConfig", "GemmReduceScatter", "TileweaveError",
+    "all_gather_gemm", "gemm_reduce_scatter", "last_path", "linear", "matmul",
+]

@@ -1,0 +1,258 @@
+"""The persistent GEMM every tileweave op runs on, with its communication hooks.
+
+One kernel, three modes (``MODE``, a compile-time switch):
+
+* ``PLAIN``: ``c[M, N] = a[M, K] @ b[K, N] (+ bias)``.
+* ``AG`` (all-gather consumer): ``a`` is this rank's shard ``[Mc, K]``; the peers' shards arrive in the
+  symmetric buffer ``a_peer[W * Mc, K]``. Tiles run chunk by chunk, own chunk first, then rank+1,
+  rank+2, ... (the order in which the producer delivers them). Before a chunk's first tile, the program
+  waits for that chunk's ready flag (one wait per program and chunk, outside the tile loop, so the
+  loop stays a plain pipelined loop).
+* ``RS`` (reduce-scatter producer and reducer): ``a`` is ``[W * Mc, K]``. Chunks owned by rank+1,
+  rank+2, ... come first: each finished tile is stored straight into its owner's receive buffer over
+  NVLink and counted in the owner's arrival counter for this source. The own chunk comes last: it waits
+  until every peer's tiles of it have arrived, then sums the W partials in fp32 in rank order (so the
+  result is deterministic) and writes the output.
+
+Programs are persistent: program ``pid`` takes global tiles ``pid, pid + P, pid + 2P, ...`` where the
+global order is the chunk order above, so the load stays balanced across chunk boundaries.
+"""
+
+import triton
+import triton.language as tl
+
+from tileweave.kernels.sync import epoch_missed, signal_epoch, wait_epoch
+
+PLAIN = tl.constexpr(0)
+AG = tl.constexpr(1)
+RS = tl.constexpr(2)
+
+
+@triton.jit
+def _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Super-grouping along M so that consecutive programs share B tiles in L2.
+    width = GROUP_M * num_pid_n
+    first_m = (t // width) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (t % size_m)
+    pid_n = (t % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _first_tile(pid, step, tiles_per_chunk, P):
+    # First local tile of this chunk owned by program pid when global tile g = step * T + l is owned
+    # by program g % P. Written with non-negative operands only (Triton's % truncates like C).
+    return (pid + P - (step * tiles_per_chunk) % P) % P
+
+
+@triton.jit
+def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K,
+              stride_am, stride_ak, stride_bk, stride_bn,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BK)
+    if USE_TMA:
+        for ki in range(k_tiles):
+            a = a_src.load([row_a, ki * BK])
+            if B_NK:
+                b = b_src.load([col_b, ki * BK])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            else:
+                b = b_src.load([ki * BK, col_b])
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        # Pointer path for strides TMA cannot take (row pitch not a multiple of 16 bytes).
+        offs_m = row_a + tl.arange(0, BM)
+        offs_n = col_b + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        mask_m = offs_m < rows_a
+        mask_n = offs_n < N
+        for ki in range(k_tiles):
+            kk = ki * BK + offs_k
+            mask_k = kk < K
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr + kk[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_tile(c_ptr, c_desc, acc, row0, tile_m, tile_n, rows_valid, N, stride_cm, stride_cn,
+                BM: tl.constexpr, BN: tl.constexpr, C_TMA: tl.constexpr):
+    # TMA stores only where a tile cannot cross into the next chunk's rows (host checks Mc % BM).
+    if C_TMA:
+        c_desc.store([row0 + tile_m, tile_n], acc.to(c_ptr.dtype.element_ty))
+    else:
+        offs_m = tile_m + tl.arange(0, BM)
+        offs_n = tile_n + tl.arange(0, BN)
+        mask = (offs_m[:, None] < rows_valid) & (offs_n[None, :] < N)
+        ptrs = c_ptr + (row0 + offs_m[:, None]).to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+                row_a0, rows_a, row_c0, m_chunk, N, K,
+                stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                skip,
+                recv_ptrs_ptr, counters_ptrs_ptr, counters_ptr, count_target, err_ptr, max_spin, rank,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
+                B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
+                FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """All tiles of one chunk of ``m_chunk`` rows that belong to program ``pid``.
+
+    ``EPILOGUE``: 0 stores to ``c``; 1 stores to the owner's receive buffer and counts the tile there;
+    2 reduces the W partials of the own chunk. ``skip`` (0/1) drops the chunk: it comes from the flag
+    wait, so the loop bounds depend on the flag's value and no load can be hoisted above the wait.
+    """
+    num_pid_m = tl.cdiv(m_chunk, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    tiles = num_pid_m * num_pid_n
+    start = _first_tile(pid, step, tiles, P) + skip * tiles
+    for t in tl.range(start, tiles, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, pid_n * BN, N, K,
+                        stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        if EPILOGUE == 0:
+            acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
+            _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_chunk, N,
+                        stride_cm, stride_cn, BM, BN, C_TMA)
+        elif EPILOGUE == 1:
+            # Partial of a peer-owned chunk: row_c0 is the owner's rank. Its receive buffer is
+            # [WORLD, m_chunk, N] (row pitch N) and this rank's slot is `rank`.
+            owner = row_c0
+            recv = tl.load(recv_ptrs_ptr + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
+            ptrs = recv + (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+            tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+            counters = tl.load(counters_ptrs_ptr + owner).to(tl.pointer_type(tl.int32))
+            tl.debug_barrier()
+            tl.atomic_add(counters + rank, 1, sem="release", scope="sys")
+        else:
+            # Own chunk: sum every rank's partial in rank order, own accumulator at its own place.
+            recv = tl.load(recv_ptrs_ptr + rank).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for src in tl.static_range(WORLD):
+                if src == rank:
+                    total += acc
+                else:
+                    ptrs = recv + (src * m_chunk + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+                    total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            total = _add_bias(total, bias_ptr, offs_n, N, HAS_BIAS)
+            _store_tile(c_ptr, c_desc, total, 0, pid_m * BM, pid_n * BN, m_chunk, N,
+                        stride_cm, stride_cn, BM, BN, False)
+
+
+def _metadata(grid, kernel, args):
+    mode = ("plain", "ag", "rs")[args["MODE"]]
+    world = args["WORLD"]
+    m = args["m_chunk"] * (world if args["MODE"] != 0 else 1)
+    n, k = args["N"], args["K"]
+    return {"name": f"tileweave_gemm_{mode}_{m}x{n}x{k}", "flops": 2 * m * n * k}
+
+
+@triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "count_target", "max_spin", "rank"])
+def fused_gemm_kernel(
+        a_ptr, a_peer_ptr, b_ptr, c_ptr, bias_ptr,
+        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, err_ptr,
+        epoch, count_target, max_spin,
+        m_chunk, N, K, rank,
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
+        B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
+        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
+
+    AG: ``flags_ptr[src]`` is the epoch at which src's shard is complete in ``a_peer``.
+    RS: ``flags_ptr[src]`` counts src's tiles of the own chunk (cumulative, int32, wrapping);
+    ``count_target`` is that count once this call's tiles are all in. ``recv_ptrs_ptr`` and
+    ``counters_ptrs_ptr`` hold every rank's receive buffer and counter array as int64 addresses.
+    """
+    pid = tl.program_id(0)
+    a_rows = m_chunk * WORLD if MODE == RS else m_chunk
+    if USE_TMA:
+        if B_NK:
+            b_src = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                              block_shape=[BN, BK])
+        else:
+            b_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                              block_shape=[BK, BN])
+        a_src = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K], strides=[stride_am, 1],
+                                          block_shape=[BM, BK])
+    else:
+        a_src = a_ptr
+        b_src = b_ptr
+    if C_TMA:
+        c_rows = m_chunk * WORLD if MODE == AG else m_chunk
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[c_rows, N], strides=[stride_cm, 1],
+                                           block_shape=[BM, BN])
+    else:
+        c_desc = c_ptr
+
+    if MODE == PLAIN:
+        _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+                    0, a_rows, 0, m_chunk, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
+                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    FLATTEN, WARP_SPECIALIZE, PRECISION)
+    elif MODE == AG:
+        # Own shard first, straight from the caller's tensor: nothing to wait for.
+        _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+                    0, a_rows, rank * m_chunk, m_chunk, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
+                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    FLATTEN, WARP_SPECIALIZE, PRECISION)
+        gathered_rows = m_chunk * WORLD
+        if USE_TMA:
+            g_src = tl.make_tensor_descriptor(a_peer_ptr, shape=[gathered_rows, K], strides=[K, 1],
+                                              block_shape=[BM, BK])
+        else:
+            g_src = a_peer_ptr
+        for step in range(1, WORLD):
+            src = (rank + step) % WORLD
+            skip = wait_epoch(flags_ptr + src, epoch, err_ptr, 1 + src, max_spin)
+            _chunk_loop(pid, step, g_src, b_src, c_desc, a_peer_ptr, b_ptr, c_ptr, bias_ptr,
+                        src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
+                        K, 1, stride_bk, stride_bn, stride_cm, stride_cn, skip,
+                        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin,
+                        rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                        FLATTEN, WARP_SPECIALIZE, PRECISION)
+    else:
+        for step in range(0, WORLD - 1):
+            owner = (rank + 1 + step) % WORLD
+            _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+                        owner * m_chunk, a_rows, owner, m_chunk, N, K,
+                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
+                        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin,
+                        rank, BM, BN, BK, GROUP_M, P, 1, WORLD, B_NK, False, USE_TMA, False,
+                        FLATTEN, WARP_SPECIALIZE, PRECISION)
+        skip = 0
+        for src in range(0, WORLD):
+            if src != rank:
+                skip = tl.maximum(skip, wait_epoch(flags_ptr + src, count_target, err_ptr,
+                                                   100 + src, max_spin))
+        _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+                    rank * m_chunk, a_rows, 0, m_chunk, N, K,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, skip,
+                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    BM, BN, BK, GROUP_M, P, 2, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
+                    FLATTEN, WARP_SPECIALIZE, PRECISION)

@@ -1,0 +1,162 @@
+"""Input checks and the one launcher of the persistent GEMM kernel, shared by every op."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+
+from tileweave.kernels.gemm import fused_gemm_kernel
+from tileweave.runtime.backend import TileweaveError
+from tileweave.tune.configs import GemmConfig
+
+MODE_PLAIN, MODE_AG, MODE_RS = 0, 1, 2
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_last_path: dict[str, str] = {}
+
+
+def last_path(op: str) -> str | None:
+    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took."""
+    return _last_path.get(op)
+
+
+def record_path(op: str, path: str) -> None:
+    _last_path[op] = path
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def debug_mode() -> bool:
+    return os.environ.get("TILEWEAVE_DEBUG", "0") not in ("", "0")
+
+
+def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the other operands are {dtype}; cast them to one dtype")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other operands are on {device}")
+
+
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> None:
+    if bias is None:
+        return
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if bias.dtype != dtype or bias.device != device:
+        raise TypeError(f"bias is {bias.dtype} on {bias.device}; expected {dtype} on {device}")
+
+
+def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor | None:
+    if out is None:
+        return None
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.stride(1) != 1:
+        raise ValueError(f"out must have unit stride along its last dimension, got strides {out.stride()}")
+    return out
+
+
+def b_layout(b: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(b, B_NK)``: B_NK when ``b`` [K, N] is the transpose of a row-major [N, K] weight, which the
+    kernel reads in place; a ``b`` with neither unit stride is made contiguous."""
+    if b.stride(1) == 1:
+        return b, False
+    if b.stride(0) == 1:
+        return b, True
+    return b.contiguous(), False
+
+
+def _tma_ok(t: torch.Tensor, contiguous_dim: int) -> bool:
+    pitch = t.stride(1 - contiguous_dim) * t.element_size()
+    return t.stride(contiguous_dim) == 1 and pitch % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+@functools.cache
+def _install_allocator(device_type: str) -> None:
+    # Device-side tensor descriptors need global scratch memory from the launcher.
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, device=device_type if device_type == "cpu" else "cuda", dtype=torch.int8)
+    triton.set_allocator(alloc)
+
+
+def tiles_per_chunk(m_chunk: int, n: int, config: GemmConfig) -> int:
+    return math.ceil(m_chunk / config.block_m) * math.ceil(n / config.block_n)
+
+
+def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+           config: GemmConfig, m_chunk: int, rank: int = 0, world: int = 1, programs: int,
+           a_peer: torch.Tensor | None = None, recv_ptrs: torch.Tensor | None = None,
+           counter_ptrs: torch.Tensor | None = None, flags: torch.Tensor | None = None,
+           err: torch.Tensor | None = None, epoch: int = 0, count_target: int = 0,
+           max_spin: int = 0) -> None:
+    """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode."""
+    _install_allocator(a.device.type)
+    b, b_nk = b_layout(b)
+    k, n = b.shape
+    use_tma = _tma_ok(a, 1) and _tma_ok(b, 0 if b_nk else 1)
+    if a_peer is not None:
+        use_tma = use_tma and _tma_ok(a_peer, 1)
+    c_tma = (config.c_tma and use_tma and mode != MODE_RS and _tma_ok(c, 1)
+             and m_chunk % config.block_m == 0)
+    if a.dtype == torch.float32:
+        precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    else:
+        precision = None
+    dummy = c
+    tiles = tiles_per_chunk(m_chunk, n, config) * (world if mode != MODE_PLAIN else 1)
+    grid = (max(1, min(programs, tiles)),)
+    fused_gemm_kernel[grid](
+        a, a_peer if a_peer is not None else a, b, c, bias if bias is not None else dummy,
+        recv_ptrs if recv_ptrs is not None else dummy, counter_ptrs if counter_ptrs is not None else dummy,
+        flags if flags is not None else dummy, err if err is not None else dummy,
+        _i32(epoch), _i32(count_target), max_spin,
+        m_chunk, n, k, rank,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
+        P=grid[0], MODE=mode, WORLD=world, B_NK=b_nk, HAS_BIAS=bias is not None, USE_TMA=use_tma,
+        C_TMA=c_tma, FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize,
+        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _i32(value: int) -> int:
+    """A counter of any size as the int32 the kernel compares cyclically."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
+    code = int(err.item())
+    if code == 0:
+        return
+    from tileweave.runtime.backend import CollectiveTimeout
+
+    err.zero_()
+    if code >= 100:
+        what = f"the partial tiles from rank {code - 100}"
+    else:
+        what = f"the shard of rank {code - 1}"
+    raise CollectiveTimeout(f"{op} on rank {rank}: a bounded wait for {what} expired; a peer is missing, "
+                            "far behind, or calling the ops in a different order (raise TILEWEAVE_MAX_SPIN "
+                            "if a rank is legitimately that slow)")
+
+
+def check_not_capturing(op: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TileweaveError(f"{op} cannot be captured in a CUDA graph yet: its flags carry host-side "
+                             "epochs that a replay would not advance")

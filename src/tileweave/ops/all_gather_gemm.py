@@ -1,0 +1,186 @@
+"""AllGather + GEMM, fused: the column-parallel forward of sequence-parallel TP.
+
+==================  ==========================  ==========================================
+tensor              shape (per rank)            meaning
+==================  ==========================  ==========================================
+``a_shard``         ``[M / W, K]``              this rank's rows of the activations
+``b``               ``[K, N_loc]``              this rank's columns of the weight
+                                                (``weight.t()`` of an ``[N_loc, K]`` weight is
+                                                read in place)
+``bias``            ``[N_loc]``                 optional
+result              ``[M, N_loc]``              ``AllGather_M(a_shard) @ b + bias``
+gathered            ``[M, K]``                  ``AllGather_M(a_shard)`` (backward needs it)
+==================  ==========================  ==========================================
+
+How it runs. Each rank's producer pushes its shard into every peer's symmetric gather buffer on the
+copy engines (high-priority stream, no SMs), nearest consumer first, and then writes the peer's ready
+flag with a stream memory op. The consumer is the persistent GEMM: it computes its own rows straight
+from ``a_shard`` while the shards travel, then each peer's rows once that peer's flag carries this
+call's epoch. After the GEMM each rank tells every peer that its gather buffer may be refilled
+(``released``), and a producer waits for that before pushing the next call's shard, so no barrier is
+needed between calls.
+
+Concurrency: all ranks must call the op the same number of times in the same order. Do not launch
+two calls on one workspace concurrently from different streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import _launch
+from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
+from tileweave.runtime.backend import Backend, get_backend
+from tileweave.tune import heuristics
+from tileweave.tune.configs import GemmConfig, choose_gemm_config
+
+_OP = "all_gather_gemm"
+
+
+class AllGatherGemm:
+    """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
+
+    ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
+    ``"fused"`` and ``"fallback"`` force one.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
+                 config: GemmConfig | None = None, max_spin: int | None = None) -> None:
+        if policy not in ("auto", "fused", "fallback"):
+            raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.policy = policy
+        self.config = config
+        self.max_spin = max_spin
+        self._ws: Workspace | None = None
+        self._backend: Backend | None = None
+
+    def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's ``[M, K]`` gather buffer. Writing the shard into rows ``[r*M/W, (r+1)*M/W)`` of
+        it and passing that view as ``a_shard`` skips nothing today but keeps ``gathered`` valid."""
+        backend = self._get_backend(device)
+        self._ws = ensure_workspace(self._ws, backend, m * k * _itemsize(dtype))
+        return self._ws.data.view(backend.rank, dtype, (m, k))
+
+    def _get_backend(self, device: torch.device) -> Backend:
+        if self._backend is None or self._backend.device != device:
+            self._backend = get_backend(self.group, device)
+        return self._backend
+
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, return_gathered: bool = False):
+        """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
+        the workspace, valid until the next call of this object."""
+        _launch.check_matrix("a_shard", a_shard)
+        _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
+        mc, k = a_shard.shape
+        if b.shape[0] != k:
+            raise ValueError(f"a_shard is [M/W={mc}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N_loc]")
+        n = b.shape[1]
+        backend = self._get_backend(a_shard.device)
+        w, rank = backend.world_size, backend.rank
+        m = mc * w
+        _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
+        out = _launch.check_out(out, (m, n), a_shard.dtype, a_shard.device)
+        if out is None:
+            out = torch.empty((m, n), dtype=a_shard.dtype, device=a_shard.device)
+        if w == 1:
+            from tileweave.ops.matmul import matmul
+
+            matmul(a_shard, b, bias=bias, out=out)
+            _launch.record_path(_OP, "local")
+            return (out, a_shard) if return_gathered else out
+        _launch.check_not_capturing(_OP)
+
+        self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
+        ws = self._ws
+        proposal = self.config or choose_gemm_config(m, n, k, a_shard.dtype, num_sms=backend.num_sms,
+                                                     interpreter=backend.interpreter)
+        fused = self.policy == "fused" or (
+            self.policy == "auto" and heuristics.prefer_fused_all_gather(m, n, k, w, a_shard.dtype,
+                                                                       interpreter=backend.interpreter))
+        signature = (_OP, mc, k, n, str(a_shard.dtype), bias is not None, fused)
+        config = agree(ws, _OP, signature, proposal)
+        if mc == 0 or n == 0 or k == 0:
+            fused = False
+        if not fused:
+            return self._fallback(backend, a_shard, b, bias, out, return_gathered)
+
+        a_shard = a_shard if a_shard.stride(1) == 1 else a_shard.contiguous()
+        ws.epoch += 1
+        epoch = ws.epoch
+        gathered = ws.data.view(rank, a_shard.dtype, (m, k))
+        own_rows = slice(rank * mc, (rank + 1) * mc)
+        backend.comm_begin()
+        # Nearest consumer first: rank r - i computes rank r's rows at its step i.
+        for i in range(1, w):
+            peer = (rank - i) % w
+            backend.comm_wait(ws.flag_address(rank, RELEASED, peer), epoch - 1)
+            backend.comm_copy(ws.data.view(peer, a_shard.dtype, (m, k))[own_rows], a_shard)
+            backend.comm_write(ws.flag_address(peer, READY, rank), epoch)
+        if return_gathered and gathered[own_rows].data_ptr() != a_shard.data_ptr():
+            backend.comm_copy(gathered[own_rows], a_shard)
+        if a_shard.is_cuda:
+            a_shard.record_stream(backend.comm_stream)
+
+        _launch.launch(mode=_launch.MODE_AG, a=a_shard, a_peer=gathered, b=b, c=out, bias=bias,
+                       config=config, m_chunk=mc, rank=rank, world=w,
+                       programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
+                       flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
+                       max_spin=self.max_spin or backend.default_max_spin)
+        for peer in range(w):
+            if peer != rank:
+                backend.main_write(ws.flag_address(peer, RELEASED, rank), epoch)
+        backend.comm_end()
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            _launch.raise_on_timeout(ws.err, _OP, rank)
+        _launch.record_path(_OP, "fused")
+        return (out, gathered) if return_gathered else out
+
+    def _fallback(self, backend: Backend, a_shard, b, bias, out, return_gathered):
+        gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]),
+                               dtype=a_shard.dtype, device=a_shard.device)
+        a_shard = a_shard.contiguous()
+        if a_shard.is_cuda:
+            dist.all_gather_into_tensor(gathered, a_shard, group=backend.group)
+        else:
+            dist.all_gather(list(gathered.chunk(backend.world_size)), a_shard, group=backend.group)
+        if a_shard.is_cuda:
+            torch.matmul(gathered, b, out=out)
+            if bias is not None:
+                out += bias
+        else:
+            from tileweave.ops.matmul import matmul
+
+            matmul(gathered, b, bias=bias, out=out)
+        _launch.record_path(_OP, "fallback")
+        return (out, gathered) if return_gathered else out
+
+
+_cache: dict[tuple, AllGatherGemm] = {}
+
+
+def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                    bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    return_gathered: bool = False):
+    """Functional form of :class:`AllGatherGemm` (module docstring: shapes and semantics).
+
+    Uses one cached op per (group, device); ``gathered``, when returned, is a fresh tensor here (the
+    workspace is shared by every caller of this function), so it stays valid.
+    """
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name if hasattr(group, "group_name") else id(group), str(a_shard.device))
+    op = _cache.get(key)
+    if op is None:
+        op = _cache[key] = AllGatherGemm(group)
+    result = op(a_shard, b, bias=bias, out=out, return_gathered=return_gathered)
+    if return_gathered and _launch.last_path(_OP) == "fused":
+        out, gathered = result
+        return out, gathered.clone()
+    return result
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,155 @@
+"""GEMM + ReduceScatter, fused: the row-parallel forward of sequence-parallel TP.
+
+==================  ==========================  ==========================================
+tensor              shape (per rank)            meaning
+==================  ==========================  ==========================================
+``a``               ``[M, K_loc]``              activations, this rank's slice of K
+``b``               ``[K_loc, N]``              this rank's rows of the weight
+                                                (``weight.t()`` of an ``[N, K_loc]`` weight is
+                                                read in place)
+``bias``            ``[N]``                     optional, added once (not once per rank)
+result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
+                                                ``sum over ranks (a @ b)`` + bias
+==================  ==========================  ==========================================
+
+How it runs, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
+r+2, ..., its own rows last. A finished tile of a peer's rows is stored in the output dtype straight
+into that peer's receive buffer over NVLink (its slot for this source) and counted in the peer's
+arrival counter for this source. The own rows come last: once every peer's tiles have arrived, each
+tile sums the W partials in fp32 in rank order (the own partial straight from registers) and writes the
+result, so the output is deterministic: bitwise the same from run to run.
+
+Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, plus 3W+1 flag words.
+Before writing into a peer's receive buffer for the next call, a rank's stream waits until that peer
+has released it (a stream memory op, no barrier, no SM).
+
+Concurrency: all ranks must call the op the same number of times in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import _launch
+from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
+from tileweave.runtime.backend import Backend, get_backend
+from tileweave.tune import heuristics
+from tileweave.tune.configs import GemmConfig, choose_gemm_config
+
+_OP = "gemm_reduce_scatter"
+
+
+class GemmReduceScatter:
+    """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
+
+    ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
+    shape; ``"fused"`` and ``"fallback"`` force one.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
+                 config: GemmConfig | None = None, max_spin: int | None = None) -> None:
+        if policy not in ("auto", "fused", "fallback"):
+            raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.policy = policy
+        self.config = config
+        self.max_spin = max_spin
+        self._ws: Workspace | None = None
+        self._backend: Backend | None = None
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        _launch.check_matrix("a", a)
+        _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
+        m, k = a.shape
+        if b.shape[0] != k:
+            raise ValueError(f"a is [M={m}, K_loc={k}] but b is {list(b.shape)}: b must be [K_loc={k}, N]")
+        n = b.shape[1]
+        if self._backend is None or self._backend.device != a.device:
+            self._backend = get_backend(self.group, a.device)
+        backend = self._backend
+        w, rank = backend.world_size, backend.rank
+        if m % w:
+            raise ValueError(f"gemm_reduce_scatter scatters the M={m} rows of a over {w} ranks: M must be "
+                             f"divisible by the group size {w} (pad M to {-(-m // w) * w})")
+        mc = m // w
+        _launch.check_bias(bias, n, a.dtype, a.device)
+        out = _launch.check_out(out, (mc, n), a.dtype, a.device)
+        if out is None:
+            out = torch.empty((mc, n), dtype=a.dtype, device=a.device)
+        if w == 1:
+            from tileweave.ops.matmul import matmul
+
+            matmul(a, b, bias=bias, out=out)
+            _launch.record_path(_OP, "local")
+            return out
+        _launch.check_not_capturing(_OP)
+
+        self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
+        ws = self._ws
+        proposal = self.config or choose_gemm_config(m, n, k, a.dtype, num_sms=backend.num_sms,
+                                                     interpreter=backend.interpreter)
+        fused = self.policy == "fused" or (
+            self.policy == "auto" and heuristics.prefer_fused_reduce_scatter(
+                m, n, k, w, a.dtype, interpreter=backend.interpreter))
+        signature = (_OP, m, k, n, str(a.dtype), bias is not None, fused)
+        config = agree(ws, _OP, signature, proposal)
+        if mc == 0 or n == 0 or k == 0:
+            fused = False
+        if not fused:
+            return self._fallback(backend, a, b, bias, out)
+
+        if a.stride(1) != 1 and a.stride(0) != 1:
+            a = a.contiguous()
+        ws.epoch += 1
+        epoch = ws.epoch
+        ws.count_expected += _launch.tiles_per_chunk(mc, n, config)
+        # The receive buffers we are about to fill must have been released by their owners.
+        for peer in range(w):
+            if peer != rank:
+                backend.main_wait(ws.flag_address(rank, RELEASED, peer), epoch - 1)
+        _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
+                       rank=rank, world=w,
+                       programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                       recv_ptrs=ws.pointer_table("data"), counter_ptrs=ws.pointer_table("counters"),
+                       flags=ws.flag_slice(COUNTERS), err=ws.err, epoch=epoch,
+                       count_target=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
+        for peer in range(w):
+            if peer != rank:
+                backend.main_write(ws.flag_address(peer, RELEASED, rank), epoch)
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            _launch.raise_on_timeout(ws.err, _OP, rank)
+        _launch.record_path(_OP, "fused")
+        return out
+
+    def _fallback(self, backend: Backend, a, b, bias, out):
+        w, rank = backend.world_size, backend.rank
+        if a.is_cuda:
+            partial = torch.matmul(a, b)
+            dist.reduce_scatter_tensor(out, partial, group=backend.group)
+        else:
+            from tileweave.ops.matmul import matmul
+
+            partial = matmul(a, b).float()
+            dist.all_reduce(partial, group=backend.group)
+            out.copy_(partial.chunk(w)[rank])
+        if bias is not None:
+            out += bias
+        _launch.record_path(_OP, "fallback")
+        return out
+
+
+_cache: dict[tuple, GemmReduceScatter] = {}
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                        bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form of :class:`GemmReduceScatter` (module docstring: shapes and semantics)."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name if hasattr(group, "group_name") else id(group), str(a.device))
+    op = _cache.get(key)
+    if op is None:
+        op = _cache[key] = GemmReduceScatter(group)
+    return op(a, b, bias=bias, out=out)

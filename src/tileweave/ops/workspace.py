@@ -1,0 +1,81 @@
+"""Per-op symmetric workspaces: a data buffer, a flag array, the epoch, and cross-rank agreement."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.runtime.backend import Backend, TileweaveError
+
+# Flag array layout, in int32 words, for a group of W ranks:
+#   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
+#   [W, 2W)     RELEASED: released[p] = epoch whose use of p's own buffer p has finished, so that
+#                         writers may fill it for the next epoch
+#   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
+#   3W          ERR:      nonzero when a bounded in-kernel wait expired
+READY, RELEASED, COUNTERS = 0, 1, 2
+
+
+class Workspace:
+    """One op's memory on every rank of its group. Allocated collectively, grown on demand, reused."""
+
+    def __init__(self, backend: Backend, data_bytes: int) -> None:
+        self.backend = backend
+        w = backend.world_size
+        self.data = backend.allocate(max(data_bytes, 256))
+        self.flags = backend.allocate(4 * (3 * w + 1))
+        self.local_flags = self.flags.view(backend.rank, torch.int32, (3 * w + 1,))
+        self.err = self.local_flags[3 * w:]
+        self.epoch = 0
+        self.count_expected = 0
+        self.agreed: dict[tuple, object] = {}
+        self._ptr_tables: dict[str, torch.Tensor] = {}
+
+    def flag_address(self, rank: int, kind: int, index: int) -> int:
+        return self.flags.address(rank, 4 * (kind * self.backend.world_size + index))
+
+    def flag_slice(self, kind: int) -> torch.Tensor:
+        w = self.backend.world_size
+        return self.local_flags[kind * w:(kind + 1) * w]
+
+    def pointer_table(self, what: str) -> torch.Tensor:
+        """Every rank's data buffer (``"data"``) or counters (``"counters"``) as int64 addresses."""
+        table = self._ptr_tables.get(what)
+        if table is None:
+            w = self.backend.world_size
+            if what == "data":
+                values = [self.data.address(p) for p in range(w)]
+            else:
+                values = [self.flag_address(p, COUNTERS, 0) for p in range(w)]
+            table = torch.tensor(values, dtype=torch.int64, device=self.backend.device)
+            self._ptr_tables[what] = table
+        return table
+
+
+def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: int) -> Workspace:
+    """``current`` if it is large enough, else a new one. Replacing is collective and waits for every
+    rank's earlier calls to finish, because peers may still be writing into the old buffers."""
+    if current is not None and current.data.nbytes >= data_bytes:
+        return current
+    if current is not None:
+        backend.synchronize()
+        dist.barrier(group=backend.group)
+        # Grow geometrically so that a slowly growing M does not reallocate on every call.
+        data_bytes = max(data_bytes, 2 * current.data.nbytes)
+    return Workspace(backend, data_bytes)
+
+
+def agree(ws: Workspace, op: str, signature: tuple, proposal: object) -> object:
+    """Check once per ``signature`` that every rank called ``op`` with the same shapes and dtypes, and
+    return rank 0's ``proposal`` (for example a kernel config) so that all ranks use the same one."""
+    if signature in ws.agreed:
+        return ws.agreed[signature]
+    backend = ws.backend
+    everyone: list = [None] * backend.world_size
+    dist.all_gather_object(everyone, (signature, proposal), group=backend.group)
+    for rank, (theirs, _) in enumerate(everyone):
+        if theirs != signature:
+            raise TileweaveError(f"{op}: rank {backend.rank} was called with {signature} but rank {rank} with "
+                                 f"{theirs}; every rank of the group must pass the same shapes and dtypes")
+    ws.agreed[signature] = everyone[0][1]
+    return ws.agreed[signature]

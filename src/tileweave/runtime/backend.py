@@ -1,0 +1,201 @@
+"""Where a fused op's memory lives and how its producer moves data: one interface, two backends.
+
+``CudaBackend`` uses PyTorch symmetric memory, a high-priority copy-engine stream and the driver's
+stream memory ops. ``EmulatedBackend`` (``tileweave.runtime.emulated``) gives ranks that are CPU
+processes a shared heap and a producer thread, so the same op code and the same Triton kernels run in
+the interpreter. The ops see only this interface.
+
+Ordering model, identical in both backends: *main* is the caller's stream (kernels run there);
+*comm* is the producer. ``comm_begin`` makes comm wait for everything issued on main so far;
+``comm_end`` makes main wait for everything issued on comm so far. Waits and writes on flags are
+32-bit and cyclic (see ``tileweave.kernels.sync``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from tileweave.runtime import driver
+
+
+class TileweaveError(RuntimeError):
+    """A fused op cannot run as asked; the message names the argument and what to do."""
+
+
+class CollectiveTimeout(TileweaveError):
+    """A bounded wait for a peer's flag expired: a rank is missing, late by far, or out of step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmetricBuffer:
+    """One allocation of ``nbytes`` on every rank of a group, addressable from this rank."""
+
+    nbytes: int
+    addresses: tuple[int, ...]
+    """Base address of each rank's allocation, as seen from this process."""
+    views: tuple[torch.Tensor, ...]
+    """Each rank's allocation as a flat uint8 tensor usable from this process."""
+
+    def view(self, rank: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = math.prod(shape)
+        end = offset + count * itemsize
+        if offset % itemsize or end > self.nbytes:
+            raise ValueError(f"view [{offset}, {end}) of {dtype} does not fit a {self.nbytes}-byte buffer")
+        return self.views[rank][offset:end].view(dtype).view(shape)
+
+    def address(self, rank: int, offset: int = 0) -> int:
+        return self.addresses[rank] + offset
+
+
+class Backend(abc.ABC):
+    """A TP group as the fused ops see it."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group: dist.ProcessGroup
+    interpreter: bool
+    num_sms: int
+    default_max_spin: int
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        """Collective: every rank must call with the same size in the same order."""
+
+    @abc.abstractmethod
+    def comm_begin(self) -> None: ...
+
+    @abc.abstractmethod
+    def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def comm_wait(self, address: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def comm_write(self, address: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def comm_end(self) -> None: ...
+
+    @abc.abstractmethod
+    def main_wait(self, address: int, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def main_write(self, address: int, value: int) -> None: ...
+
+    def max_programs(self, reducing: bool) -> int:
+        """Upper bound on persistent programs. All programs must be resident at once, because the
+        reduce-scatter's own chunk waits on tiles that peers' programs produce."""
+        return self.num_sms
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _group_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise TileweaveError("torch.distributed is not initialised: call dist.init_process_group first "
+                             "(or pass world-size-1 inputs to tileweave.matmul)")
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+class CudaBackend(Backend):
+    """PyTorch symmetric memory, a priority -1 copy-engine stream, driver stream memory ops."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group, self.rank, self.world_size = _group_size(group)
+        self.device = device
+        self.interpreter = False
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # About a minute of polling at ~1 us per poll: long enough for any straggler, short enough
+        # that a lost peer becomes an error instead of a hang.
+        self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 1 << 26))
+        self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        props = torch.cuda.get_device_properties(self.device)
+        me = (socket.gethostname(), self.device.index, str(getattr(props, "uuid", self.device.index)),
+              props.name)
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, me, group=self.group)
+        hosts = sorted({entry[0] for entry in everyone})
+        if len(hosts) > 1:
+            raise TileweaveError(f"the TP group spans {len(hosts)} hosts ({', '.join(hosts)}); tileweave "
+                                 "needs every rank of a TP group on one node with peer access")
+        names = sorted({entry[3] for entry in everyone})
+        if len(names) > 1:
+            raise TileweaveError(f"the TP group mixes GPU models {names}; use one model per group")
+        visible = torch.cuda.device_count()
+        for entry in everyone:
+            peer = entry[1]
+            if peer != self.device.index and peer < visible:
+                if not torch.cuda.can_device_access_peer(self.device.index, peer):
+                    raise TileweaveError(f"GPU {self.device.index} has no peer access to GPU {peer}; "
+                                         "tileweave needs NVLink or PCIe peer-to-peer between all ranks")
+
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(tensor, self.group.group_name)
+        views = tuple(tensor if peer == self.rank else handle.get_buffer(peer, (nbytes,), torch.uint8)
+                      for peer in range(self.world_size))
+        return SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views), views=views)
+
+    def comm_begin(self) -> None:
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # A copy whose source or destination is a peer's memory runs on a copy engine, not on an SM.
+        with torch.cuda.stream(self.comm_stream):
+            dst.copy_(src, non_blocking=True)
+
+    def comm_wait(self, address: int, value: int) -> None:
+        driver.stream_wait_u32(self.comm_stream.cuda_stream, address, value)
+
+    def comm_write(self, address: int, value: int) -> None:
+        driver.stream_write_u32(self.comm_stream.cuda_stream, address, value)
+
+    def comm_end(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+
+    def main_wait(self, address: int, value: int) -> None:
+        driver.stream_wait_u32(torch.cuda.current_stream(self.device).cuda_stream, address, value)
+
+    def main_write(self, address: int, value: int) -> None:
+        driver.stream_write_u32(torch.cuda.current_stream(self.device).cuda_stream, address, value)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+_BACKENDS: dict[tuple, Backend] = {}
+
+
+def get_backend(group: dist.ProcessGroup | None, device: torch.device) -> Backend:
+    """The backend for ``group`` on ``device``, created once (collectively) and cached."""
+    group, _, _ = _group_size(group)
+    key = (group.group_name, device.type, device.index)
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        if device.type == "cuda":
+            backend = CudaBackend(group, device)
+        elif device.type == "cpu":
+            from tileweave.runtime import emulated
+
+            backend = emulated.EmulatedBackend(group)
+        else:
+            raise TileweaveError(f"unsupported device {device}; tileweave runs on CUDA GPUs "
+                                 "(or on the CPU with emulated ranks for testing)")
+        _BACKENDS[key] = backend
+    return backend

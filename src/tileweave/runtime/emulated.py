@@ -1,0 +1,148 @@
+"""Emulated ranks: CPU processes that share a symmetric heap, for running the real kernels in Triton's
+interpreter and the real flag protocol without GPUs.
+
+Each rank is a process (``tileweave.testing.emulated.run_ranks`` starts them with a gloo group). The
+heap is one shared file mapped by every rank: rank ``p``'s symmetric allocations live in its own region
+at the same offsets on every rank, like symmetric memory, and every rank can address every region.
+The copy engine is a producer thread that executes the comm queue in order while the kernel runs, so a
+kernel's wait really blocks on a concurrent producer. Flags are read and written with aligned 32-bit
+accesses, which are atomic on the CPUs we run on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from tileweave.runtime.backend import Backend, CollectiveTimeout, SymmetricBuffer, TileweaveError, _group_size
+
+HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
+HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
+_ALIGN = 256
+
+_producer_delay_s = 0.0
+
+
+def set_producer_delay(seconds: float) -> None:
+    """Delay every copy of this rank's producer: a straggler, to prove that consumers really wait."""
+    global _producer_delay_s
+    _producer_delay_s = float(seconds)
+
+
+def _read_u32(address: int) -> int:
+    return ctypes.c_uint32.from_address(address).value
+
+
+def _write_u32(address: int, value: int) -> None:
+    ctypes.c_uint32.from_address(address).value = value & 0xFFFFFFFF
+
+
+def _reached(current: int, target: int) -> bool:
+    diff = (current - target) & 0xFFFFFFFF
+    return diff < 0x80000000
+
+
+class EmulatedBackend(Backend):
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise TileweaveError("CPU tensors run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                                 "before importing triton (tileweave.testing.emulated.run_ranks does)")
+        path = os.environ.get(HEAP_PATH_ENV)
+        if not path:
+            raise TileweaveError("CPU tensors need emulated ranks: start them with "
+                                 "tileweave.testing.emulated.run_ranks, which sets up the shared heap")
+        self.group, self.rank, self.world_size = _group_size(group)
+        self.device = torch.device("cpu")
+        self.interpreter = True
+        self.num_sms = 4
+        self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 200_000))
+        self.timeout_s = float(os.environ.get("TILEWEAVE_EMULATED_TIMEOUT_S", 60))
+        self.region = int(os.environ[HEAP_BYTES_ENV])
+        self.heap = torch.from_file(path, shared=True, size=self.region * self.world_size,
+                                    dtype=torch.uint8)
+        self._next = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._run, name=f"producer-rank{self.rank}", daemon=True)
+        self._worker.start()
+
+    def max_programs(self, reducing: bool) -> int:
+        # The interpreter runs a grid's programs one after another, so a program that waits on tiles
+        # made by a later program of a peer would wait forever; one program per rank keeps the
+        # reduce-scatter's dependencies acyclic. Gathers only wait on producers, so they may use more.
+        return 1 if reducing else self.num_sms
+
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        offset = self._next
+        self._next = offset + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self._next > self.region:
+            raise TileweaveError(f"emulated heap exhausted: {self._next} > {self.region} bytes per rank; "
+                                 f"raise {HEAP_BYTES_ENV}")
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, (offset, nbytes), group=self.group)
+        if len(set(everyone)) != 1:
+            raise TileweaveError(f"ranks allocated symmetric buffers out of step: {everyone}")
+        views = tuple(self.heap[p * self.region + offset:p * self.region + offset + nbytes]
+                      for p in range(self.world_size))
+        views[self.rank].zero_()
+        dist.barrier(group=self.group)
+        return SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views), views=views)
+
+    # The producer thread: one in-order queue, like a stream.
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            try:
+                if self._error is None:
+                    task()
+            except BaseException as exc:  # recorded and raised by comm_end on the main thread
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _poll(self, address: int, value: int, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not _reached(_read_u32(address), value):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"rank {self.rank}: {what} waited {self.timeout_s:.0f} s for a flag to "
+                                        f"reach {value} (it holds {_read_u32(address)}): a peer is missing "
+                                        "or its calls are out of step with this rank's")
+            time.sleep(0)
+
+    def comm_begin(self) -> None:
+        pass  # main is synchronous here: everything issued on it has already happened
+
+    def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        def copy() -> None:
+            if _producer_delay_s:
+                time.sleep(_producer_delay_s)
+            dst.copy_(src)
+        self._queue.put(copy)
+
+    def comm_wait(self, address: int, value: int) -> None:
+        self._queue.put(lambda: self._poll(address, value, "the producer"))
+
+    def comm_write(self, address: int, value: int) -> None:
+        self._queue.put(lambda: _write_u32(address, value))
+
+    def comm_end(self) -> None:
+        done = threading.Event()
+        self._queue.put(done.set)
+        if not done.wait(self.timeout_s * 2):
+            raise CollectiveTimeout(f"rank {self.rank}: the producer did not finish within "
+                                    f"{2 * self.timeout_s:.0f} s")
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def main_wait(self, address: int, value: int) -> None:
+        self._poll(address, value, "the caller's stream")
+
+    def main_write(self, address: int, value: int) -> None:
+        _write_u32(address, value)

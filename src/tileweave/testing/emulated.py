@@ -1,0 +1,100 @@
+"""Start W emulated ranks on the CPU: processes with a gloo group and a shared symmetric heap.
+
+    results = run_ranks(2, scenarios.all_gather_gemm_check, params)
+
+runs ``fn(rank, world_size, *args)`` in every rank and returns the ranks' return values in rank order.
+Inside a rank, CPU tensors passed to tileweave's fused ops run the real Triton kernels in the
+interpreter against the emulated backend (``tileweave.runtime.emulated``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+from tileweave.runtime.emulated import HEAP_BYTES_ENV, HEAP_PATH_ENV
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # reported to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 << 20,
+              timeout_s: float = 600.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` emulated ranks; return their results.
+
+    ``fn`` must be importable by name (module level). Raises ``RankFailed`` with every failing rank's
+    traceback, or if the ranks do not finish within ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.NamedTemporaryFile(prefix="tileweave-heap-", dir=_heap_dir(), delete=False) as f:
+        heap_path = f.name
+    overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
+                 **(env or {})}
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=True)
+             for rank in range(world_size)]
+    try:
+        for proc in procs:
+            proc.start()
+        collected: dict[int, tuple[bool, Any]] = {}
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except Exception:
+                break
+            collected[rank] = (ok, value)
+            if not ok:
+                break
+        failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(collected.items()) if not ok]
+        if failures:
+            raise RankFailed("\n".join(failures))
+        if len(collected) < world_size:
+            missing = sorted(set(range(world_size)) - set(collected))
+            raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+        return [collected[rank][1] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.unlink(heap_path)
+
+
+def _heap_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

@@ -1,0 +1,132 @@
+"""Per-rank checks of the fused ops, run on emulated ranks by the tests and the CPU demo, and on GPUs by
+the GPU tests. Each returns plain data (errors, flags) so that the caller asserts.
+
+Inputs are regenerated from seeds: every rank can rebuild every other rank's inputs, so the reference
+(float64 ``torch`` on the full, unsharded problem) needs no collective and shares no code with the ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import tileweave
+from tileweave.runtime import emulated
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    m_chunk: int
+    """Rows per rank (M / W)."""
+    k: int
+    n: int
+    dtype: str = "float16"
+    weight_layout: bool = True
+    """Pass b as ``weight.t()`` of an ``[N, K]`` weight (else a row-major ``[K, N]``)."""
+    bias: bool = False
+    iters: int = 2
+    """Calls with fresh inputs each (epochs advance)."""
+    straggler: int = -1
+    """Rank whose producer is delayed by ``delay_s`` (-1: none)."""
+    delay_s: float = 0.0
+    seed: int = 0
+
+
+def _randn(shape, dtype, *seed_parts, device="cpu"):
+    # zlib.crc32, not hash(): string hashing is salted per process and every rank must agree.
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed_parts).encode()))
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def _b(case: Case, rows: int, cols: int, dtype, *seed, device):
+    if case.weight_layout:
+        return _randn((cols, rows), dtype, *seed, device=device).t()
+    return _randn((rows, cols), dtype, *seed, device=device)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _device() -> str:
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Run each case ``iters`` times through one ``AllGatherGemm``; return the errors per call."""
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused")
+    results = []
+    for case in cases:
+        dtype = getattr(torch, case.dtype)
+        emulated.set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
+        m = case.m_chunk * world
+        for it in range(case.iters):
+            seed = (case.seed, case.m_chunk, case.k, case.n, it)
+            shards = [_randn((case.m_chunk, case.k), dtype, *seed, "a", p, device=device) for p in range(world)]
+            b = _b(case, case.k, case.n, dtype, *seed, "b", rank, device=device)
+            bias = _randn((case.n,), dtype, *seed, "bias", rank, device=device) if case.bias else None
+            out = torch.full((m, case.n), float("nan"), dtype=dtype, device=device)
+            # Poison the gather buffer too: a consumer that does not wait for a shard reads NaN.
+            op.gather_buffer(m, case.k, dtype, torch.device(device)).fill_(float("nan"))
+            dist.barrier()
+            out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
+            full_a = torch.cat(shards).double()
+            ref = full_a @ b.double() + (bias.double() if bias is not None else 0)
+            results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
+                            "err": _rel_err(out, ref), "gathered_exact": bool(torch.equal(gathered.double(), full_a))})
+            dist.barrier()
+    emulated.set_producer_delay(0.0)
+    return results
+
+
+def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """Run each case ``iters`` times through one ``GemmReduceScatter``; also re-run the last inputs to
+    check that the output is bitwise the same."""
+    device = _device()
+    op = tileweave.GemmReduceScatter(policy="fused")
+    results = []
+    for case in cases:
+        dtype = getattr(torch, case.dtype)
+        m = case.m_chunk * world
+        for it in range(case.iters):
+            seed = (case.seed, case.m_chunk, case.k, case.n, it)
+            a_all = [_randn((m, case.k), dtype, *seed, "a", p, device=device) for p in range(world)]
+            b_all = [_b(case, case.k, case.n, dtype, *seed, "b", p, device=device) for p in range(world)]
+            bias = _randn((case.n,), dtype, *seed, "bias", device=device) if case.bias else None
+            out = torch.full((case.m_chunk, case.n), float("nan"), dtype=dtype, device=device)
+            out = op(a_all[rank], b_all[rank], bias=bias, out=out)
+            ref = sum(a.double() @ b.double() for a, b in zip(a_all, b_all))
+            if bias is not None:
+                ref = ref + bias.double()
+            ref = ref[rank * case.m_chunk:(rank + 1) * case.m_chunk]
+            again = op(a_all[rank], b_all[rank], bias=bias)
+            results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("gemm_reduce_scatter"),
+                            "err": _rel_err(out, ref), "deterministic": bool(torch.equal(out, again))})
+    return results
+
+
+def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
+    """Rank 0 calls the fused all-gather GEMM, the others never do: rank 0 must get a clear error."""
+    op = tileweave.AllGatherGemm(policy="fused", max_spin=max_spin)
+    a = _randn((8, 32), torch.float16, "missing", rank)
+    b = _randn((32, 16), torch.float16, "missing-b", rank)
+    outcome = {"raised": False, "message": ""}
+    if rank == 0:
+        # Agree on shapes first (the op's first call does this collectively), so that only the data
+        # of the second call is missing.
+        op(a, b)
+    else:
+        op(a, b)
+        return outcome
+    try:
+        op(a, b)
+    except tileweave.CollectiveTimeout as exc:
+        outcome = {"raised": True, "message": str(exc)}
+    return outcome

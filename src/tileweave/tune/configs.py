@@ -1,0 +1,86 @@
+"""Typed GEMM configurations and the per-shape choice.
+
+The table below comes from sweeps on an H200 (132 SMs); see NOTES.md for the measurements behind it.
+Worked example: ``choose_gemm_config(8192, 7168, 4096, torch.bfloat16, num_sms=132)`` has 64 x 28 =
+1792 tiles of 128 x 256, 13.6 waves over 132 programs, so the large-tile default applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemmConfig:
+    """Compile-time shape of one launch of the persistent GEMM."""
+
+    block_m: int = 128
+    """Rows of C per tile."""
+    block_n: int = 256
+    """Columns of C per tile."""
+    block_k: int = 64
+    """Depth of one pipelined K step."""
+    group_m: int = 8
+    """Tile rows per L2 super-group (consecutive programs reuse the same B tiles)."""
+    num_stages: int = 3
+    """Shared-memory pipeline depth of the K loop."""
+    num_warps: int = 8
+    """Warps per program (two warpgroups for 128 x 256 tiles)."""
+    flatten: bool = True
+    """Flatten the tile and K loops into one pipelined loop (overlaps one tile's epilogue with the next
+    tile's loads)."""
+    warp_specialize: bool = False
+    """Let Triton split producer and consumer warps."""
+    c_tma: bool = False
+    """Store C with TMA instead of pointer stores (only where no tile crosses a chunk boundary)."""
+    programs: int = 0
+    """Persistent programs; 0 means one per SM."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {value}")
+        if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemmConfig: bad num_stages={self.num_stages} or num_warps={self.num_warps}")
+        if self.programs < 0:
+            raise ValueError(f"GemmConfig.programs must be >= 0, got {self.programs}")
+
+    def key(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
+                f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
+                f"_ct{int(self.c_tma)}_p{self.programs}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GemmConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+# Small tiles keep the interpreter fast on the CPU; they are never used on a GPU.
+INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1,
+                                num_warps=4, flatten=False)
+
+
+def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
+                       interpreter: bool = False) -> GemmConfig:
+    """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
+
+    Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). When that
+    leaves most SMs idle (fewer than about two waves), smaller tiles trade per-tile efficiency for
+    occupancy.
+    """
+    if interpreter:
+        return INTERPRETER_CONFIG
+    big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
+    if dtype == torch.float32:
+        return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
+    if big_tiles >= 2 * num_sms:
+        return GemmConfig()
+    mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    if mid_tiles >= num_sms:
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
+    return GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
