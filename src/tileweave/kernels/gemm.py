@@ -10,9 +10,9 @@ One kernel, three modes (``MODE``, a compile-time switch):
   loop stays a plain pipelined loop).
 * ``RS`` (reduce-scatter producer and reducer): ``a`` is ``[W * Mc, K]``. Chunks owned by rank+1,
   rank+2, ... come first: each finished tile is stored straight into its owner's receive buffer over
-  NVLink and counted in the owner's arrival counter for this source. The own chunk comes last: it waits
-  until every peer's tiles of it have arrived, then sums the W partials in fp32 in rank order (so the
-  result is deterministic) and writes the output.
+  NVLink and flagged there (one epoch flag per source and tile). The own chunk comes last: after a
+  tile's main loop it waits for the peers' partials of that tile, then sums the W partials in fp32 in
+  rank order (so the result is deterministic) and writes the output.
 
 Programs are persistent: program ``pid`` takes global tiles ``pid, pid + P, pid + 2P, ...`` where the
 global order is the chunk order above, so the load stays balanced across chunk boundaries.
@@ -21,7 +21,7 @@ global order is the chunk order above, so the load stays balanced across chunk b
 import triton
 import triton.language as tl
 
-from tileweave.kernels.sync import epoch_missed, signal_epoch, wait_epoch
+from tileweave.kernels.sync import signal_epoch, wait_epoch
 
 PLAIN = tl.constexpr(0)
 AG = tl.constexpr(1)
@@ -106,22 +106,28 @@ def _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
 def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 row_a0, rows_a, row_c0, m_chunk, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                skip,
-                recv_ptrs_ptr, counters_ptrs_ptr, counters_ptr, count_target, err_ptr, max_spin, rank,
+                skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """All tiles of one chunk of ``m_chunk`` rows that belong to program ``pid``.
 
-    ``EPILOGUE``: 0 stores to ``c``; 1 stores to the owner's receive buffer and counts the tile there;
-    2 reduces the W partials of the own chunk. ``skip`` (0/1) drops the chunk: it comes from the flag
-    wait, so the loop bounds depend on the flag's value and no load can be hoisted above the wait.
+    ``EPILOGUE``: 0 stores to ``c``; 1 stores a partial into the owner's receive buffer and flags the
+    tile there (``row_c0`` is then the owner); 2 reduces the W partials of the own chunk. ``skip``
+    (0/1) drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and
+    no load can be hoisted above the wait.
     """
     num_pid_m = tl.cdiv(m_chunk, BM)
     num_pid_n = tl.cdiv(N, BN)
     tiles = num_pid_m * num_pid_n
     start = _first_tile(pid, step, tiles, P) + skip * tiles
+    if EPILOGUE == 1:
+        # The owner's receive buffer lies `offset` elements from ours. Addressing it from our own
+        # (aligned) pointer keeps the stores 16-byte vectors; a pointer loaded from memory would not.
+        offset = tl.multiple_of(tl.load(peer_offs_ptr + row_c0), 16)
+        owner_flags = tl.load(peer_flags_ptr + row_c0).to(tl.pointer_type(tl.int32)) + rank * tiles
+    prev = -1
     for t in tl.range(start, tiles, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -133,30 +139,35 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, C_TMA)
         elif EPILOGUE == 1:
-            # Partial of a peer-owned chunk: row_c0 is the owner's rank. Its receive buffer is
-            # [WORLD, m_chunk, N] (row pitch N) and this rank's slot is `rank`.
-            owner = row_c0
-            recv = tl.load(recv_ptrs_ptr + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            # Publish the previous tile first: its remote stores have drained during this tile's
+            # main loop, so the fence behind the release is cheap. Publishing a tile right after its
+            # own stores would stall on them.
+            if prev >= 0:
+                signal_epoch(owner_flags + prev, epoch)
             mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
-            ptrs = recv + (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-            tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-            counters = tl.load(counters_ptrs_ptr + owner).to(tl.pointer_type(tl.int32))
-            tl.debug_barrier()
-            tl.atomic_add(counters + rank, 1, sem="release", scope="sys")
+            rows = (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N
+            tl.store(buf_ptr + offset + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+            prev = t
         else:
-            # Own chunk: sum every rank's partial in rank order, own accumulator at its own place.
-            recv = tl.load(recv_ptrs_ptr + rank).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            # Own chunk: once each peer's partial of this tile is in, sum all W partials in rank
+            # order, the own accumulator at its own place. The wait comes after the main loop, by
+            # which time the partial has normally long arrived.
             mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
             total = tl.zeros((BM, BN), dtype=tl.float32)
             for src in tl.static_range(WORLD):
                 if src == rank:
                     total += acc
                 else:
-                    ptrs = recv + (src * m_chunk + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
-                    total += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                    missed = wait_epoch(flags_ptr + src * tiles + t, epoch, err_ptr, 100 + src, max_spin)
+                    rows = (src * m_chunk + offs_m[:, None]).to(tl.int64) * N
+                    part = tl.load(buf_ptr + rows + offs_n[None, :], mask=mask & (missed == 0), other=0.0)
+                    total += part.to(tl.float32)
             total = _add_bias(total, bias_ptr, offs_n, N, HAS_BIAS)
             _store_tile(c_ptr, c_desc, total, 0, pid_m * BM, pid_n * BN, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, False)
+    if EPILOGUE == 1:
+        if prev >= 0:
+            signal_epoch(owner_flags + prev, epoch)
 
 
 def _metadata(grid, kernel, args):
@@ -167,11 +178,11 @@ def _metadata(grid, kernel, args):
     return {"name": f"tileweave_gemm_{mode}_{m}x{n}x{k}", "flops": 2 * m * n * k}
 
 
-@triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "count_target", "max_spin", "rank"])
+@triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "max_spin", "rank"])
 def fused_gemm_kernel(
-        a_ptr, a_peer_ptr, b_ptr, c_ptr, bias_ptr,
-        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, err_ptr,
-        epoch, count_target, max_spin,
+        a_ptr, buf_ptr, b_ptr, c_ptr, bias_ptr,
+        peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr,
+        epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -180,10 +191,12 @@ def fused_gemm_kernel(
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
-    AG: ``flags_ptr[src]`` is the epoch at which src's shard is complete in ``a_peer``.
-    RS: ``flags_ptr[src]`` counts src's tiles of the own chunk (cumulative, int32, wrapping);
-    ``count_target`` is that count once this call's tiles are all in. ``recv_ptrs_ptr`` and
-    ``counters_ptrs_ptr`` hold every rank's receive buffer and counter array as int64 addresses.
+    AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
+    src's shard is complete in it.
+    RS: ``buf_ptr`` is the own receive buffer ``[W, Mc, N]``; ``peer_offs_ptr[p]`` is rank p's receive
+    buffer as an int64 element offset from it and ``peer_flags_ptr[p]`` the int64 address of rank p's
+    tile flags; ``flags_ptr[src * T + t]`` (own tile flags) is the epoch at which src's partial of
+    tile t has arrived, T tiles per chunk.
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
@@ -209,31 +222,31 @@ def fused_gemm_kernel(
     if MODE == PLAIN:
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
-                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION)
     elif MODE == AG:
         # Own shard first, straight from the caller's tensor: nothing to wait for.
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, rank * m_chunk, m_chunk, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
-                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION)
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
-            g_src = tl.make_tensor_descriptor(a_peer_ptr, shape=[gathered_rows, K], strides=[K, 1],
+            g_src = tl.make_tensor_descriptor(buf_ptr, shape=[gathered_rows, K], strides=[K, 1],
                                               block_shape=[BM, BK])
         else:
-            g_src = a_peer_ptr
+            g_src = buf_ptr
         for step in range(1, WORLD):
             src = (rank + step) % WORLD
             skip = wait_epoch(flags_ptr + src, epoch, err_ptr, 1 + src, max_spin)
-            _chunk_loop(pid, step, g_src, b_src, c_desc, a_peer_ptr, b_ptr, c_ptr, bias_ptr,
+            _chunk_loop(pid, step, g_src, b_src, c_desc, buf_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
-                        K, 1, stride_bk, stride_bn, stride_cm, stride_cn, skip,
-                        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin,
+                        K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
+                        skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION)
     else:
@@ -241,18 +254,13 @@ def fused_gemm_kernel(
             owner = (rank + 1 + step) % WORLD
             _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
-                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, 0,
-                        recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin,
+                        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                        0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 1, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION)
-        skip = 0
-        for src in range(0, WORLD):
-            if src != rank:
-                skip = tl.maximum(skip, wait_epoch(flags_ptr + src, count_target, err_ptr,
-                                                   100 + src, max_spin))
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, skip,
-                    recv_ptrs_ptr, counters_ptrs_ptr, flags_ptr, count_target, err_ptr, max_spin, rank,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 2, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION)

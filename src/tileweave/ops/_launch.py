@@ -100,17 +100,16 @@ def tiles_per_chunk(m_chunk: int, n: int, config: GemmConfig) -> int:
 
 def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
            config: GemmConfig, m_chunk: int, rank: int = 0, world: int = 1, programs: int,
-           a_peer: torch.Tensor | None = None, recv_ptrs: torch.Tensor | None = None,
-           counter_ptrs: torch.Tensor | None = None, flags: torch.Tensor | None = None,
-           err: torch.Tensor | None = None, epoch: int = 0, count_target: int = 0,
-           max_spin: int = 0) -> None:
+           buf: torch.Tensor | None = None, peer_offsets: torch.Tensor | None = None,
+           peer_flags: torch.Tensor | None = None, flags: torch.Tensor | None = None,
+           err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0) -> None:
     """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode."""
     _install_allocator(a.device.type)
     b, b_nk = b_layout(b)
     k, n = b.shape
     use_tma = _tma_ok(a, 1) and _tma_ok(b, 0 if b_nk else 1)
-    if a_peer is not None:
-        use_tma = use_tma and _tma_ok(a_peer, 1)
+    if mode == MODE_AG:
+        use_tma = use_tma and _tma_ok(buf, 1)
     c_tma = (config.c_tma and use_tma and mode != MODE_RS and _tma_ok(c, 1)
              and m_chunk % config.block_m == 0)
     if a.dtype == torch.float32:
@@ -119,19 +118,58 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
         precision = None
     dummy = c
     tiles = tiles_per_chunk(m_chunk, n, config) * (world if mode != MODE_PLAIN else 1)
-    grid = (max(1, min(programs, tiles)),)
-    fused_gemm_kernel[grid](
-        a, a_peer if a_peer is not None else a, b, c, bias if bias is not None else dummy,
-        recv_ptrs if recv_ptrs is not None else dummy, counter_ptrs if counter_ptrs is not None else dummy,
-        flags if flags is not None else dummy, err if err is not None else dummy,
-        _i32(epoch), _i32(count_target), max_spin,
-        m_chunk, n, k, rank,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
-        P=grid[0], MODE=mode, WORLD=world, B_NK=b_nk, HAS_BIAS=bias is not None, USE_TMA=use_tma,
-        C_TMA=c_tma, FLATTEN=config.flatten, WARP_SPECIALIZE=config.warp_specialize,
-        PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    programs = max(1, min(programs, tiles))
+    tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else dummy,
+               peer_offsets if peer_offsets is not None else dummy,
+               peer_flags if peer_flags is not None else dummy,
+               flags if flags is not None else dummy, err if err is not None else dummy)
+    unspecialized = (_i32(epoch), max_spin)
+    ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
+                  bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision)
+    _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
+
+
+_CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
+                    "FLATTEN", "WARP_SPECIALIZE", "PRECISION")
+_compiled: dict[tuple, object] = {}
+_fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
+
+
+def _int_key(v: int) -> tuple:
+    # What Triton specialises an int argument on: equal to 1, divisible by 16, and its width.
+    return (v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31))
+
+
+def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs) -> None:
+    """Launch through a cache of compiled kernels keyed on exactly what Triton specialises on.
+
+    ``JITFunction.run`` re-derives the specialisation of all ~30 arguments on every call, which costs
+    tens of microseconds of host time: more than the whole GEMM on small shapes. Here the first call of
+    a key goes through Triton and keeps the compiled kernel; later calls launch it directly. Set
+    TILEWEAVE_FAST_LAUNCH=0 to always go through Triton.
+    """
+    args = (*tensors, *unspecialized, *ints)
+    if not (_fast_launch and tensors[0].is_cuda):
+        fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                       num_warps=num_warps, num_stages=num_stages)
+        return
+    device = tensors[0].device.index
+    key = (device, constexprs, num_warps, num_stages,
+           tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+           tuple(-(1 << 31) <= v < (1 << 31) for v in unspecialized),
+           tuple(_int_key(v) for v in ints))
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                                num_warps=num_warps, num_stages=num_stages)
+        _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+        return
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    metadata = kernel.launch_metadata((programs, 1, 1), stream, *args, *constexprs) if enter else None
+    kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+               *args, *constexprs)
 
 
 def _i32(value: int) -> int:

@@ -26,6 +26,8 @@ two calls on one workspace concurrently from different streams.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,18 @@ from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig, choose_gemm_config
 
 _OP = "all_gather_gemm"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Views and flag addresses of one shape, computed once: the per-call host work stays small."""
+
+    gathered: torch.Tensor
+    own_slot: torch.Tensor
+    pushes: tuple
+    """(peer's slot for our shard, our RELEASED flag for that peer, the peer's READY flag for us)."""
+    releases: tuple
+    """Each peer's RELEASED flag for us."""
 
 
 class AllGatherGemm:
@@ -57,8 +71,9 @@ class AllGatherGemm:
         self._backend: Backend | None = None
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """This rank's ``[M, K]`` gather buffer. Writing the shard into rows ``[r*M/W, (r+1)*M/W)`` of
-        it and passing that view as ``a_shard`` skips nothing today but keeps ``gathered`` valid."""
+        """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
+        ``[r*M/W, (r+1)*M/W)`` of it and passes that view as ``a_shard`` saves the copy that
+        ``return_gathered`` otherwise makes."""
         backend = self._get_backend(device)
         self._ws = ensure_workspace(self._ws, backend, m * k * _itemsize(dtype))
         return self._ws.data.view(backend.rank, dtype, (m, k))
@@ -107,37 +122,51 @@ class AllGatherGemm:
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 
-        a_shard = a_shard if a_shard.stride(1) == 1 else a_shard.contiguous()
+        a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
+        plan = self._plan(ws, backend, mc, k, a_shard.dtype)
         ws.epoch += 1
         epoch = ws.epoch
-        gathered = ws.data.view(rank, a_shard.dtype, (m, k))
-        own_rows = slice(rank * mc, (rank + 1) * mc)
         backend.comm_begin()
         # Nearest consumer first: rank r - i computes rank r's rows at its step i.
-        for i in range(1, w):
-            peer = (rank - i) % w
-            backend.comm_wait(ws.flag_address(rank, RELEASED, peer), epoch - 1)
-            backend.comm_copy(ws.data.view(peer, a_shard.dtype, (m, k))[own_rows], a_shard)
-            backend.comm_write(ws.flag_address(peer, READY, rank), epoch)
-        if return_gathered and gathered[own_rows].data_ptr() != a_shard.data_ptr():
-            backend.comm_copy(gathered[own_rows], a_shard)
-        if a_shard.is_cuda:
-            a_shard.record_stream(backend.comm_stream)
+        for slot, released, ready in plan.pushes:
+            backend.comm_wait(released, epoch - 1)
+            backend.comm_copy(slot, a_shard)
+            backend.comm_write(ready, epoch)
+        gathered = plan.gathered
+        if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
+            backend.comm_copy(plan.own_slot, a_shard)
 
-        _launch.launch(mode=_launch.MODE_AG, a=a_shard, a_peer=gathered, b=b, c=out, bias=bias,
+        _launch.launch(mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out, bias=bias,
                        config=config, m_chunk=mc, rank=rank, world=w,
                        programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
                        flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
                        max_spin=self.max_spin or backend.default_max_spin)
-        for peer in range(w):
-            if peer != rank:
-                backend.main_write(ws.flag_address(peer, RELEASED, rank), epoch)
+        for address in plan.releases:
+            backend.main_write(address, epoch)
         backend.comm_end()
         if backend.interpreter or _launch.debug_mode():
             backend.synchronize()
             _launch.raise_on_timeout(ws.err, _OP, rank)
         _launch.record_path(_OP, "fused")
         return (out, gathered) if return_gathered else out
+
+    @staticmethod
+    def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype) -> "_Plan":
+        key = ("ag", mc, k, dtype)
+        plan = ws.plans.get(key)
+        if plan is None:
+            w, rank = backend.world_size, backend.rank
+            rows = slice(rank * mc, (rank + 1) * mc)
+            pushes = []
+            for i in range(1, w):
+                peer = (rank - i) % w
+                pushes.append((ws.data.view(peer, dtype, (mc * w, k))[rows],
+                               ws.flag_address(rank, RELEASED, peer), ws.flag_address(peer, READY, rank)))
+            gathered = ws.data.view(rank, dtype, (mc * w, k))
+            plan = ws.plans[key] = _Plan(gathered=gathered, own_slot=gathered[rows], pushes=tuple(pushes),
+                                         releases=tuple(ws.flag_address(p, RELEASED, rank)
+                                                        for p in range(w) if p != rank))
+        return plan
 
     def _fallback(self, backend: Backend, a_shard, b, bias, out, return_gathered):
         gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]),

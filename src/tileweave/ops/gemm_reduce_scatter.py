@@ -14,12 +14,13 @@ result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
 
 How it runs, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
 r+2, ..., its own rows last. A finished tile of a peer's rows is stored in the output dtype straight
-into that peer's receive buffer over NVLink (its slot for this source) and counted in the peer's
-arrival counter for this source. The own rows come last: once every peer's tiles have arrived, each
-tile sums the W partials in fp32 in rank order (the own partial straight from registers) and writes the
-result, so the output is deterministic: bitwise the same from run to run.
+into that peer's receive buffer over NVLink (its slot for this source) and flagged there with this
+call's epoch. The own rows come last: after its main loop, each own tile waits for the peers' partials
+of that tile, sums the W partials in fp32 in rank order (the own partial straight from registers) and
+writes the result, so the output is deterministic: bitwise the same from run to run.
 
-Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, plus 3W+1 flag words.
+Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, one int32 flag per source
+and tile, and 3W+1 flag words.
 Before writing into a peer's receive buffer for the next call, a rank's stream waits until that peer
 has released it (a stream memory op, no barrier, no SM).
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
+from tileweave.ops.workspace import RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend, get_backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig, choose_gemm_config
@@ -102,22 +103,28 @@ class GemmReduceScatter:
 
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
+        ws.ensure_tile_flags(w * _launch.tiles_per_chunk(mc, n, config))
         ws.epoch += 1
         epoch = ws.epoch
-        ws.count_expected += _launch.tiles_per_chunk(mc, n, config)
+        plan = ws.plans.get(("rs", m, n, a.dtype))
+        if plan is None:
+            peers = [p for p in range(w) if p != rank]
+            plan = ws.plans[("rs", m, n, a.dtype)] = (
+                ws.data.view(rank, a.dtype, (m, n)),
+                tuple(ws.flag_address(rank, RELEASED, p) for p in peers),
+                tuple(ws.flag_address(p, RELEASED, rank) for p in peers))
+        recv, waits, releases = plan
         # The receive buffers we are about to fill must have been released by their owners.
-        for peer in range(w):
-            if peer != rank:
-                backend.main_wait(ws.flag_address(rank, RELEASED, peer), epoch - 1)
+        for address in waits:
+            backend.main_wait(address, epoch - 1)
         _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
                        rank=rank, world=w,
                        programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
-                       recv_ptrs=ws.pointer_table("data"), counter_ptrs=ws.pointer_table("counters"),
-                       flags=ws.flag_slice(COUNTERS), err=ws.err, epoch=epoch,
-                       count_target=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
-        for peer in range(w):
-            if peer != rank:
-                backend.main_write(ws.flag_address(peer, RELEASED, rank), epoch)
+                       buf=recv, peer_offsets=ws.data_offsets(a.element_size()),
+                       peer_flags=ws.tile_flag_addresses(), flags=ws.local_tile_flags(), err=ws.err,
+                       epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
+        for address in releases:
+            backend.main_write(address, epoch)
         if backend.interpreter or _launch.debug_mode():
             backend.synchronize()
             _launch.raise_on_timeout(ws.err, _OP, rank)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tileweave.ops import _launch
@@ -9,8 +11,13 @@ from tileweave.tune.configs import GemmConfig, choose_gemm_config
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device.type, device.index)
+
+
+@functools.cache
+def _sm_count(kind: str, index: int | None) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(index).multi_processor_count
     return 4
 
 

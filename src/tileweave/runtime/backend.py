@@ -25,6 +25,20 @@ import torch.distributed as dist
 from tileweave.runtime import driver
 
 
+_producer_delay_s = 0.0
+
+
+def set_producer_delay(seconds: float) -> None:
+    """Delay every copy this process's producer makes (tests only): a straggling rank, to prove that
+    consumers really wait for data instead of racing it."""
+    global _producer_delay_s
+    _producer_delay_s = float(seconds)
+
+
+def producer_delay() -> float:
+    return _producer_delay_s
+
+
 class TileweaveError(RuntimeError):
     """A fused op cannot run as asked; the message names the argument and what to do."""
 
@@ -120,6 +134,9 @@ class CudaBackend(Backend):
         # that a lost peer becomes an error instead of a hang.
         self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 1 << 26))
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
+        self._comm_handle = self.comm_stream.cuda_stream
+        self._begin_event = torch.cuda.Event()
+        self._end_event = torch.cuda.Event()
         self._check_topology()
 
     def _check_topology(self) -> None:
@@ -152,28 +169,38 @@ class CudaBackend(Backend):
                       for peer in range(self.world_size))
         return SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views), views=views)
 
+    def _main_handle(self) -> int:
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
     def comm_begin(self) -> None:
-        self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._begin_event.record(torch.cuda.current_stream(self.device))
+        self.comm_stream.wait_event(self._begin_event)
 
     def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes != src.nbytes:
+            raise ValueError("comm_copy needs two contiguous tensors of the same size")
+        if _producer_delay_s:
+            with torch.cuda.stream(self.comm_stream):
+                # About 1.4 GHz under load; only the order of magnitude matters for a straggler.
+                torch.cuda._sleep(int(_producer_delay_s * 1.4e9))
         # A copy whose source or destination is a peer's memory runs on a copy engine, not on an SM.
-        with torch.cuda.stream(self.comm_stream):
-            dst.copy_(src, non_blocking=True)
+        driver.memcpy_async(dst.data_ptr(), src.data_ptr(), src.nbytes, self._comm_handle)
 
     def comm_wait(self, address: int, value: int) -> None:
-        driver.stream_wait_u32(self.comm_stream.cuda_stream, address, value)
+        driver.stream_wait_u32(self._comm_handle, address, value)
 
     def comm_write(self, address: int, value: int) -> None:
-        driver.stream_write_u32(self.comm_stream.cuda_stream, address, value)
+        driver.stream_write_u32(self._comm_handle, address, value)
 
     def comm_end(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.comm_stream)
+        self._end_event.record(self.comm_stream)
+        torch.cuda.current_stream(self.device).wait_event(self._end_event)
 
     def main_wait(self, address: int, value: int) -> None:
-        driver.stream_wait_u32(torch.cuda.current_stream(self.device).cuda_stream, address, value)
+        driver.stream_wait_u32(self._main_handle(), address, value)
 
     def main_write(self, address: int, value: int) -> None:
-        driver.stream_write_u32(torch.cuda.current_stream(self.device).cuda_stream, address, value)
+        driver.stream_write_u32(self._main_handle(), address, value)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -20,20 +20,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from tileweave.runtime.backend import Backend, CollectiveTimeout, SymmetricBuffer, TileweaveError, _group_size
+from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuffer, TileweaveError, _group_size,
+                                       producer_delay)
 
 HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
 HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
 _ALIGN = 256
-
-_producer_delay_s = 0.0
-
-
-def set_producer_delay(seconds: float) -> None:
-    """Delay every copy of this rank's producer: a straggler, to prove that consumers really wait."""
-    global _producer_delay_s
-    _producer_delay_s = float(seconds)
-
 
 def _read_u32(address: int) -> int:
     return ctypes.c_uint32.from_address(address).value
@@ -120,8 +112,8 @@ class EmulatedBackend(Backend):
 
     def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         def copy() -> None:
-            if _producer_delay_s:
-                time.sleep(_producer_delay_s)
+            if producer_delay():
+                time.sleep(producer_delay())
             dst.copy_(src)
         self._queue.put(copy)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import tileweave
-from tileweave.runtime import emulated
+from tileweave.runtime.backend import set_producer_delay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
     results = []
     for case in cases:
         dtype = getattr(torch, case.dtype)
-        emulated.set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
+        set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
         m = case.m_chunk * world
         for it in range(case.iters):
             seed = (case.seed, case.m_chunk, case.k, case.n, it)
@@ -82,7 +82,7 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
             results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
                             "err": _rel_err(out, ref), "gathered_exact": bool(torch.equal(gathered.double(), full_a))})
             dist.barrier()
-    emulated.set_producer_delay(0.0)
+    set_producer_delay(0.0)
     return results
 
 

@@ -8,6 +8,7 @@ Worked example: ``choose_gemm_config(8192, 7168, 4096, torch.bfloat16, num_sms=1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -65,6 +66,7 @@ INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, n
                                 num_warps=4, flatten=False)
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
                        interpreter: bool = False) -> GemmConfig:
     """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
