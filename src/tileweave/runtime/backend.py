@@ -165,6 +165,11 @@ class CudaBackend(Backend):
 
         tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(tensor, self.group.group_name)
+        # Symmetric memory comes uninitialised, and flags must start below every epoch: zero it, and
+        # let no rank touch a peer's copy before every rank has.
+        tensor.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
         views = tuple(tensor if peer == self.rank else handle.get_buffer(peer, (nbytes,), torch.uint8)
                       for peer in range(self.world_size))
         return SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views), views=views)

@@ -25,14 +25,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, gpus: bool) -> None:
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+        if gpus:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank) if gpus else None)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -47,22 +50,27 @@ class RankFailed(RuntimeError):
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 << 20,
-              timeout_s: float = 600.0, env: dict[str, str] | None = None) -> list[Any]:
+              timeout_s: float = 600.0, env: dict[str, str] | None = None, gpus: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` emulated ranks; return their results.
 
+    With ``gpus=True`` the ranks are real: one process per CUDA GPU with an NCCL group, no interpreter.
     ``fn`` must be importable by name (module level). Raises ``RankFailed`` with every failing rank's
     traceback, or if the ranks do not finish within ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
     with tempfile.NamedTemporaryFile(prefix="tileweave-heap-", dir=_heap_dir(), delete=False) as f:
         heap_path = f.name
-    overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
-                 **(env or {})}
+    if gpus:
+        overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1", **(env or {})}
+    else:
+        overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
+                     **(env or {})}
     saved = {key: os.environ.get(key) for key in overrides}
     os.environ.update(overrides)
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, gpus), daemon=True)
              for rank in range(world_size)]
     try:
         for proc in procs:

@@ -130,3 +130,26 @@ def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
     except tileweave.CollectiveTimeout as exc:
         outcome = {"raised": True, "message": str(exc)}
     return outcome
+
+
+def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, calls: int, dtype: str) -> dict:
+    """``calls`` fused AG and RS calls in a row with fresh inputs and no host sync or barrier between
+    them; every output is checked afterwards."""
+    device = _device()
+    dt = getattr(torch, dtype)
+    ag, rs = tileweave.AllGatherGemm(policy="fused"), tileweave.GemmReduceScatter(policy="fused")
+    inputs = []
+    for i in range(calls):
+        shards = [_randn((m_chunk, k), dt, "b2b", i, "a", p, device=device) for p in range(world)]
+        b_ag = _randn((n, k), dt, "b2b", i, "bag", rank, device=device).t()
+        a_rs = [_randn((m_chunk * world, k), dt, "b2b", i, "ars", p, device=device) for p in range(world)]
+        b_rs = [_randn((n, k), dt, "b2b", i, "brs", p, device=device).t() for p in range(world)]
+        inputs.append((shards, b_ag, a_rs, b_rs))
+    dist.barrier()
+    outs = [(ag(s[rank], bag), rs(ars[rank], brs[rank])) for s, bag, ars, brs in inputs]
+    errs = []
+    for (shards, b_ag, a_rs, b_rs), (o_ag, o_rs) in zip(inputs, outs):
+        ref_ag = torch.cat(shards).double() @ b_ag.double()
+        ref_rs = sum(a.double() @ b.double() for a, b in zip(a_rs, b_rs))[rank * m_chunk:(rank + 1) * m_chunk]
+        errs.append((_rel_err(o_ag, ref_ag), _rel_err(o_rs, ref_rs)))
+    return {"max_ag": max(e[0] for e in errs), "max_rs": max(e[1] for e in errs)}

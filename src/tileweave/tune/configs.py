@@ -1,6 +1,8 @@
 """Typed GEMM configurations and the per-shape choice.
 
-The table below comes from sweeps on an H200 (132 SMs); see NOTES.md for the measurements behind it.
+The choices below come from a sweep on an H200 (132 SMs) recorded in NOTES.md (2026-11-30): 128 x 256
+x 64 tiles, 3 stages, 8 warps, flattened loops and TMA stores were within 0.92-1.05x of cuBLAS on the
+large local GEMMs of the suite; 128 x 128 tiles won on narrow outputs (N = 768: 0.93x against 0.72x).
 Worked example: ``choose_gemm_config(8192, 7168, 4096, torch.bfloat16, num_sms=132)`` has 64 x 28 =
 1792 tiles of 128 x 256, 13.6 waves over 132 programs, so the large-tile default applies.
 """
@@ -35,8 +37,9 @@ class GemmConfig:
     tile's loads)."""
     warp_specialize: bool = False
     """Let Triton split producer and consumer warps."""
-    c_tma: bool = False
-    """Store C with TMA instead of pointer stores (only where no tile crosses a chunk boundary)."""
+    c_tma: bool = True
+    """Store C with TMA instead of pointer stores where no tile crosses a chunk boundary (the launcher
+    falls back to pointer stores elsewhere)."""
     programs: int = 0
     """Persistent programs; 0 means one per SM."""
 
@@ -80,6 +83,9 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
     if dtype == torch.float32:
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
+    if n <= 1024:
+        # Narrow outputs (TP=8 shards): 128-wide tiles give twice the tiles of 256-wide ones.
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms:
         return GemmConfig()
     mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)

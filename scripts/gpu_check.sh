@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU tests and the benchmark on a multi-GPU box, in one command (GPU time is scarce: batch it).
+#
+#   OUT=/some/dir M=1024,2048,4096,8192,16384 OPS="ag rs gemm" bash scripts/gpu_check.sh
+#
+# Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
+# tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# A lost peer should fail in seconds here, not after a minute of polling.
+export TILEWEAVE_MAX_SPIN=${TILEWEAVE_MAX_SPIN:-16777216}
+OUT=${OUT:-bench/results}
+M=${M:-1024,2048,4096,8192,16384}
+OPS=${OPS:-ag rs gemm}
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+mkdir -p "$OUT/results"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv | tee "$OUT/gpus.txt"
+status=0
+timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" || status=1
+for op in $OPS; do
+  timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
+    2>&1 | grep -v -i warning | tail -40 || status=1
+done
+exit $status

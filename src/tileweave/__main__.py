@@ -1,0 +1,5 @@
+import sys
+
+from tileweave.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The ops on real GPUs against float64 references (bf16 and fp16). Skipped without CUDA GPUs."""
+
+import pytest
+import torch
+
+import tileweave
+from tileweave.testing import scenarios
+from tileweave.testing.emulated import run_ranks
+
+pytestmark = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                               reason="needs two CUDA GPUs")
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _rel(got, ref):
+    assert torch.isfinite(got).all()
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (1000, 3000, 1000), (333, 517, 1001), (8192, 768, 4096)])
+@pytest.mark.parametrize("weight_layout", [True, False])
+def test_matmul(dtype, m, n, k, weight_layout):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = (torch.randn(n, k, device="cuda", dtype=dtype).t() if weight_layout
+         else torch.randn(k, n, device="cuda", dtype=dtype))
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    tileweave.matmul(a, b, bias=bias, out=out)
+    assert _rel(out, a.double() @ b.double() + bias.double()) < TOL[dtype]
+
+
+C = scenarios.Case
+
+
+@needs_two
+def test_all_gather_gemm_gpu():
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3),
+             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2),
+             C(m_chunk=4096, k=4096, n=7168, dtype="bfloat16", iters=3),
+             C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05)]
+    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_gemm_check, cases, gpus=True):
+        for row in rank_rows:
+            assert row["path"] == "fused"
+            assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
+            assert row["gathered_exact"], row
+
+
+@needs_two
+def test_gemm_reduce_scatter_gpu():
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3),
+             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2),
+             C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3)]
+    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
+        for row in rank_rows:
+            assert row["path"] == "fused"
+            assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
+            assert row["deterministic"], row
+
+
+@needs_two
+def test_back_to_back_without_sync():
+    for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
+                            "bfloat16", gpus=True):
+        assert result["max_ag"] < 1e-2 and result["max_rs"] < 1e-2, result
