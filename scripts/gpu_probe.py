@@ -229,6 +229,43 @@ def phase_host(rank, world, out_dir):
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
 
+def phase_rsvar(rank, world, out_dir):
+    """GEMM+RS: the own-chunk wait before the chunk (default) against inside each tile (lazy)."""
+    from tileweave.tune.configs import choose_gemm_config
+    rows = []
+    for m, k, n in [(8192, 8192, 8192), (8192, 14336, 4096), (4096, 28672, 8192), (2048, 8192, 8192),
+                    (8192, 28672, 8192)]:
+        torch.manual_seed(rank + 1)
+        a = torch.randn(m, k // world, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k // world, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()
+        rs_out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+
+        def base():
+            dist.reduce_scatter_tensor(rs_out, torch.matmul(a, b))
+            return rs_out
+        ref = base().clone()
+        t_gemm = timed(lambda: torch.matmul(a, b))
+        t_base = timed(base)
+        row = {"m": m, "k": k, "n": n, "t_gemm": t_gemm, "t_base": t_base}
+        cfg = choose_gemm_config(m, n, k // world, torch.bfloat16, num_sms=132)
+        for lazy in (False, True):
+            op = tileweave.GemmReduceScatter(policy="fused", config=dataclasses.replace(cfg, lazy_wait=lazy))
+            err = rel_err(op(a, b), ref.double())
+            dist.barrier()
+            row[f"lazy{int(lazy)}"] = timed(lambda: op(a, b)) if err < 2e-2 else float("nan")
+            row[f"err{int(lazy)}"] = err
+        t = torch.tensor([row["t_gemm"], row["t_base"], row["lazy0"], row["lazy1"]], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        row.update(zip(("t_gemm", "t_base", "lazy0", "lazy1"), t.tolist()))
+        rows.append(row)
+    if rank == 0:
+        json.dump(rows, open(os.path.join(out_dir, "probe_rsvar.json"), "w"), indent=1)
+        print("\n== GEMM+RS own-chunk wait: before the chunk vs inside each tile (ms, max over ranks) ==")
+        for r in rows:
+            print(f"M={r['m']:5d} K={r['k']:5d} N={r['n']:5d} gemm={r['t_gemm']:.3f} base={r['t_base']:.3f} "
+                  f"before={r['lazy0']:.3f} (err {r['err0']:.1e}) inside={r['lazy1']:.3f} (err {r['err1']:.1e})")
+
+
 def main_rank(rank, world, port, phases, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -236,7 +273,7 @@ def main_rank(rank, world, port, phases, out_dir):
     for phase in phases:
         t0 = time.time()
         try:
-            {"gemm": phase_gemm, "check": phase_check, "fused": phase_fused, "host": phase_host}[phase](rank, world, out_dir)
+            {"gemm": phase_gemm, "check": phase_check, "fused": phase_fused, "host": phase_host, "rsvar": phase_rsvar}[phase](rank, world, out_dir)
         except Exception:
             import traceback
             print(f"[rank {rank}] phase {phase} failed:\n{traceback.format_exc()}", flush=True)

@@ -10,8 +10,8 @@ One kernel, three modes (``MODE``, a compile-time switch):
   loop stays a plain pipelined loop).
 * ``RS`` (reduce-scatter producer and reducer): ``a`` is ``[W * Mc, K]``. Chunks owned by rank+1,
   rank+2, ... come first: each finished tile is stored straight into its owner's receive buffer over
-  NVLink and flagged there (one epoch flag per source and tile). The own chunk comes last: after a
-  tile's main loop it waits for the peers' partials of that tile, then sums the W partials in fp32 in
+  NVLink and counted in the owner's counter for this source (one release per program and chunk). The
+  own chunk comes last: once every peer's tiles of it are in, each tile sums the W partials in fp32 in
   rank order (so the result is deterministic) and writes the output.
 
 Programs are persistent: program ``pid`` takes global tiles ``pid, pid + P, pid + 2P, ...`` where the
@@ -110,11 +110,12 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
-                FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+                FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+                LAZY_WAIT: tl.constexpr):
     """All tiles of one chunk of ``m_chunk`` rows that belong to program ``pid``.
 
-    ``EPILOGUE``: 0 stores to ``c``; 1 stores a partial into the owner's receive buffer and flags the
-    tile there (``row_c0`` is then the owner); 2 reduces the W partials of the own chunk. ``skip``
+    ``EPILOGUE``: 0 stores to ``c``; 1 stores a partial into the owner's receive buffer and counts the
+    tiles there (``row_c0`` is then the owner); 2 reduces the W partials of the own chunk. ``skip``
     (0/1) drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and
     no load can be hoisted above the wait.
     """
@@ -126,8 +127,10 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         # The owner's receive buffer lies `offset` elements from ours. Addressing it from our own
         # (aligned) pointer keeps the stores 16-byte vectors; a pointer loaded from memory would not.
         offset = tl.multiple_of(tl.load(peer_offs_ptr + row_c0), 16)
-        owner_flags = tl.load(peer_flags_ptr + row_c0).to(tl.pointer_type(tl.int32)) + rank * tiles
-    prev = -1
+    if EPILOGUE == 2:
+        if not LAZY_WAIT:
+            skip = _wait_peers(flags_ptr, epoch, err_ptr, max_spin, rank, WORLD)
+            start += skip * tiles
     for t in tl.range(start, tiles, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
@@ -139,35 +142,46 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, C_TMA)
         elif EPILOGUE == 1:
-            # Publish the previous tile first: its remote stores have drained during this tile's
-            # main loop, so the fence behind the release is cheap. Publishing a tile right after its
-            # own stores would stall on them.
-            if prev >= 0:
-                signal_epoch(owner_flags + prev, epoch)
             mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
             rows = (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N
             tl.store(buf_ptr + offset + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-            prev = t
         else:
-            # Own chunk: once each peer's partial of this tile is in, sum all W partials in rank
-            # order, the own accumulator at its own place. The wait comes after the main loop, by
-            # which time the partial has normally long arrived.
-            mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
+            # Own chunk: sum every rank's partial in rank order, the own accumulator at its own place.
+            missed = 0
+            if LAZY_WAIT:
+                # Waiting here, after a main loop, rather than before the chunk lets a program that
+                # finished its peer tiles early start computing while the peers finish theirs.
+                missed = _wait_peers(flags_ptr, epoch, err_ptr, max_spin, rank, WORLD)
+            mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed == 0)
             total = tl.zeros((BM, BN), dtype=tl.float32)
             for src in tl.static_range(WORLD):
                 if src == rank:
                     total += acc
                 else:
-                    missed = wait_epoch(flags_ptr + src * tiles + t, epoch, err_ptr, 100 + src, max_spin)
                     rows = (src * m_chunk + offs_m[:, None]).to(tl.int64) * N
-                    part = tl.load(buf_ptr + rows + offs_n[None, :], mask=mask & (missed == 0), other=0.0)
-                    total += part.to(tl.float32)
+                    total += tl.load(buf_ptr + rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
             total = _add_bias(total, bias_ptr, offs_n, N, HAS_BIAS)
             _store_tile(c_ptr, c_desc, total, 0, pid_m * BM, pid_n * BN, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, False)
     if EPILOGUE == 1:
-        if prev >= 0:
-            signal_epoch(owner_flags + prev, epoch)
+        # One release per program and chunk: the fence behind it waits for this program's remote
+        # stores once, not once per tile. (Per-tile flags, tried on 2x H200, were slower and raced;
+        # see NOTES.md.)
+        done = tl.maximum(tiles - start + P - 1, 0) // P
+        if done > 0:
+            counters = tl.load(peer_flags_ptr + row_c0).to(tl.pointer_type(tl.int32))
+            tl.debug_barrier()
+            tl.atomic_add(counters + rank, done, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait_peers(counters_ptr, target, err_ptr, max_spin, rank, WORLD: tl.constexpr):
+    """Wait until every peer's tile count for the own chunk reaches ``target``; 1 if any wait expired."""
+    missed = 0
+    for src in tl.static_range(WORLD):
+        if src != rank:
+            missed = tl.maximum(missed, wait_epoch(counters_ptr + src, target, err_ptr, 100 + src, max_spin))
+    return missed
 
 
 def _metadata(grid, kernel, args):
@@ -188,15 +202,16 @@ def fused_gemm_kernel(
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
-        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+        FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+        LAZY_WAIT: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
     src's shard is complete in it.
     RS: ``buf_ptr`` is the own receive buffer ``[W, Mc, N]``; ``peer_offs_ptr[p]`` is rank p's receive
     buffer as an int64 element offset from it and ``peer_flags_ptr[p]`` the int64 address of rank p's
-    tile flags; ``flags_ptr[src * T + t]`` (own tile flags) is the epoch at which src's partial of
-    tile t has arrived, T tiles per chunk.
+    tile counters; ``flags_ptr[src]`` (own counters) counts src's tiles of the own chunk, cumulative
+    and wrapping, and ``epoch`` is the count at which this call's tiles are all in.
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
@@ -225,7 +240,7 @@ def fused_gemm_kernel(
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
     elif MODE == AG:
         # Own shard first, straight from the caller's tensor: nothing to wait for.
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -233,7 +248,7 @@ def fused_gemm_kernel(
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
             g_src = tl.make_tensor_descriptor(buf_ptr, shape=[gathered_rows, K], strides=[K, 1],
@@ -248,7 +263,7 @@ def fused_gemm_kernel(
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
                         skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                        FLATTEN, WARP_SPECIALIZE, PRECISION)
+                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
     else:
         for step in range(0, WORLD - 1):
             owner = (rank + 1 + step) % WORLD
@@ -257,10 +272,10 @@ def fused_gemm_kernel(
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 1, WORLD, B_NK, False, USE_TMA, False,
-                        FLATTEN, WARP_SPECIALIZE, PRECISION)
+                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 2, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)

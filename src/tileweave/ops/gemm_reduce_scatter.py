@@ -14,13 +14,12 @@ result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
 
 How it runs, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
 r+2, ..., its own rows last. A finished tile of a peer's rows is stored in the output dtype straight
-into that peer's receive buffer over NVLink (its slot for this source) and flagged there with this
-call's epoch. The own rows come last: after its main loop, each own tile waits for the peers' partials
-of that tile, sums the W partials in fp32 in rank order (the own partial straight from registers) and
-writes the result, so the output is deterministic: bitwise the same from run to run.
+into that peer's receive buffer over NVLink (its slot for this source) and counted in the peer's
+counter for this source. The own rows come last: once every peer's tiles of them are in, each own
+tile sums the W partials in fp32 in rank order (the own partial straight from registers) and writes
+the result, so the output is deterministic: bitwise the same from run to run.
 
-Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, one int32 flag per source
-and tile, and 3W+1 flag words.
+Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, and 3W+1 flag words.
 Before writing into a peer's receive buffer for the next call, a rank's stream waits until that peer
 has released it (a stream memory op, no barrier, no SM).
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops.workspace import RELEASED, Workspace, agree, ensure_workspace
+from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend, get_backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig, choose_gemm_config
@@ -103,9 +102,11 @@ class GemmReduceScatter:
 
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
-        ws.ensure_tile_flags(w * _launch.tiles_per_chunk(mc, n, config))
         ws.epoch += 1
         epoch = ws.epoch
+        # Each source adds its tiles of our chunk to our counter for it; the kernel waits for the
+        # running total (int32, wrapping, compared cyclically), so counters are never reset.
+        ws.count_expected += _launch.tiles_per_chunk(mc, n, config)
         plan = ws.plans.get(("rs", m, n, a.dtype))
         if plan is None:
             peers = [p for p in range(w) if p != rank]
@@ -121,8 +122,8 @@ class GemmReduceScatter:
                        rank=rank, world=w,
                        programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
                        buf=recv, peer_offsets=ws.data_offsets(a.element_size()),
-                       peer_flags=ws.tile_flag_addresses(), flags=ws.local_tile_flags(), err=ws.err,
-                       epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
+                       peer_flags=ws.counter_addresses(), flags=ws.flag_slice(COUNTERS), err=ws.err,
+                       epoch=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
         for address in releases:
             backend.main_write(address, epoch)
         if backend.interpreter or _launch.debug_mode():

@@ -11,11 +11,9 @@ from tileweave.runtime.backend import Backend, TileweaveError
 #   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
 #   [W, 2W)     RELEASED: released[p] = epoch whose use of p's own buffer p has finished, so that
 #                         writers may fill it for the next epoch
-#   [2W, 3W)    reserved
+#   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
 #   3W          ERR:      nonzero when a bounded in-kernel wait expired
-# The reduce-scatter's per-tile flags live in their own allocation (``tile_flags``), which grows with
-# the tile count and is never reused for anything else, so it only ever holds earlier epochs.
-READY, RELEASED = 0, 1
+READY, RELEASED, COUNTERS = 0, 1, 2
 
 
 class Workspace:
@@ -28,8 +26,8 @@ class Workspace:
         self.flags = backend.allocate(4 * (3 * w + 1))
         self.local_flags = self.flags.view(backend.rank, torch.int32, (3 * w + 1,))
         self.err = self.local_flags[3 * w:]
-        self.tile_flags = None
         self.epoch = 0
+        self.count_expected = 0
         self.agreed: dict[tuple, object] = {}
         self.plans: dict[tuple, object] = {}
         self._ptr_tables: dict[str, torch.Tensor] = {}
@@ -41,21 +39,10 @@ class Workspace:
         w = self.backend.world_size
         return self.local_flags[kind * w:(kind + 1) * w]
 
-    def ensure_tile_flags(self, count: int) -> None:
-        """At least ``count`` int32 tile flags on every rank (collective when it grows)."""
-        if self.tile_flags is None or self.tile_flags.nbytes < 4 * count:
-            if self.tile_flags is not None:
-                self.backend.synchronize()
-                dist.barrier(group=self.backend.group)
-            self.tile_flags = self.backend.allocate(4 * max(count, 1024))
-            self._ptr_tables.pop("tile_flags", None)
-
-    def local_tile_flags(self) -> torch.Tensor:
-        return self.tile_flags.view(self.backend.rank, torch.int32, (self.tile_flags.nbytes // 4,))
-
-    def tile_flag_addresses(self) -> torch.Tensor:
-        """Every rank's tile-flag array as int64 addresses (for the kernel's release stores)."""
-        return self._table("tile_flags", [self.tile_flags.address(p) for p in range(self.backend.world_size)])
+    def counter_addresses(self) -> torch.Tensor:
+        """Every rank's COUNTERS array as int64 addresses (for the kernel's release atomics)."""
+        return self._table("counters", [self.flag_address(p, COUNTERS, 0)
+                                        for p in range(self.backend.world_size)])
 
     def data_offsets(self, itemsize: int) -> torch.Tensor:
         """Every rank's data buffer as an int64 offset, in elements of ``itemsize`` bytes, from this

@@ -42,6 +42,9 @@ class GemmConfig:
     falls back to pointer stores elsewhere)."""
     programs: int = 0
     """Persistent programs; 0 means one per SM."""
+    lazy_wait: bool = False
+    """Reduce-scatter: wait for the peers' partials inside each own tile (after its main loop) instead
+    of once before the own chunk."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -56,7 +59,7 @@ class GemmConfig:
     def key(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
-                f"_ct{int(self.c_tma)}_p{self.programs}")
+                f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "GemmConfig":
