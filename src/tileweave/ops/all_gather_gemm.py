@@ -68,6 +68,7 @@ class AllGatherGemm:
         self.config = config
         self.max_spin = max_spin
         self._ws: Workspace | None = None
+        self._agreed: dict[tuple, object] = {}
         self._backend: Backend | None = None
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,20 +109,20 @@ class AllGatherGemm:
             return (out, a_shard) if return_gathered else out
         _launch.check_not_capturing(_OP)
 
-        self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
-        ws = self._ws
         proposal = self.config or choose_gemm_config(m, n, k, a_shard.dtype, num_sms=backend.num_sms,
                                                      interpreter=backend.interpreter)
         fused = self.policy == "fused" or (
             self.policy == "auto" and heuristics.prefer_fused_all_gather(m, n, k, w, a_shard.dtype,
                                                                        interpreter=backend.interpreter))
         signature = (_OP, mc, k, n, str(a_shard.dtype), bias is not None, fused)
-        config = agree(ws, _OP, signature, proposal)
+        config = agree(backend, self._agreed, _OP, signature, proposal)
         if mc == 0 or n == 0 or k == 0:
             fused = False
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 
+        self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
+        ws = self._ws
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
         plan = self._plan(ws, backend, mc, k, a_shard.dtype)
         ws.epoch += 1

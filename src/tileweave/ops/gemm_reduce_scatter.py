@@ -56,6 +56,7 @@ class GemmReduceScatter:
         self.config = config
         self.max_spin = max_spin
         self._ws: Workspace | None = None
+        self._agreed: dict[tuple, object] = {}
         self._backend: Backend | None = None
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -86,20 +87,20 @@ class GemmReduceScatter:
             return out
         _launch.check_not_capturing(_OP)
 
-        self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
-        ws = self._ws
         proposal = self.config or choose_gemm_config(m, n, k, a.dtype, num_sms=backend.num_sms,
                                                      interpreter=backend.interpreter)
         fused = self.policy == "fused" or (
             self.policy == "auto" and heuristics.prefer_fused_reduce_scatter(
                 m, n, k, w, a.dtype, interpreter=backend.interpreter))
         signature = (_OP, m, k, n, str(a.dtype), bias is not None, fused)
-        config = agree(ws, _OP, signature, proposal)
+        config = agree(backend, self._agreed, _OP, signature, proposal)
         if mc == 0 or n == 0 or k == 0:
             fused = False
         if not fused:
             return self._fallback(backend, a, b, bias, out)
 
+        self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
+        ws = self._ws
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         ws.epoch += 1

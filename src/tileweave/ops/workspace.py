@@ -28,7 +28,6 @@ class Workspace:
         self.err = self.local_flags[3 * w:]
         self.epoch = 0
         self.count_expected = 0
-        self.agreed: dict[tuple, object] = {}
         self.plans: dict[tuple, object] = {}
         self._ptr_tables: dict[str, torch.Tensor] = {}
 
@@ -75,17 +74,20 @@ def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: in
     return Workspace(backend, data_bytes)
 
 
-def agree(ws: Workspace, op: str, signature: tuple, proposal: object) -> object:
+def agree(backend: Backend, cache: dict, op: str, signature: tuple, proposal: object) -> object:
     """Check once per ``signature`` that every rank called ``op`` with the same shapes and dtypes, and
-    return rank 0's ``proposal`` (for example a kernel config) so that all ranks use the same one."""
-    if signature in ws.agreed:
-        return ws.agreed[signature]
-    backend = ws.backend
+    return rank 0's ``proposal`` (for example a kernel config) so that all ranks use the same one.
+
+    Runs before any symmetric allocation: ranks that disagree must fail together, here, rather than
+    allocate different sizes or wait on each other's flags.
+    """
+    if signature in cache:
+        return cache[signature]
     everyone: list = [None] * backend.world_size
     dist.all_gather_object(everyone, (signature, proposal), group=backend.group)
     for rank, (theirs, _) in enumerate(everyone):
         if theirs != signature:
             raise TileweaveError(f"{op}: rank {backend.rank} was called with {signature} but rank {rank} with "
                                  f"{theirs}; every rank of the group must pass the same shapes and dtypes")
-    ws.agreed[signature] = everyone[0][1]
-    return ws.agreed[signature]
+    cache[signature] = everyone[0][1]
+    return cache[signature]

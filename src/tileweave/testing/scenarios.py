@@ -153,3 +153,45 @@ def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, call
         ref_rs = sum(a.double() @ b.double() for a, b in zip(a_rs, b_rs))[rank * m_chunk:(rank + 1) * m_chunk]
         errs.append((_rel_err(o_ag, ref_ag), _rel_err(o_rs, ref_rs)))
     return {"max_ag": max(e[0] for e in errs), "max_rs": max(e[1] for e in errs)}
+
+
+def input_errors_check(rank: int, world: int) -> dict[str, str]:
+    """Bad inputs must raise a clear error on every rank before any flag wait (so no rank hangs)."""
+    caught: dict[str, str] = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            caught[name] = "no error"
+        except (ValueError, TypeError, tileweave.TileweaveError) as exc:
+            caught[name] = f"{type(exc).__name__}: {exc}"
+
+    a = _randn((8, 32), torch.float16, "e", rank)
+    rs = tileweave.GemmReduceScatter(policy="fused")
+    attempt("rs_indivisible_m", lambda: rs(_randn((world * 8 + 1, 32), torch.float16, "e"),
+                                           _randn((32, 16), torch.float16, "e")))
+    ag = tileweave.AllGatherGemm(policy="fused")
+    attempt("ag_k_mismatch", lambda: ag(a, _randn((31, 16), torch.float16, "e")))
+    attempt("ag_dtype_mismatch", lambda: ag(a, _randn((32, 16), torch.float32, "e")))
+    # Shapes that differ between ranks are caught collectively, on every rank.
+    k = 32 if rank == 0 else 40
+    attempt("ag_ranks_disagree", lambda: ag(_randn((8, k), torch.float16, "e", rank),
+                                            _randn((k, 16), torch.float16, "e")))
+    return caught
+
+
+def fallback_check(rank: int, world: int, m_chunk: int, k: int, n: int) -> dict[str, float]:
+    """The unfused paths (collective, then GEMM / GEMM, then collective) against the same references."""
+    shards = [_randn((m_chunk, k), torch.float32, "fb", p) for p in range(world)]
+    b = _randn((k, n), torch.float32, "fb-b", rank)
+    ag = tileweave.AllGatherGemm(policy="fallback")
+    out, gathered = ag(shards[rank], b, return_gathered=True)
+    a_all = [_randn((m_chunk * world, k), torch.float32, "fb-a", p) for p in range(world)]
+    b_all = [_randn((k, n), torch.float32, "fb-bb", p) for p in range(world)]
+    bias = _randn((n,), torch.float32, "fb-bias")
+    rs_out = tileweave.GemmReduceScatter(policy="fallback")(a_all[rank], b_all[rank], bias=bias)
+    ref_rs = sum(x.double() @ y.double() for x, y in zip(a_all, b_all)) + bias.double()
+    return {"ag": _rel_err(out, torch.cat(shards).double() @ b.double()),
+            "gathered": float(torch.equal(gathered, torch.cat(shards))),
+            "rs": _rel_err(rs_out, ref_rs[rank * m_chunk:(rank + 1) * m_chunk]),
+            "ag_path": tileweave.last_path("all_gather_gemm"), "rs_path": tileweave.last_path("gemm_reduce_scatter")}

@@ -1,0 +1,63 @@
+"""The fused ops on emulated ranks: W CPU processes sharing a symmetric heap, each running the real
+Triton kernels in the interpreter while a producer thread moves data and writes flags concurrently.
+References are float64 products of the full, unsharded inputs (``tileweave.testing.scenarios``)."""
+
+import pytest
+
+from tileweave.testing import scenarios
+from tileweave.testing.emulated import run_ranks
+
+C = scenarios.Case
+TOL = {"float16": 2e-3, "float32": 1e-5}
+
+
+def _check(rows_per_rank, extra_key):
+    for rows in rows_per_rank:
+        for row in rows:
+            assert row["path"] == "fused", row
+            assert row["err"] < TOL[row["case"]["dtype"]], row
+            assert row[extra_key], row
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_gemm(world):
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3),                       # rows not a tile multiple
+        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False),     # odd M, K not a TMA pitch
+        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3),  # a late producer
+    ]
+    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gemm_reduce_scatter(world):
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3),
+        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False),
+    ]
+    _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
+
+
+def test_back_to_back_calls_with_changing_inputs():
+    for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16"):
+        assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result
+
+
+def test_missing_peer_raises_instead_of_hanging():
+    outcomes = run_ranks(2, scenarios.missing_peer_check, 200, timeout_s=120)
+    assert outcomes[0]["raised"], "rank 0 waited on a shard that never came and did not raise"
+    assert "rank 1" in outcomes[0]["message"]
+
+
+def test_bad_inputs_raise_on_every_rank():
+    for caught in run_ranks(2, scenarios.input_errors_check):
+        assert "divisible" in caught["rs_indivisible_m"], caught
+        assert "K=32" in caught["ag_k_mismatch"], caught
+        assert "dtype" in caught["ag_dtype_mismatch"], caught
+        assert "same shapes" in caught["ag_ranks_disagree"], caught
+
+
+def test_unfused_fallback_paths():
+    for result in run_ranks(2, scenarios.fallback_check, 12, 16, 20):
+        assert result["ag"] < 1e-5 and result["rs"] < 1e-5 and result["gathered"] == 1.0, result
+        assert result["ag_path"] == "fallback" and result["rs_path"] == "fallback"
