@@ -1,0 +1,236 @@
+"""``tileweave bench``: start the ranks, run the suite, write the reports, print the tables.
+
+Usage::
+
+    tileweave bench [--op gemm,ag,rs] [--layer NAME ...] [--m 1024,2048,...] [--world-size N]
+                    [--out bench/results] [--tag STR] [--quick] [--warmup-s 0.5] [--iters 20]
+                    [--reps 5] [--no-torch]
+
+Started plainly, it spawns one process per GPU (or ``--world-size`` of them). Under ``torchrun``
+(RANK, WORLD_SIZE and LOCAL_RANK set) it runs in place as that rank; there, write ``--tokens`` for
+``--m``, which torchrun's parser mistakes for one of its own options. ``main`` returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import MutableMapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+from tileweave.bench.runner import BenchConfig
+from tileweave.bench.suite import OPS, QUICK_LAYERS, QUICK_M_VALUES, parse_ints, parse_ops, select_rows
+from tileweave.bench.timing import TimingConfig
+
+REQUIRED_ENV: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+"""Multicast (NVLS) stays off on the machines we share: set before any rank initialises NCCL or
+symmetric memory, and inherited by spawned ranks."""
+
+QUICK_WARMUP_S = 0.2
+"""``--quick`` warm-up: clocks are not fully settled, which is acceptable for a smoke run."""
+
+NCCL_TIMEOUT = timedelta(minutes=60)
+"""Generous: non-zero ranks wait in a barrier while rank 0 runs the whole single-GPU section."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CliOptions:
+    """Parsed command line."""
+
+    bench: BenchConfig
+    world_size: int | None
+    """Ranks to spawn; None means one per visible GPU (one in all for a ``gemm``-only run)."""
+    out_dir: Path
+    tag: str | None
+    """File name prefix; None means ``<gpu>-tp<W>``."""
+    argv: tuple[str, ...]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tileweave bench",
+        description="Steady-state benchmark of tileweave's fused TP GEMMs against NCCL + cuBLAS and "
+                    "PyTorch async-TP (verified before timed; median over reps, max over ranks).",
+    )
+    p.add_argument("--op", default=",".join(OPS), help="comma list of sections: gemm, ag, rs (default: all)")
+    p.add_argument("--layer", nargs="+", action="extend", default=None, metavar="NAME",
+                   help='layer filters: full name ("llama3-8b qkv"), model (llama3-70b) or part (qkv)')
+    # --tokens: torchrun's own parser takes "--m" for an abbreviation of its options and stops.
+    p.add_argument("--m", "--tokens", dest="m", default=None,
+                   help="comma list of token counts M (default 1024..16384); spell it --tokens under torchrun")
+    p.add_argument("--world-size", type=int, default=None, help="ranks to spawn (default: all GPUs)")
+    p.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
+    p.add_argument("--tag", default=None, help="file name prefix (default: <gpu>-tp<W>)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run: layers {', '.join(QUICK_LAYERS)}; M {QUICK_M_VALUES}; "
+                        f"warm-up {QUICK_WARMUP_S} s (explicit --layer/--m/--warmup-s win)")
+    p.add_argument("--warmup-s", type=float, default=None, help="warm-up seconds per variant (default 0.5)")
+    p.add_argument("--iters", type=int, default=20, help="back-to-back calls per timed batch (>= 20)")
+    p.add_argument("--reps", type=int, default=5, help="timed batches, median reported (>= 5)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="skip PyTorch async-TP (only to work around a hang in that peer)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
+    """Parse and validate; a bad value exits with status 2 and names the option."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parser.parse_args(argv)
+    try:
+        ops = parse_ops(ns.op)
+        layers = tuple(ns.layer) if ns.layer else (QUICK_LAYERS if ns.quick else ())
+        m_values = parse_ints(ns.m, name="--m") if ns.m else (QUICK_M_VALUES if ns.quick else ())
+        warmup = ns.warmup_s if ns.warmup_s is not None else (QUICK_WARMUP_S if ns.quick else 0.5)
+        timing = TimingConfig(warmup_s=warmup, iters=ns.iters, reps=ns.reps)
+        if ns.world_size is not None and ns.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {ns.world_size}")
+        if ns.tag is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", ns.tag):
+            raise ValueError(f"--tag may use letters, digits, '.', '_' and '-' only; got {ns.tag!r}")
+        # Filters are checked here, before any process starts, so a typo costs nothing.
+        for kind in ("AG", "RS"):
+            select_rows(kind=kind, layers=layers or None, m_values=m_values or None, world_size=1)
+        bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
+                            include_torch=not ns.no_torch)
+    except ValueError as e:
+        parser.error(str(e))
+    return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv))
+
+
+def ensure_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Force the no-multicast settings; returns a note for each value that had to change."""
+    notes = []
+    for key, value in REQUIRED_ENV.items():
+        if environ.get(key) not in (None, value):
+            notes.append(f"{key}={environ[key]} overridden to {value}: multicast must stay off")
+        environ[key] = value
+    return notes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _default_tag(world_size: int) -> str:
+    import torch
+
+    name = torch.cuda.get_device_name(0).split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    return f"{re.sub(r'[^a-z0-9.-]+', '', name) or 'gpu'}-tp{world_size}"
+
+
+def _worker(local_rank: int, world_size: int, opts: CliOptions, rank_offset: int = 0) -> None:
+    """One rank: join the group (if any), run, and on rank 0 write the reports."""
+    import torch
+    import torch.distributed as dist
+
+    from tileweave.bench.report import collect_metadata, write_report
+    from tileweave.bench.runner import run_rank
+
+    rank = rank_offset + local_rank
+    torch.cuda.set_device(local_rank)
+    group = None
+    if world_size > 1:
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world_size, timeout=NCCL_TIMEOUT,
+            device_id=torch.device("cuda", local_rank),
+        )
+        group = dist.group.WORLD
+    try:
+        results = run_rank(opts.bench, rank=rank, world_size=world_size, group=group)
+        if rank != 0:
+            return
+        meta = collect_metadata(world_size=world_size, timing=dataclasses.asdict(opts.bench.timing),
+                                argv=opts.argv)
+        date = time.strftime("%Y%m%d-%H%M%S")
+        tag = opts.tag or _default_tag(world_size)
+        tables = []
+        for op in OPS:
+            if op not in results:
+                continue
+            files = write_report(out_dir=opts.out_dir, tag=tag, op=op, date=date, meta=meta,
+                                 measurements=results[op])
+            print(f"wrote {files.json}, {files.md}" + (f", {files.png}" if files.png else " (no chart: "
+                  "matplotlib missing)"), file=sys.stderr)
+            tables.append(files.md.read_text())
+        print("\n".join(tables), flush=True)
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tileweave bench``; returns the process exit code."""
+    opts = parse_args(argv)
+    for note in ensure_env():
+        print(f"tileweave bench: {note}", file=sys.stderr)
+    import torch
+
+    needs_ranks = any(op in ("ag", "rs") for op in opts.bench.ops)
+    if not torch.cuda.is_available():
+        print("tileweave bench: no CUDA device visible; the benchmark needs NVIDIA GPUs.", file=sys.stderr)
+        return 1
+    n_gpu = torch.cuda.device_count()
+
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        world, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        problem = _check_world(opts, world=world, n_gpu=n_gpu, needs_ranks=needs_ranks)
+        if opts.world_size not in (None, world):
+            problem = f"--world-size {opts.world_size} disagrees with torchrun's WORLD_SIZE={world}"
+        if local >= n_gpu:
+            problem = f"LOCAL_RANK={local} but only {n_gpu} GPUs are visible"
+        if problem:
+            print(f"tileweave bench: {problem}", file=sys.stderr)
+            return 1
+        _worker(local, world, opts, rank_offset=rank - local)
+        return 0
+
+    world = opts.world_size or (n_gpu if needs_ranks else 1)
+    problem = _check_world(opts, world=world, n_gpu=n_gpu, needs_ranks=needs_ranks)
+    if problem:
+        print(f"tileweave bench: {problem}", file=sys.stderr)
+        return 1
+    if world == 1:
+        _worker(0, 1, opts)
+        return 0
+    import torch.multiprocessing as mp
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    try:
+        mp.spawn(_worker, args=(world, opts), nprocs=world, join=True)
+    except Exception as e:
+        print(f"tileweave bench: a rank failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_world(opts: CliOptions, *, world: int, n_gpu: int, needs_ranks: bool) -> str | None:
+    """Why ``world`` ranks cannot run ``opts`` here, or None."""
+    if needs_ranks and world < 2:
+        return (f"sections ag/rs need at least 2 GPUs (world size {world}, {n_gpu} visible); "
+                "run with --op gemm on one GPU")
+    if world > n_gpu:
+        return f"--world-size {world} exceeds the {n_gpu} visible GPUs"
+    try:
+        for kind in ("AG", "RS"):
+            select_rows(kind=kind, layers=opts.bench.layers or None, m_values=opts.bench.m_values or None,
+                        world_size=world if needs_ranks else 1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,401 @@
+"""The result schema, the derived numbers, and the files a benchmark run leaves behind.
+
+Results are long format: one ``Measurement`` per (shape, variant), so a missing or failed variant is a
+row with a status rather than a hole in a wide record. The wide view (one line per shape, with the
+derived numbers of DESIGN.md's "The numbers we report") is computed from them for the markdown table
+and stored next to them in the JSON for convenience; the measurements are the source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "tileweave.bench/1"
+
+COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "base", "torch", "ours")
+"""AG/RS variants: cuBLAS alone, copy-engine transport alone, NCCL then cuBLAS, torch async-TP, ours."""
+GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
+"""``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
+
+COMMIT_ENV = "TILEWEAVE_GIT_COMMIT"
+"""Commit to record when the tree has no git metadata (checked only then)."""
+
+E_MIN_M = 4096
+"""Rows with at least this many tokens enter the median E / eff: below it fixed per-call costs, not
+overlap, decide the result (DESIGN.md's measurements at M=2048)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One variant on one shape. Times are per call in ms, median over reps, max over ranks."""
+
+    op: str
+    """Benchmark section: ``"ag"``, ``"rs"`` or ``"gemm"``."""
+    layer: str
+    """Suite layer name; for the ``gemm`` section, the label of the deduplicated local GEMM."""
+    world_size: int
+    """Ranks the variant ran on (1 for the ``gemm`` section)."""
+    m: int
+    k: int
+    n: int
+    """AG/RS: full model dims (M tokens over the group). ``gemm``: the local GEMM ``[m, k] @ [k, n]``."""
+    variant: str
+    status: str
+    """``"ok"``, ``"FAILED"`` (verification or run failed on some rank) or ``"n/a"`` (not available)."""
+    ms: float | None = None
+    rel_err: float | None = None
+    """Relative Frobenius error against the fp32 reference, max over ranks."""
+    warmup_calls: int | None = None
+    clock_mhz: float | None = None
+    mem_peak_mb: float | None = None
+    mem_other_mb: float | None = None
+    path: str | None = None
+    """What ``tileweave.last_path`` reported for ours (e.g. ``"fused"``, ``"fallback"``)."""
+    note: str = ""
+    """Why a variant is FAILED or n/a."""
+
+    @property
+    def shape_key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.op, self.layer, self.world_size, self.m, self.k, self.n)
+
+
+def speedup(t_ref: float | None, t: float | None) -> float | None:
+    """``t_ref / t``: above 1 means ``t`` is faster."""
+    if t_ref is None or t is None or t <= 0:
+        return None
+    return t_ref / t
+
+
+def overlap_efficiency(*, t_fused: float | None, t_gemm: float | None, t_base: float | None) -> float | None:
+    """Flux's E = 1 - (t_fused - t_gemm) / (t_base - t_gemm): the share of the exposed communication
+    of NCCL-then-cuBLAS that the fused op hides. 1 is perfect, 0 no better than no overlap, negative
+    worse. Undefined when the baseline exposes no communication (``t_base <= t_gemm``)."""
+    if t_fused is None or t_gemm is None or t_base is None or t_base <= t_gemm:
+        return None
+    return 1.0 - (t_fused - t_gemm) / (t_base - t_gemm)
+
+
+def ideal_time(t_gemm: float | None, t_comm: float | None) -> float | None:
+    """A perfect overlap costs the longer of compute alone and communication alone."""
+    if t_gemm is None or t_comm is None:
+        return None
+    return max(t_gemm, t_comm)
+
+
+def tflops(flops: int, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flops / (ms * 1e-3) / 1e12
+
+
+def geomean(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapeSummary:
+    """The wide view of one shape: every variant's time and the derived numbers."""
+
+    op: str
+    layer: str
+    world_size: int
+    m: int
+    k: int
+    n: int
+    times: dict[str, float | None]
+    """Variant -> ms; None unless the variant's status is ok."""
+    status: dict[str, str]
+    """Variant -> status, for variants that were measured at all."""
+    path: str | None
+    ideal: float | None = None
+    x_base: float | None = None
+    x_torch: float | None = None
+    x_base_torch: float | None = None
+    """torch async-TP's own speedup over NCCL + cuBLAS."""
+    e: float | None = None
+    e_torch: float | None = None
+    eff: float | None = None
+    eff_torch: float | None = None
+    x_cublas: float | None = None
+    tflops_cublas: float | None = None
+    tflops_ours: float | None = None
+
+
+def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
+    """Group long rows by shape (first-seen order) and derive the reported numbers."""
+    groups: dict[tuple, list[Measurement]] = {}
+    for row in measurements:
+        groups.setdefault(row.shape_key, []).append(row)
+    out: list[ShapeSummary] = []
+    for rows in groups.values():
+        first = rows[0]
+        times = {r.variant: (r.ms if r.status == "ok" else None) for r in rows}
+        status = {r.variant: r.status for r in rows}
+        path = next((r.path for r in rows if r.variant == "ours" and r.path), None)
+        common = dict(op=first.op, layer=first.layer, world_size=first.world_size,
+                      m=first.m, k=first.k, n=first.n, times=times, status=status, path=path)
+        t = times.get
+        if first.op == "gemm":
+            flops = 2 * first.m * first.n * first.k
+            out.append(ShapeSummary(
+                **common, x_cublas=speedup(t("cublas"), t("ours")),
+                tflops_cublas=tflops(flops, t("cublas")), tflops_ours=tflops(flops, t("ours")),
+            ))
+            continue
+        ideal = ideal_time(t("gemm"), t("comm"))
+        out.append(ShapeSummary(
+            **common,
+            ideal=ideal,
+            x_base=speedup(t("base"), t("ours")),
+            x_torch=speedup(t("torch"), t("ours")),
+            x_base_torch=speedup(t("base"), t("torch")),
+            e=overlap_efficiency(t_fused=t("ours"), t_gemm=t("gemm"), t_base=t("base")),
+            e_torch=overlap_efficiency(t_fused=t("torch"), t_gemm=t("gemm"), t_base=t("base")),
+            eff=speedup(ideal, t("ours")),
+            eff_torch=speedup(ideal, t("torch")),
+        ))
+    return out
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def _time_cell(s: ShapeSummary, variant: str) -> str:
+    st = s.status.get(variant, "n/a")
+    return _num(s.times.get(variant), 3) if st == "ok" else st
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any]) -> str:
+    """The wide table of one section, its summary lines, and peak memory per variant."""
+    summaries = summarize(measurements)
+    gpu = meta.get("gpu_name", "n/a")
+    lines = [
+        f"## tileweave bench: {op} ({meta.get('world_size', '?')}x {gpu}, {meta.get('date', '')})",
+        "",
+        f"commit {meta.get('git_commit', 'n/a')}{' (dirty)' if meta.get('git_dirty') else ''}; "
+        f"torch {meta.get('torch', 'n/a')}, triton {meta.get('triton', 'n/a')}; "
+        f"SM clock under load {_clock_text(meta.get('sm_clock_mhz'))}. "
+        "Times in ms per call: steady state, median over reps, max over ranks.",
+        "",
+    ]
+    if op == "gemm":
+        header = ["shape", "M", "K", "N", "t_cublas", "t_ours", "TF/s cublas", "TF/s ours", "x_cublas", "path"]
+        lines += _table(header, (
+            [s.layer, str(s.m), str(s.k), str(s.n), _time_cell(s, "cublas"), _time_cell(s, "ours"),
+             _num(s.tflops_cublas, 0), _num(s.tflops_ours, 0), _num(s.x_cublas, 2), s.path or "n/a"]
+            for s in summaries
+        ))
+        lines += ["", f"geomean x_cublas {_num(geomean(s.x_cublas for s in summaries), 3)} "
+                      f"over {sum(s.x_cublas is not None for s in summaries)} shapes"]
+    else:
+        header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "ideal", "t_base", "t_torch", "t_ours",
+                  "x_base", "x_torch", "E", "eff", "path"]
+        lines += _table(header, (
+            [s.layer, str(s.m), str(s.k), str(s.n)]
+            + [_time_cell(s, v) for v in ("gemm", "comm")] + [_num(s.ideal, 3)]
+            + [_time_cell(s, v) for v in ("base", "torch", "ours")]
+            + [_num(s.x_base, 2), _num(s.x_torch, 2), _num(s.e, 2), _num(s.eff, 2), s.path or "n/a"]
+            for s in summaries
+        ))
+        big = [s for s in summaries if s.m >= E_MIN_M]
+        lines += [
+            "",
+            f"geomean x_base {_num(geomean(s.x_base for s in summaries), 3)} "
+            f"(over {sum(s.x_base is not None for s in summaries)} rows), "
+            f"x_torch {_num(geomean(s.x_torch for s in summaries), 3)} "
+            f"(over {sum(s.x_torch is not None for s in summaries)} rows)",
+            f"median over M>={E_MIN_M} ({len(big)} rows): E {_num(median_or_none(s.e for s in big), 2)}, "
+            f"eff {_num(median_or_none(s.eff for s in big), 2)}, "
+            f"E_torch {_num(median_or_none(s.e_torch for s in big), 2)}",
+        ]
+    variants = GEMM_VARIANTS if op == "gemm" else ("base", "torch", "ours")
+    mem = {(r.shape_key, r.variant): r for r in measurements}
+    lines += ["", "Peak GPU memory per variant, MB (allocator peak + memory kept outside it), max over ranks:", ""]
+    lines += _table(["layer", "M", *variants], (
+        [s.layer, str(s.m)] + [_mem_cell(mem.get(((s.op, s.layer, s.world_size, s.m, s.k, s.n), v)))
+                               for v in variants]
+        for s in summaries
+    ))
+    return "\n".join(lines) + "\n"
+
+
+def _mem_cell(r: Measurement | None) -> str:
+    if r is None or r.status != "ok" or r.mem_peak_mb is None:
+        return "n/a"
+    return f"{r.mem_peak_mb:.0f} + {r.mem_other_mb or 0:.0f}"
+
+
+def _clock_text(c: Any) -> str:
+    if not isinstance(c, dict) or c.get("median") is None:
+        return "n/a"
+    return f"{c['min']:.0f}-{c['max']:.0f} MHz (median {c['median']:.0f})"
+
+
+def clock_stats(measurements: Iterable[Measurement]) -> dict[str, float] | None:
+    vals = [r.clock_mhz for r in measurements if r.clock_mhz is not None]
+    if not vals:
+        return None
+    return {"min": min(vals), "median": statistics.median(vals), "max": max(vals)}
+
+
+def write_chart(path: Path, op: str, measurements: Sequence[Measurement]) -> bool:
+    """Bar chart of speedups over the baseline per row; False (no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    summaries = summarize(measurements)
+    labels = [f"{s.layer}\nM={s.m}" for s in summaries]
+    if op == "gemm":
+        series = {"ours / cuBLAS": [s.x_cublas for s in summaries]}
+        ylabel = "speedup over torch.matmul"
+    else:
+        series = {"tileweave": [s.x_base for s in summaries],
+                  "torch async-TP": [s.x_base_torch for s in summaries]}
+        ylabel = "speedup over NCCL + cuBLAS"
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(labels) + 2), 4.5))
+    for i, (name, vals) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in vals], width=width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"tileweave {op}" + (f", TP={summaries[0].world_size}" if summaries and op != "gemm" else ""))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReportFiles:
+    json: Path
+    md: Path
+    png: Path | None
+
+
+def write_report(
+    *,
+    out_dir: Path,
+    tag: str,
+    op: str,
+    date: str,
+    meta: dict[str, Any],
+    measurements: Sequence[Measurement],
+) -> ReportFiles:
+    """Write ``<tag>_<op>_<date>.{json,md,png}`` into ``out_dir`` (the PNG only with matplotlib)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{tag}_{op}_{date}"
+    meta = {**meta, "op": op, "tag": tag, "sm_clock_mhz": clock_stats(measurements)}
+    doc = {
+        "schema": SCHEMA,
+        "meta": meta,
+        "measurements": [_finite(dataclasses.asdict(r)) for r in measurements],
+        "shapes": [_finite(dataclasses.asdict(s)) for s in summarize(measurements)],
+    }
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    md_path = stem.with_suffix(".md")
+    md_path.write_text(markdown(op, measurements, meta))
+    png_path = stem.with_suffix(".png")
+    return ReportFiles(json=json_path, md=md_path, png=png_path if write_chart(png_path, op, measurements) else None)
+
+
+def _finite(obj: Any) -> Any:
+    """Non-finite floats become None: JSON has no inf/NaN, and a failed variant carries its status."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def load_report(path: Path) -> tuple[dict[str, Any], list[Measurement]]:
+    """Read a JSON written by ``write_report`` back into metadata and measurements."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
+    return doc["meta"], [Measurement(**r) for r in doc["measurements"]]
+
+
+def _run(cmd: Sequence[str], cwd: Path) -> str | None:
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except Exception:
+        return None
+
+
+def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[str]) -> dict[str, Any]:
+    """Where and with what the numbers were taken. Works without CUDA (GPU fields become "n/a")."""
+    import numpy
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = "n/a"
+    here = Path(__file__).resolve().parent
+    # safe.directory: a checkout copied to the GPU machine is often owned by another user.
+    git = ["git", "-c", f"safe.directory={here.parents[2]}"]
+    commit = _run([*git, "rev-parse", "HEAD"], here)
+    dirty = _run([*git, "status", "--porcelain"], here) if commit else None
+    # A copy of the tree without .git (as shipped to a GPU machine) can be told its commit instead.
+    source = "git" if commit else ("env" if os.environ.get(COMMIT_ENV) else None)
+    commit = commit or os.environ.get(COMMIT_ENV)
+    cuda = torch.cuda.is_available()
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hostname": socket.gethostname(),
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else "n/a",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "world_size": world_size,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "numpy": numpy.__version__,
+        "cuda": torch.version.cuda or "n/a",
+        "git_commit": commit.strip() if commit else "n/a",
+        "git_commit_source": source,
+        "git_dirty": bool(dirty.strip()) if dirty is not None else None,
+        "timing": dict(timing),
+        "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
+        "argv": list(argv),
+        "executable": sys.executable,
+    }
+
+
+def _env(key: str) -> str | None:
+    return os.environ.get(key)

@@ -1,0 +1,278 @@
+"""Runs the suite on one rank: verify each variant, then time it, in an order every rank shares.
+
+Phases, in order:
+
+1. ``gemm`` section on rank 0's GPU only; the other ranks wait at a barrier.
+2. PyTorch async-TP for every AG and RS row, before any other symmetric memory exists in the
+   process: that op hung once next to other symmetric buffers (DESIGN.md), so it gets a phase alone.
+3. For every AG row, then every RS row: cuBLAS alone, the copy-engine transport alone (our own
+   symmetric buffer), NCCL + cuBLAS, and tileweave's op.
+
+Deadlock safety: every decision that changes which collectives a rank issues (is a variant there, did
+it verify, how long to warm up) is agreed with an all-reduce first, so all ranks take the same branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from tileweave.bench import variants as V
+from tileweave.bench.report import Measurement
+from tileweave.bench.suite import OpName, SuiteRow, gemm_shapes, select_rows
+from tileweave.bench.timing import (
+    Agreement,
+    ClockReader,
+    DistAgreement,
+    LocalAgreement,
+    MemoryWatch,
+    TimingConfig,
+    measure,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one ``tileweave bench`` run measures."""
+
+    ops: tuple[OpName, ...]
+    """Sections to run, from ``gemm``, ``ag``, ``rs``."""
+    layers: tuple[str, ...] = ()
+    """Layer filters (see ``suite.match_layers``); empty means all."""
+    m_values: tuple[int, ...] = ()
+    """Token counts; empty means the suite's."""
+    timing: TimingConfig = TimingConfig()
+    include_torch: bool = True
+    """Measure PyTorch async-TP (off only to work around a hang in that peer)."""
+
+    def __post_init__(self) -> None:
+        if not self.ops:
+            raise ValueError("ops must name at least one of gemm, ag, rs")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """This process's place in the run."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None
+    """The TP group (WORLD); None when the run is a single process."""
+    agree: Agreement
+    """Agreement over ``group``, or a local one for single-GPU work."""
+    clocks: ClockReader
+    timing: TimingConfig
+
+
+class Progress:
+    """A tqdm bar on rank 0 (plain lines without tqdm); silent elsewhere. Writes to stderr so the
+    tables on stdout stay clean."""
+
+    def __init__(self, *, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc="bench", unit="row", file=sys.stderr, dynamic_ncols=True)
+            except Exception:
+                self._bar = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Measurement:
+    """Verify ``v`` against its reference, then time it; never raises for a failed check.
+
+    Collectives, identical on every rank: agree on availability; if available, agree on the
+    verification (max error, any failure); if it passed, ``measure`` and one memory reduction.
+    """
+    (unavailable,) = ctx.agree.max_floats([float(v.call is None)])
+    if unavailable:
+        return Measurement(**key, variant=v.name, status="n/a", note=v.note or "unavailable on some rank")
+    assert v.call is not None and v.check is not None
+    watch = MemoryWatch()
+    err, note = math.inf, ""
+    try:
+        out = v.call(0)
+        err = v.check(out)
+        del out
+        if not math.isfinite(err):
+            note = "non-finite output"
+    except Exception as e:
+        note = f"{type(e).__name__}: {e}"[:300]
+    failed = not err < V.TOLERANCE
+    fail_any, err_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
+    err_out = err_max if err_max < 1e300 else None
+    if fail_any:
+        torch.cuda.empty_cache()
+        if not note:
+            note = f"rel_err {err_max:.3g} >= {V.TOLERANCE}" if failed else "failed on another rank"
+        return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out, note=note)
+    path = v.path() if v.path is not None else None
+    watch.rearm()
+    try:
+        t = measure(v.call, cfg=ctx.timing, agree=ctx.agree, clocks=ctx.clocks, fence=v.fence)
+    except Exception as e:
+        # Alone on its GPU a rank can record the failure and go on; in a group the peers are
+        # already inside the same collectives, so the run cannot continue in step and must stop.
+        if not isinstance(ctx.agree, LocalAgreement):
+            raise
+        torch.cuda.empty_cache()
+        return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out,
+                           note=f"while timing: {type(e).__name__}: {e}"[:300])
+    peak, other = ctx.agree.max_floats(list(watch.read()))
+    return Measurement(
+        **key, variant=v.name, status="ok", ms=t.ms, rel_err=err_out, warmup_calls=t.warmup_calls,
+        clock_mhz=t.clock_mhz, mem_peak_mb=peak / 2**20, mem_other_mb=other / 2**20, path=path,
+    )
+
+
+def _row_key(row: SuiteRow, *, op: str, world_size: int) -> dict[str, object]:
+    return dict(op=op, layer=row.layer.name, world_size=world_size, m=row.m, k=row.layer.k, n=row.layer.n)
+
+
+def run_gemm_section(cfg: BenchConfig, ctx: RankContext, progress: Progress) -> list[Measurement]:
+    """``torch.matmul`` vs ``tileweave.matmul`` on every local GEMM of the suite; single GPU."""
+    out: list[Measurement] = []
+    for shape in gemm_shapes(layers=cfg.layers or None, m_values=cfg.m_values or None):
+        n_sets = V.rotation_sets(2 * (shape.m * shape.k + shape.n * shape.k))
+        seed = V.seed_for("gemm", shape.m, shape.n, shape.k)
+        a = [V.randn((shape.m, shape.k), seed=seed + 2 * i) for i in range(n_sets)]
+        w = [V.randn((shape.n, shape.k), seed=seed + 2 * i + 1, scale=shape.k ** -0.5) for i in range(n_sets)]
+        ref = a[0].float() @ w[0].float().t()
+        key = dict(op="gemm", layer=shape.label, world_size=1, m=shape.m, k=shape.k, n=shape.n)
+        for v in V.gemm_section_variants(a, w, ref):
+            out.append(run_variant(ctx, v, key=key))
+        del a, w, ref
+        torch.cuda.empty_cache()
+        progress.step(f"gemm {shape.m}x{shape.n}x{shape.k}")
+    return out
+
+
+def _enable_torch_symm_mem(group: dist.ProcessGroup) -> None:
+    """Older torch needs the group registered for symmetric memory; newer torch deprecates the call
+    but still accepts it."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    enabled = getattr(symm_mem, "is_symm_mem_enabled_for_group", None)
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not (enabled is not None and enabled(group.group_name)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.group_name)
+
+
+def run_torch_phase(
+    rows: dict[str, list[SuiteRow]], ctx: RankContext, progress: Progress
+) -> dict[tuple[str, str, int], Measurement]:
+    """PyTorch async-TP on every row, keyed by ``(op, layer, M)``."""
+    assert ctx.group is not None
+    _enable_torch_symm_mem(ctx.group)
+    out: dict[tuple[str, str, int], Measurement] = {}
+    for op, op_rows in rows.items():
+        for row in op_rows:
+            x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
+            key = _row_key(row, op=op, world_size=ctx.world_size)
+            out[(op, row.layer.name, row.m)] = run_variant(ctx, V.torch_variant(x, group=ctx.group), key=key)
+            del x
+            torch.cuda.empty_cache()
+            progress.step(f"torch {op} {row.layer.name} M={row.m}")
+    return out
+
+
+def run_main_phase(
+    rows: dict[str, list[SuiteRow]],
+    torch_rows: dict[tuple[str, str, int], Measurement],
+    ctx: RankContext,
+    progress: Progress,
+) -> dict[str, list[Measurement]]:
+    """cuBLAS, transport, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows."""
+    assert ctx.group is not None
+    numel = max(
+        (V.comm_source_numel(r, world_size=ctx.world_size) for op_rows in rows.values() for r in op_rows),
+        default=0,
+    )
+    if not numel:
+        return {}
+    comm = V.CopyEngineComm(numel=numel, group=ctx.group, rank=ctx.rank, world_size=ctx.world_size)
+    results: dict[str, list[Measurement]] = {}
+    try:
+        for op, op_rows in rows.items():
+            res = results.setdefault(op, [])
+            for row in op_rows:
+                x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
+                key = _row_key(row, op=op, world_size=ctx.world_size)
+                for v in (
+                    V.gemm_variant(x),
+                    comm.variant(x),
+                    V.base_variant(x, group=ctx.group),
+                ):
+                    res.append(run_variant(ctx, v, key=key))
+                if (op, row.layer.name, row.m) in torch_rows:
+                    res.append(torch_rows[(op, row.layer.name, row.m)])
+                else:
+                    res.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
+                res.append(run_variant(ctx, V.ours_variant(x, group=ctx.group), key=key))
+                del x
+                torch.cuda.empty_cache()
+                progress.step(f"{op} {row.layer.name} M={row.m}")
+    finally:
+        comm.close()
+    return results
+
+
+def run_rank(
+    cfg: BenchConfig, *, rank: int, world_size: int, group: dist.ProcessGroup | None
+) -> dict[str, list[Measurement]]:
+    """Everything one rank does; returns the measurements by section (complete on rank 0)."""
+    clocks = ClockReader()
+    dist_ctx = RankContext(
+        rank=rank, world_size=world_size, group=group, clocks=clocks, timing=cfg.timing,
+        agree=DistAgreement(group, torch.device("cuda", torch.cuda.current_device()))
+        if group is not None else LocalAgreement(),
+    )
+    local_ctx = dataclasses.replace(dist_ctx, agree=LocalAgreement())
+
+    coll_ops = [op for op in ("ag", "rs") if op in cfg.ops]
+    rows = {
+        op: select_rows(kind="AG" if op == "ag" else "RS", layers=cfg.layers or None,
+                        m_values=cfg.m_values or None, world_size=world_size)
+        for op in coll_ops
+    }
+    n_gemm = len(gemm_shapes(layers=cfg.layers or None, m_values=cfg.m_values or None)) if "gemm" in cfg.ops else 0
+    n_rows = sum(len(r) for r in rows.values())
+    progress = Progress(total=n_gemm + n_rows * (2 if cfg.include_torch else 1), enabled=rank == 0)
+    results: dict[str, list[Measurement]] = {}
+    try:
+        if "gemm" in cfg.ops:
+            if rank == 0:
+                results["gemm"] = run_gemm_section(cfg, local_ctx, progress)
+            if group is not None:
+                dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        if coll_ops:
+            if group is None or world_size < 2:
+                raise RuntimeError(f"sections {coll_ops} need >= 2 ranks, got world_size={world_size}")
+            torch_rows = run_torch_phase(rows, dist_ctx, progress) if cfg.include_torch else {}
+            torch.cuda.synchronize()
+            dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress))
+    finally:
+        progress.close()
+    return results

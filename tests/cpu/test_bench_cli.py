@@ -1,0 +1,85 @@
+"""``tileweave bench`` options, environment guard and the no-GPU exit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tileweave.bench import cli
+from tileweave.bench.suite import OPS, QUICK_LAYERS, QUICK_M_VALUES
+
+
+def test_defaults():
+    o = cli.parse_args([])
+    assert o.bench.ops == OPS
+    assert o.bench.layers == () and o.bench.m_values == ()
+    assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (0.5, 20, 5)
+    assert o.bench.include_torch and o.world_size is None and o.tag is None
+    assert str(o.out_dir) == "bench/results"
+
+
+def test_every_option():
+    o = cli.parse_args([
+        "--op", "rs,ag", "--layer", "llama3-8b qkv", "llama3-70b", "--layer", "down", "--m", "2048,8192",
+        "--world-size", "4", "--out", "/tmp/x", "--tag", "h200-tp4", "--warmup-s", "1.5", "--iters", "40",
+        "--reps", "7", "--no-torch",
+    ])
+    assert o.bench.ops == ("ag", "rs")
+    assert o.bench.layers == ("llama3-8b qkv", "llama3-70b", "down")
+    assert o.bench.m_values == (2048, 8192)
+    assert o.world_size == 4 and o.tag == "h200-tp4" and str(o.out_dir) == "/tmp/x"
+    assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (1.5, 40, 7)
+    assert not o.bench.include_torch
+
+
+def test_tokens_is_m_for_torchrun():
+    assert cli.parse_args(["--tokens", "4096"]).bench.m_values == (4096,)
+
+
+def test_quick_sets_a_subset_that_explicit_options_override():
+    q = cli.parse_args(["--quick"])
+    assert q.bench.layers == QUICK_LAYERS and q.bench.m_values == QUICK_M_VALUES
+    assert q.bench.timing.warmup_s == cli.QUICK_WARMUP_S
+    o = cli.parse_args(["--quick", "--m", "4096", "--layer", "qkv", "--warmup-s", "0.5"])
+    assert o.bench.m_values == (4096,) and o.bench.layers == ("qkv",) and o.bench.timing.warmup_s == 0.5
+
+
+@pytest.mark.parametrize("argv", [
+    ["--op", "allreduce"], ["--layer", "llama5"], ["--m", "lots"], ["--iters", "5"], ["--reps", "2"],
+    ["--world-size", "0"], ["--tag", "a b"], ["--warmup-s", "-1"],
+])
+def test_bad_values_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_env_guard_forces_multicast_off():
+    env = {"NCCL_NVLS_ENABLE": "1"}
+    notes = cli.ensure_env(env)
+    assert env == cli.REQUIRED_ENV
+    assert len(notes) == 1 and "NCCL_NVLS_ENABLE" in notes[0]
+    assert cli.ensure_env(env) == []
+
+
+def test_world_checks_name_the_problem():
+    o = cli.parse_args(["--op", "ag"])
+    assert "at least 2 GPUs" in cli._check_world(o, world=1, n_gpu=1, needs_ranks=True)
+    assert "exceeds" in cli._check_world(o, world=4, n_gpu=2, needs_ranks=True)
+    assert "divisible" in cli._check_world(cli.parse_args(["--m", "1000"]), world=3, n_gpu=3, needs_ranks=True)
+    assert cli._check_world(o, world=2, n_gpu=2, needs_ranks=True) is None
+    gemm = cli.parse_args(["--op", "gemm"])
+    assert cli._check_world(gemm, world=1, n_gpu=1, needs_ranks=False) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_main_without_cuda_exits_nonzero(monkeypatch, capsys):
+    for key in cli.REQUIRED_ENV:
+        monkeypatch.setenv(key, "unset")  # records the original value, restored after the test
+        monkeypatch.delenv(key)
+    assert cli.main(["--quick"]) == 1
+    assert "no CUDA device" in capsys.readouterr().err
+    import os
+
+    assert all(os.environ[k] == v for k, v in cli.REQUIRED_ENV.items())

@@ -1,0 +1,158 @@
+"""Derived numbers and the report files, on synthetic measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from tileweave.bench import report
+from tileweave.bench.report import (
+    Measurement,
+    geomean,
+    ideal_time,
+    load_report,
+    markdown,
+    overlap_efficiency,
+    speedup,
+    summarize,
+    write_report,
+)
+
+META = {"world_size": 2, "gpu_name": "NVIDIA H200", "date": "2026-01-01T00:00:00", "git_commit": "abc"}
+
+
+def rows_for(layer: str, m: int, times: dict[str, float | None], *, status: dict[str, str] | None = None,
+             op: str = "ag", clock: float | None = 1500.0) -> list[Measurement]:
+    status = status or {}
+    out = []
+    for variant, ms in times.items():
+        st = status.get(variant, "ok" if ms is not None else "n/a")
+        out.append(Measurement(
+            op=op, layer=layer, world_size=2 if op != "gemm" else 1, m=m, k=4096, n=6144, variant=variant,
+            status=st, ms=ms if st == "ok" else None, rel_err=0.004 if st == "ok" else None,
+            warmup_calls=100, clock_mhz=clock, mem_peak_mb=10.0, mem_other_mb=0.0,
+            path="fused" if variant == "ours" else None,
+        ))
+    return out
+
+
+def test_formulas_from_their_definitions():
+    t_gemm, t_comm, t_base, t_ours = 0.8, 0.3, 1.1, 0.9
+    exposed_base = t_base - t_gemm  # communication NCCL-then-cuBLAS leaves exposed
+    exposed_ours = t_ours - t_gemm
+    assert overlap_efficiency(t_fused=t_ours, t_gemm=t_gemm, t_base=t_base) == pytest.approx(
+        (exposed_base - exposed_ours) / exposed_base)
+    # Perfect overlap hides everything; no overlap hides nothing.
+    assert overlap_efficiency(t_fused=t_gemm, t_gemm=t_gemm, t_base=t_base) == pytest.approx(1.0)
+    assert overlap_efficiency(t_fused=t_base, t_gemm=t_gemm, t_base=t_base) == pytest.approx(0.0)
+    assert overlap_efficiency(t_fused=t_base + exposed_base, t_gemm=t_gemm, t_base=t_base) == pytest.approx(-1.0)
+    # Undefined when the baseline exposes no communication, or a time is missing.
+    assert overlap_efficiency(t_fused=t_ours, t_gemm=t_base, t_base=t_base) is None
+    assert overlap_efficiency(t_fused=None, t_gemm=t_gemm, t_base=t_base) is None
+    assert ideal_time(t_gemm, t_comm) == max(t_gemm, t_comm)
+    assert ideal_time(t_gemm, None) is None
+    assert speedup(t_base, t_ours) * t_ours == pytest.approx(t_base)
+    assert speedup(None, t_ours) is None and speedup(t_base, 0.0) is None
+    values = [1.5, 0.5, 2.0]
+    assert geomean(values) == pytest.approx(math.prod(values) ** (1 / len(values)))
+    assert geomean([None, 2.0]) == pytest.approx(2.0) and geomean([]) is None
+
+
+def test_summary_derives_every_number():
+    t = {"gemm": 0.8, "comm": 0.3, "base": 1.1, "torch": 1.0, "ours": 0.9}
+    (s,) = summarize(rows_for("llama3-8b qkv", 8192, t))
+    assert s.ideal == pytest.approx(max(t["gemm"], t["comm"]))
+    assert s.x_base == pytest.approx(t["base"] / t["ours"])
+    assert s.x_torch == pytest.approx(t["torch"] / t["ours"])
+    assert s.x_base_torch == pytest.approx(t["base"] / t["torch"])
+    assert s.e == pytest.approx(1 - (t["ours"] - t["gemm"]) / (t["base"] - t["gemm"]))
+    assert s.e_torch == pytest.approx(1 - (t["torch"] - t["gemm"]) / (t["base"] - t["gemm"]))
+    assert s.eff == pytest.approx(max(t["gemm"], t["comm"]) / t["ours"])
+    assert s.path == "fused"
+
+
+def test_failed_and_missing_variants_leave_holes_not_numbers():
+    t = {"gemm": 0.8, "comm": 0.3, "base": 1.1, "torch": 1.0, "ours": 0.7}
+    (s,) = summarize(rows_for("llama3-8b qkv", 8192, t, status={"ours": "FAILED", "torch": "n/a"}))
+    assert s.times["ours"] is None and s.status["ours"] == "FAILED"
+    assert s.x_base is None and s.e is None and s.eff is None and s.x_torch is None
+    assert s.e_torch is None and s.ideal == pytest.approx(0.8)
+
+
+def synthetic() -> list[Measurement]:
+    rows = []
+    for layer, m, ours in [("llama3-8b qkv", 2048, 0.40), ("llama3-8b qkv", 8192, 0.95),
+                           ("llama3-70b qkv", 16384, 2.1)]:
+        rows += rows_for(layer, m, {"gemm": ours * 0.9, "comm": ours * 0.3, "base": ours * 1.2,
+                                    "torch": ours * 1.1, "ours": ours})
+    rows += rows_for("llama3-70b qkv", 4096, {"gemm": 0.5, "comm": 0.2, "base": 0.7, "torch": 0.6, "ours": None},
+                     status={"ours": "FAILED"})
+    return rows
+
+
+def test_markdown_is_the_wide_view():
+    rows = synthetic()
+    text = markdown("ag", rows, META)
+    header = ("| layer | M | K | N | t_gemm | t_comm | ideal | t_base | t_torch | t_ours | x_base | x_torch "
+              "| E | eff | path |")
+    assert header in text
+    assert "| llama3-8b qkv | 8192 | 4096 | 6144 | 0.855 | 0.285 | 0.855 | 1.140 | 1.045 | 0.950 | 1.20 " in text
+    assert "FAILED" in text
+    s = summarize(rows)
+    gm = math.exp(sum(math.log(x.x_base) for x in s if x.x_base) / sum(1 for x in s if x.x_base))
+    assert f"geomean x_base {gm:.3f}" in text
+    big = [x for x in s if x.m >= 4096 and x.e is not None]
+    assert f"E {statistics.median(x.e for x in big):.2f}" in text
+    assert "Peak GPU memory" in text
+
+
+def test_gemm_markdown_has_tflops_and_ratio():
+    rows = rows_for("llama3-8b qkv AG tp2", 4096, {"cublas": 0.2, "ours": 0.25}, op="gemm")
+    text = markdown("gemm", rows, META)
+    (s,) = summarize(rows)
+    assert s.x_cublas == pytest.approx(0.2 / 0.25)
+    assert s.tflops_ours == pytest.approx(2 * 4096 * 6144 * 4096 / 0.25e-3 / 1e12)
+    assert f"{s.tflops_cublas:.0f}" in text and "x_cublas" in text and "0.80" in text
+
+
+def test_report_round_trip(tmp_path):
+    rows = synthetic()
+    rows.append(Measurement(op="ag", layer="gpt3-175b fc1", world_size=2, m=1024, k=12288, n=49152,
+                            variant="ours", status="FAILED", rel_err=math.inf, note="non-finite output"))
+    files = write_report(out_dir=tmp_path / "res", tag="t1", op="ag", date="20260101-000000",
+                         meta=META, measurements=rows)
+    assert files.json.name == "t1_ag_20260101-000000.json"
+    assert files.md.read_text() == markdown("ag", rows, json.loads(files.json.read_text())["meta"])
+    meta, back = load_report(files.json)
+    # JSON has no inf: the failed row's error comes back as None, everything else unchanged.
+    assert back[:-1] == rows[:-1]
+    assert back[-1].rel_err is None and back[-1].status == "FAILED"
+    assert meta["sm_clock_mhz"] == {"min": 1500.0, "median": 1500.0, "max": 1500.0}
+    doc = json.loads(files.json.read_text())
+    assert len(doc["shapes"]) == len({r.shape_key for r in rows})
+
+
+def test_chart_is_optional(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    files = write_report(out_dir=tmp_path, tag="c", op="ag", date="d", meta=META, measurements=synthetic())
+    assert files.png is not None and files.png.stat().st_size > 0
+    monkeypatch.setattr(report, "write_chart", lambda *a, **k: False)
+    files = write_report(out_dir=tmp_path, tag="c2", op="ag", date="d", meta=META, measurements=synthetic())
+    assert files.png is None and files.json.exists()
+
+
+def test_metadata_without_cuda():
+    meta = report.collect_metadata(world_size=2, timing={"iters": 20}, argv=["--quick"])
+    for key in ("gpu_name", "torch", "triton", "numpy", "python", "cuda", "git_commit", "hostname", "date"):
+        assert key in meta
+    assert meta["timing"] == {"iters": 20}
+
+
+def test_commit_can_be_given_when_git_is_absent(monkeypatch):
+    monkeypatch.setattr(report, "_run", lambda cmd, cwd: None)
+    monkeypatch.setenv(report.COMMIT_ENV, "deadbeef")
+    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    assert (meta["git_commit"], meta["git_commit_source"], meta["git_dirty"]) == ("deadbeef", "env", None)
