@@ -1,0 +1,23 @@
+# Sourced by main.sh and test.sh: chooses the Python to run with and puts src/ on its path.
+#
+# A machine whose python3 already has torch and triton and sees a CUDA GPU (the GPU images, which
+# cannot install from the network) runs as it is. Anywhere else a project environment .venv is made
+# once, with the CPU build of torch, triton and numpy<2.4 (Triton's interpreter fails on range() with
+# numpy 2.4).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if python3 -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  PY=python3
+else
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  PY=.venv/bin/python
+  if ! "$PY" -c "import torch, triton, numpy, pytest" 2>/dev/null; then
+    echo "setting up .venv (CPU torch 2.13.0, triton 3.6.0, numpy<2.4, pytest)..." >&2
+    "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
+      pytest tqdm matplotlib >&2
+  fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
