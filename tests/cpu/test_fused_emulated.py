@@ -30,16 +30,20 @@ def test_all_gather_gemm(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gemm_reduce_scatter(world):
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_gemm_reduce_scatter(world, transport):
     cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3),
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False),
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport=transport),
+        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, transport=transport),
+        # More rows than one row group (2 x 32 here): several copies and arrival flags per peer.
+        C(m_chunk=150, k=32, n=24, iters=2, transport=transport, straggler=world - 1, delay_s=0.2),
     ]
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
-def test_back_to_back_calls_with_changing_inputs():
-    for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16"):
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_back_to_back_calls_with_changing_inputs(transport):
+    for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result
 
 

@@ -50,10 +50,12 @@ def test_all_gather_gemm_gpu():
 
 
 @needs_two
-def test_gemm_reduce_scatter_gpu():
-    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3),
-             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2),
-             C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3)]
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_gemm_reduce_scatter_gpu(transport):
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport),
+             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport),
+             C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3, transport=transport,
+               straggler=1, delay_s=0.05)]
     for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == "fused"
@@ -62,7 +64,8 @@ def test_gemm_reduce_scatter_gpu():
 
 
 @needs_two
-def test_back_to_back_without_sync():
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_back_to_back_without_sync(transport):
     for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
-                            "bfloat16", gpus=True):
+                            "bfloat16", transport, gpus=True):
         assert result["max_ag"] < 1e-2 and result["max_rs"] < 1e-2, result

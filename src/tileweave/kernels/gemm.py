@@ -13,6 +13,9 @@ One kernel, three modes (``MODE``, a compile-time switch):
   NVLink and counted in the owner's counter for this source (one release per program and chunk). The
   own chunk comes last: once every peer's tiles of it are in, each tile sums the W partials in fp32 in
   rank order (so the result is deterministic) and writes the output.
+  With the copy-engine transport the peer tiles go to a local send buffer instead, counted per row
+  group; a copy stream moves each finished row group to its owner and writes an arrival flag, and the
+  own tiles wait for those flags. NVLink traffic then uses the copy engines, not the SMs.
 
 Programs are persistent: program ``pid`` takes global tiles ``pid, pid + P, pid + 2P, ...`` where the
 global order is the chunk order above, so the load stays balanced across chunk boundaries.
@@ -115,7 +118,9 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
     """All tiles of one chunk of ``m_chunk`` rows that belong to program ``pid``.
 
     ``EPILOGUE``: 0 stores to ``c``; 1 stores a partial into the owner's receive buffer and counts the
-    tiles there (``row_c0`` is then the owner); 2 reduces the W partials of the own chunk. ``skip``
+    tiles there (``row_c0`` is then the owner); 2 reduces the W partials of the own chunk. With the
+    copy-engine transport: 3 stores a partial into the local send slot and counts it per row group;
+    4 reduces the own chunk from the partials the copy engines delivered. ``skip``
     (0/1) drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and
     no load can be hoisted above the wait.
     """
@@ -145,6 +150,15 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
             rows = (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N
             tl.store(buf_ptr + offset + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+        elif EPILOGUE == 3:
+            _partial_to_send_slot(acc, t // (GROUP_M * num_pid_n), step, offs_m, offs_n, m_chunk, N,
+                                  buf_ptr, c_ptr, flags_ptr, err_ptr, epoch, max_spin, WORLD)
+        elif EPILOGUE == 4:
+            total = _sum_arrived_partials(acc, t // (GROUP_M * num_pid_n), offs_m, offs_n, m_chunk, N,
+                                          buf_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, WORLD)
+            total = _add_bias(total, bias_ptr, offs_n, N, HAS_BIAS)
+            _store_tile(c_ptr, c_desc, total, 0, pid_m * BM, pid_n * BN, m_chunk, N,
+                        stride_cm, stride_cn, BM, BN, False)
         else:
             # Own chunk: sum every rank's partial in rank order, the own accumulator at its own place.
             missed = 0
@@ -184,6 +198,45 @@ def _wait_peers(counters_ptr, target, err_ptr, max_spin, rank, WORLD: tl.constex
     return missed
 
 
+# Copy-engine reduce-scatter. Flags, int32, per rank: [0, W*S) tiles done per (step, row group) (this
+# rank's kernel counts, its copy stream waits); [W*S, 2W*S) arrival epoch per (source, row group)
+# (peers' copy streams write); [2W*S, 3W*S) sent epoch per (step, row group) (this rank's copy stream
+# writes once a region is copied, so the next call may overwrite it). S = CE_GROUPS row groups at most.
+CE_GROUPS = tl.constexpr(256)
+
+
+@triton.jit
+def _partial_to_send_slot(acc, group, step, offs_m, offs_n, m_chunk, N, buf_ptr, c_ptr, flags_ptr,
+                          err_ptr, epoch, max_spin, WORLD: tl.constexpr):
+    # Send slots follow the W - 1 receive slots; step s feeds owner rank + 1 + s.
+    index = step * CE_GROUPS + group
+    # The copy of this region for the previous call must be done before we overwrite it.
+    missed = wait_epoch(flags_ptr + 2 * WORLD * CE_GROUPS + index, epoch - 1, err_ptr, 200 + step, max_spin)
+    mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed == 0)
+    rows = ((WORLD - 1 + step) * m_chunk + offs_m[:, None]).to(tl.int64) * N
+    tl.store(buf_ptr + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()
+    tl.atomic_add(flags_ptr + index, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _sum_arrived_partials(acc, group, offs_m, offs_n, m_chunk, N, buf_ptr, flags_ptr, err_ptr, epoch,
+                          max_spin, rank, WORLD: tl.constexpr):
+    # Receive slot of source src is (src - rank - 1) mod W; sum in rank order for determinism.
+    total = tl.zeros(acc.shape, dtype=tl.float32)
+    bounds = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
+    for src in tl.static_range(WORLD):
+        if src == rank:
+            total += acc
+        else:
+            missed = wait_epoch(flags_ptr + WORLD * CE_GROUPS + src * CE_GROUPS + group, epoch, err_ptr,
+                                100 + src, max_spin)
+            rows = (((src - rank - 1 + WORLD) % WORLD) * m_chunk + offs_m[:, None]).to(tl.int64) * N
+            part = tl.load(buf_ptr + rows + offs_n[None, :], mask=bounds & (missed == 0), other=0.0)
+            total += part.to(tl.float32)
+    return total
+
+
 def _metadata(grid, kernel, args):
     mode = ("plain", "ag", "rs")[args["MODE"]]
     world = args["WORLD"]
@@ -203,7 +256,7 @@ def fused_gemm_kernel(
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-        LAZY_WAIT: tl.constexpr):
+        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
@@ -212,6 +265,8 @@ def fused_gemm_kernel(
     buffer as an int64 element offset from it and ``peer_flags_ptr[p]`` the int64 address of rank p's
     tile counters; ``flags_ptr[src]`` (own counters) counts src's tiles of the own chunk, cumulative
     and wrapping, and ``epoch`` is the count at which this call's tiles are all in.
+    RS with ``COPY_ENGINE``: ``buf_ptr`` holds W - 1 receive slots then W - 1 send slots of
+    ``[Mc, N]``; ``flags_ptr`` is the flag block described at ``CE_GROUPS``; ``epoch`` is the epoch.
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
@@ -265,17 +320,19 @@ def fused_gemm_kernel(
                         rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
     else:
+        peer_epilogue: tl.constexpr = 3 if COPY_ENGINE else 1
+        own_epilogue: tl.constexpr = 4 if COPY_ENGINE else 2
         for step in range(0, WORLD - 1):
             owner = (rank + 1 + step) % WORLD
             _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, BM, BN, BK, GROUP_M, P, 1, WORLD, B_NK, False, USE_TMA, False,
+                        rank, BM, BN, BK, GROUP_M, P, peer_epilogue, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
-                    BM, BN, BK, GROUP_M, P, 2, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
+                    BM, BN, BK, GROUP_M, P, own_epilogue, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)

@@ -127,12 +127,13 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
-                  config.lazy_wait)
+                  config.lazy_wait, config.copy_engine)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
 
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
-                    "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT")
+                    "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
+                    "COPY_ENGINE")
 _compiled: dict[tuple, object] = {}
 _fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 

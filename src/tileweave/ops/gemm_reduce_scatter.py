@@ -28,29 +28,48 @@ Concurrency: all ranks must call the op the same number of times in the same ord
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
-from tileweave.runtime.backend import Backend, get_backend
+from tileweave.runtime.backend import Backend, TileweaveError, get_backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig, choose_gemm_config
 
 _OP = "gemm_reduce_scatter"
+CE_GROUPS = 256  # tileweave.kernels.gemm.CE_GROUPS
+
+
+@dataclasses.dataclass(frozen=True)
+class _CopyPlan:
+    """Views and flag addresses of one shape for the copy-engine transport."""
+
+    steps: tuple
+    """Per owner, in kernel order: (our RELEASED flag for it, per row group: (our counter, tiles in
+    the group, its receive rows for us, our send rows, its arrival flag for us, our sent flag))."""
+    releases: tuple
 
 
 class GemmReduceScatter:
     """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
-    shape; ``"fused"`` and ``"fallback"`` force one.
+    shape; ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"store"`` (the epilogue stores
+    peer tiles into their owners' buffers over NVLink) or ``"copy_engine"`` (local send buffer, copied
+    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
-                 config: GemmConfig | None = None, max_spin: int | None = None) -> None:
+                 transport: str = "store", config: GemmConfig | None = None,
+                 max_spin: int | None = None) -> None:
         if policy not in ("auto", "fused", "fallback"):
             raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
+        if transport not in ("store", "copy_engine"):
+            raise ValueError(f"transport must be 'store' or 'copy_engine', got {transport!r}")
+        self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
         self.policy = policy
         self.config = config
@@ -89,6 +108,8 @@ class GemmReduceScatter:
 
         proposal = self.config or choose_gemm_config(m, n, k, a.dtype, num_sms=backend.num_sms,
                                                      interpreter=backend.interpreter)
+        if self.transport == "copy_engine" and not proposal.copy_engine:
+            proposal = dataclasses.replace(proposal, copy_engine=True)
         fused = self.policy == "fused" or (
             self.policy == "auto" and heuristics.prefer_fused_reduce_scatter(
                 m, n, k, w, a.dtype, interpreter=backend.interpreter))
@@ -99,10 +120,13 @@ class GemmReduceScatter:
         if not fused:
             return self._fallback(backend, a, b, bias, out)
 
-        self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
-        ws = self._ws
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
+        if config.copy_engine:
+            self._fused_copy_engine(backend, a, b, bias, out, config, m, n)
+            return out
+        self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
+        ws = self._ws
         ws.epoch += 1
         epoch = ws.epoch
         # Each source adds its tiles of our chunk to our counter for it; the kernel waits for the
@@ -132,6 +156,81 @@ class GemmReduceScatter:
             _launch.raise_on_timeout(ws.err, _OP, rank)
         _launch.record_path(_OP, "fused")
         return out
+
+    def _fused_copy_engine(self, backend: Backend, a, b, bias, out, config: GemmConfig, m: int, n: int) -> None:
+        """The copy-engine transport: the kernel writes peer partials to a local send buffer and counts
+        them per row group; this rank's copy stream moves each finished row group into its owner's
+        receive buffer and writes the owner's arrival flag; the owner's tiles wait for those flags."""
+        w, rank = backend.world_size, backend.rank
+        mc = m // w
+        itemsize = a.element_size()
+        self._ws = ensure_workspace(self._ws, backend, 2 * (w - 1) * mc * n * itemsize)
+        ws = self._ws
+        group_rows = config.group_m * config.block_m
+        groups = -(-mc // group_rows)
+        if groups > CE_GROUPS:
+            raise TileweaveError(f"gemm_reduce_scatter: {mc} rows per rank make {groups} row groups of "
+                                 f"{group_rows}; the copy-engine transport tracks at most {CE_GROUPS}: raise "
+                                 "GemmConfig.group_m or use the store transport")
+        flags = ws.ensure_ce_flags(CE_GROUPS)
+        key = ("rs-ce", m, n, a.dtype, config)
+        plan = ws.plans.get(key)
+        if plan is None:
+            plan = ws.plans[key] = self._copy_engine_plan(ws, backend, mc, n, a.dtype, config, groups)
+        if ws.last_plan is not None and ws.last_plan is not plan:
+            # Regions change with the shape: let the previous call's copies finish first.
+            backend.comm_end()
+        ws.last_plan = plan
+        ws.epoch += 1
+        epoch = ws.epoch
+        # The copy stream's work goes in first: it waits on counters that the kernel will raise.
+        for released, per_group in plan.steps:
+            backend.comm_wait(released, epoch - 1)
+            for s, (counter, tiles, dst, src, arrival, sent) in enumerate(per_group):
+                ws.ce_counts[counter] = ws.ce_counts.get(counter, 0) + tiles
+                backend.comm_wait(counter, ws.ce_counts[counter])
+                backend.comm_copy(dst, src)
+                backend.comm_write(arrival, epoch)
+                backend.comm_write(sent, epoch)
+        _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
+                       rank=rank, world=w,
+                       programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                       buf=ws.data.view(rank, a.dtype, (2 * (w - 1) * mc, n)), flags=flags, err=ws.err,
+                       epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
+        for address in plan.releases:
+            backend.main_write(address, epoch)
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            _launch.raise_on_timeout(ws.err, _OP, rank)
+        _launch.record_path(_OP, "fused")
+
+    @staticmethod
+    def _copy_engine_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype,
+                          config: GemmConfig, groups: int) -> "_CopyPlan":
+        w, rank = backend.world_size, backend.rank
+        group_rows = config.group_m * config.block_m
+        tiles_n = -(-n // config.block_n)
+        tiles_m = -(-mc // config.block_m)
+        base = ws.ce_flags.address(rank)
+        steps = []
+        for step in range(w - 1):
+            owner = (rank + 1 + step) % w
+            send = ws.data.view(rank, dtype, (2 * (w - 1), mc, n))[w - 1 + step]
+            recv = ws.data.view(owner, dtype, (2 * (w - 1), mc, n))[(rank - owner - 1) % w]
+            per_group = []
+            for s in range(groups):
+                rows = slice(s * group_rows, min((s + 1) * group_rows, mc))
+                index = step * CE_GROUPS + s
+                per_group.append((
+                    base + 4 * index,                                         # our tiles-done counter
+                    min(config.group_m, tiles_m - s * config.group_m) * tiles_n,  # tiles in the group
+                    recv[rows], send[rows],
+                    ws.ce_flags.address(owner, 4 * (w * CE_GROUPS + rank * CE_GROUPS + s)),  # arrival
+                    base + 4 * (2 * w * CE_GROUPS + index),                   # our sent flag
+                ))
+            steps.append((ws.flag_address(rank, RELEASED, owner), tuple(per_group)))
+        return _CopyPlan(steps=tuple(steps),
+                         releases=tuple(ws.flag_address(p, RELEASED, rank) for p in range(w) if p != rank))
 
     def _fallback(self, backend: Backend, a, b, bias, out):
         w, rank = backend.world_size, backend.rank

@@ -28,6 +28,9 @@ class Workspace:
         self.err = self.local_flags[3 * w:]
         self.epoch = 0
         self.count_expected = 0
+        self.ce_flags = None
+        self.ce_counts: dict[tuple[int, int], int] = {}
+        self.last_plan = None
         self.plans: dict[tuple, object] = {}
         self._ptr_tables: dict[str, torch.Tensor] = {}
 
@@ -37,6 +40,13 @@ class Workspace:
     def flag_slice(self, kind: int) -> torch.Tensor:
         w = self.backend.world_size
         return self.local_flags[kind * w:(kind + 1) * w]
+
+    def ensure_ce_flags(self, groups: int) -> torch.Tensor:
+        """The copy-engine reduce-scatter's flag block (3 x W x ``groups`` int32, see
+        ``tileweave.kernels.gemm.CE_GROUPS``), allocated on first use; returns this rank's view."""
+        if self.ce_flags is None:
+            self.ce_flags = self.backend.allocate(4 * 3 * self.backend.world_size * groups)
+        return self.ce_flags.view(self.backend.rank, torch.int32, (3 * self.backend.world_size * groups,))
 
     def counter_addresses(self) -> torch.Tensor:
         """Every rank's COUNTERS array as int64 addresses (for the kernel's release atomics)."""

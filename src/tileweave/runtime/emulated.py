@@ -133,6 +133,9 @@ class EmulatedBackend(Backend):
             error, self._error = self._error, None
             raise error
 
+    def synchronize(self) -> None:
+        self.comm_end()
+
     def main_wait(self, address: int, value: int) -> None:
         self._poll(address, value, "the caller's stream")
 

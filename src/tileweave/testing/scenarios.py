@@ -33,6 +33,8 @@ class Case:
     """Rank whose producer is delayed by ``delay_s`` (-1: none)."""
     delay_s: float = 0.0
     seed: int = 0
+    transport: str = "store"
+    """Reduce-scatter transport: "store" or "copy_engine"."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -90,10 +92,12 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     """Run each case ``iters`` times through one ``GemmReduceScatter``; also re-run the last inputs to
     check that the output is bitwise the same."""
     device = _device()
-    op = tileweave.GemmReduceScatter(policy="fused")
+    ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine")}
     results = []
     for case in cases:
+        op = ops[case.transport]
         dtype = getattr(torch, case.dtype)
+        set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
         m = case.m_chunk * world
         for it in range(case.iters):
             seed = (case.seed, case.m_chunk, case.k, case.n, it)
@@ -109,6 +113,7 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
             again = op(a_all[rank], b_all[rank], bias=bias)
             results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("gemm_reduce_scatter"),
                             "err": _rel_err(out, ref), "deterministic": bool(torch.equal(out, again))})
+    set_producer_delay(0.0)
     return results
 
 
@@ -132,12 +137,14 @@ def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
     return outcome
 
 
-def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, calls: int, dtype: str) -> dict:
+def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, calls: int, dtype: str,
+                       transport: str = "store") -> dict:
     """``calls`` fused AG and RS calls in a row with fresh inputs and no host sync or barrier between
     them; every output is checked afterwards."""
     device = _device()
     dt = getattr(torch, dtype)
-    ag, rs = tileweave.AllGatherGemm(policy="fused"), tileweave.GemmReduceScatter(policy="fused")
+    ag = tileweave.AllGatherGemm(policy="fused")
+    rs = tileweave.GemmReduceScatter(policy="fused", transport=transport)
     inputs = []
     for i in range(calls):
         shards = [_randn((m_chunk, k), dt, "b2b", i, "a", p, device=device) for p in range(world)]

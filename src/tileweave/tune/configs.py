@@ -43,8 +43,11 @@ class GemmConfig:
     programs: int = 0
     """Persistent programs; 0 means one per SM."""
     lazy_wait: bool = False
-    """Reduce-scatter: wait for the peers' partials inside each own tile (after its main loop) instead
-    of once before the own chunk."""
+    """Reduce-scatter (store transport): wait for the peers' partials inside each own tile (after its
+    main loop) instead of once before the own chunk."""
+    copy_engine: bool = False
+    """Reduce-scatter: move partials with the copy engines (local send buffer, a copy stream, arrival
+    flags per row group) instead of storing them into the owner's buffer from the epilogue."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -59,7 +62,8 @@ class GemmConfig:
     def key(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
-                f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}")
+                f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
+                f"_ce{int(self.copy_engine)}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "GemmConfig":
