@@ -5,6 +5,8 @@
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
+# RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. Where the tree
+# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -14,6 +16,7 @@ export TILEWEAVE_MAX_SPIN=${TILEWEAVE_MAX_SPIN:-16777216}
 OUT=${OUT:-bench/results}
 M=${M:-1024,2048,4096,8192,16384}
 OPS=${OPS:-ag rs gemm}
+RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 mkdir -p "$OUT/results"
@@ -21,7 +24,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --for
 status=0
 timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" || status=1
 for op in $OPS; do
-  timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
-    2>&1 | grep -v -i warning | tail -40 || status=1
+  transports="store"
+  [ "$op" = rs ] && transports="$RS_TRANSPORTS"
+  for transport in $transports; do
+    timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
+      --rs-transport "$transport" --tag "h200-tp2-${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
+  done
 done
 exit $status

@@ -54,6 +54,10 @@ class CliOptions:
     tag: str | None
     """File name prefix; None means ``<gpu>-tp<W>``."""
     argv: tuple[str, ...]
+    policy: str = "auto"
+    """tileweave's path choice for "ours" (exported as TILEWEAVE_POLICY)."""
+    rs_transport: str = "store"
+    """GEMM+ReduceScatter transport for "ours" (exported as TILEWEAVE_RS_TRANSPORT)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=5, help="timed batches, median reported (>= 5)")
     p.add_argument("--no-torch", action="store_true",
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
+    p.add_argument("--policy", choices=("auto", "fused", "fallback"), default="auto",
+                   help="tileweave's path choice for 'ours' (default auto: what users get)")
+    p.add_argument("--rs-transport", choices=("store", "copy_engine"), default="store",
+                   help="GEMM+ReduceScatter transport for 'ours' (default store)")
     return p
 
 
@@ -104,7 +112,8 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
                             include_torch=not ns.no_torch)
     except ValueError as e:
         parser.error(str(e))
-    return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv))
+    return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),
+                      policy=ns.policy, rs_transport=ns.rs_transport)
 
 
 def ensure_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
@@ -175,6 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     for note in ensure_env():
         print(f"tileweave bench: {note}", file=sys.stderr)
+    # The ops read these when they are created; spawned ranks inherit them.
+    os.environ["TILEWEAVE_POLICY"] = opts.policy
+    os.environ["TILEWEAVE_RS_TRANSPORT"] = opts.rs_transport
     import torch
 
     needs_ranks = any(op in ("ag", "rs") for op in opts.bench.ops)

@@ -391,7 +391,8 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
         "git_commit_source": source,
         "git_dirty": bool(dirty.strip()) if dirty is not None else None,
         "timing": dict(timing),
-        "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
+        "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                                     "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_MAX_SPIN")},
         "argv": list(argv),
         "executable": sys.executable,
     }

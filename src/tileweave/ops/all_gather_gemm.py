@@ -27,6 +27,7 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,8 @@ class AllGatherGemm:
         if policy not in ("auto", "fused", "fallback"):
             raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
         self.group = group if group is not None else dist.group.WORLD
-        self.policy = policy
+        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
+        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
         self.config = config
         self.max_spin = max_spin
         self._ws: Workspace | None = None

@@ -29,6 +29,7 @@ Concurrency: all ranks must call the op the same number of times in the same ord
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,8 @@ class GemmReduceScatter:
             raise ValueError(f"transport must be 'store' or 'copy_engine', got {transport!r}")
         self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
-        self.policy = policy
+        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
+        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
         self.config = config
         self.max_spin = max_spin
         self._ws: Workspace | None = None
@@ -259,5 +261,5 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGro
     key = (group.group_name if hasattr(group, "group_name") else id(group), str(a.device))
     op = _cache.get(key)
     if op is None:
-        op = _cache[key] = GemmReduceScatter(group)
+        op = _cache[key] = GemmReduceScatter(group, transport=os.environ.get("TILEWEAVE_RS_TRANSPORT", "store"))
     return op(a, b, bias=bias, out=out)
