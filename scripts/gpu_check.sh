@@ -28,7 +28,7 @@ for op in $OPS; do
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
   for transport in $transports; do
     timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
-      --rs-transport "$transport" --tag "h200-tp2-${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
+      --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
 exit $status
