@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
 import os
 
 import torch
 import triton
+from triton.runtime import _allocation
 
 from tileweave.kernels.gemm import fused_gemm_kernel
 from tileweave.runtime.backend import TileweaveError
@@ -86,12 +87,18 @@ def _tma_ok(t: torch.Tensor, contiguous_dim: int) -> bool:
     return t.stride(contiguous_dim) == 1 and pitch % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-@functools.cache
-def _install_allocator(device_type: str) -> None:
-    # Device-side tensor descriptors need global scratch memory from the launcher.
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device=device_type if device_type == "cpu" else "cuda", dtype=torch.int8)
-    triton.set_allocator(alloc)
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # Global scratch for device-side tensor descriptors, on the current device, from torch's
+    # stream-ordered caching allocator.
+    return torch.empty(size, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.int8)
+
+
+def _install_allocator() -> None:
+    """Give Triton an allocator for descriptor scratch, unless the caller installed their own. Triton
+    keeps it in a context variable, so a new thread starts without one: checked on every launch."""
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(_scratch)
 
 
 def tiles_per_chunk(m_chunk: int, n: int, config: GemmConfig) -> int:
@@ -104,7 +111,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
            peer_flags: torch.Tensor | None = None, flags: torch.Tensor | None = None,
            err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0) -> None:
     """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode."""
-    _install_allocator(a.device.type)
+    _install_allocator()
     b, b_nk = b_layout(b)
     k, n = b.shape
     use_tma = _tma_ok(a, 1) and _tma_ok(b, 0 if b_nk else 1)
@@ -153,8 +160,9 @@ def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, progra
     """
     args = (*tensors, *unspecialized, *ints)
     if not (_fast_launch and tensors[0].is_cuda):
-        fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
-                                       num_warps=num_warps, num_stages=num_stages)
+        with torch.cuda.device(tensors[0].device) if tensors[0].is_cuda else contextlib.nullcontext():
+            fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                           num_warps=num_warps, num_stages=num_stages)
         return
     device = tensors[0].device.index
     key = (device, constexprs, num_warps, num_stages,
@@ -163,10 +171,20 @@ def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, progra
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key)
     if kernel is None:
-        kernel = fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
-                                                num_warps=num_warps, num_stages=num_stages)
+        with torch.cuda.device(device):
+            kernel = fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                                    num_warps=num_warps, num_stages=num_stages)
         _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
         return
+    if torch.cuda.current_device() != device:
+        # The compiled function belongs to the tensors' device: launch it there.
+        with torch.cuda.device(device):
+            _launch_compiled(kernel, device, programs, args, constexprs)
+    else:
+        _launch_compiled(kernel, device, programs, args, constexprs)
+
+
+def _launch_compiled(kernel, device: int, programs: int, args: tuple, constexprs: tuple) -> None:
     stream = torch._C._cuda_getCurrentRawStream(device)
     enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
     metadata = kernel.launch_metadata((programs, 1, 1), stream, *args, *constexprs) if enter else None
