@@ -113,3 +113,13 @@ def test_parse_ops_and_ints():
     assert parse_ints("1024,2048", name="--m") == (1024, 2048)
     with pytest.raises(ValueError, match="--m expects"):
         parse_ints("1k", name="--m")
+
+
+def test_design_table_shapes_are_selectable_but_not_default():
+    from tileweave.bench.suite import BASELINE_LAYERS, SUITE_LAYERS, select_rows
+
+    default = select_rows(kind="AG", world_size=2)
+    assert {r.layer for r in default} <= set(SUITE_LAYERS)
+    chosen = select_rows(kind="RS", layers=["design-table"], m_values=[8192], world_size=2)
+    assert {r.layer for r in chosen} == {ly for ly in BASELINE_LAYERS if ly.kind == "RS"}
+    assert {(r.layer.k, r.layer.n) for r in chosen} >= {(12288, 49152), (8192, 8192)}

@@ -67,6 +67,15 @@ SUITE_LAYERS: tuple[Layer, ...] = (
     Layer(name="gpt3-175b fc2", kind="RS", k=49152, n=12288),
 )
 
+BASELINE_LAYERS: tuple[Layer, ...] = tuple(
+    Layer(name=f"design-table {kind.lower()}-k{k}-n{n}", kind=kind, k=k, n=n)
+    for kind in ("AG", "RS")
+    for k, n in ((12288, 49152), (8192, 28672), (8192, 8192), (4096, 14336))
+)
+"""The (K, N) pairs of DESIGN.md's measured baseline table (its M values 2048..8192 come from --m),
+for checking that this harness reproduces those baselines. Not in the default suite: select them
+with ``--layer design-table``."""
+
 QUICK_LAYERS: tuple[str, ...] = ("llama3-8b qkv", "llama3-70b gate_up", "llama3-8b o", "llama3-70b down")
 """``--quick``: one small and one large layer of each kind."""
 QUICK_M_VALUES: tuple[int, ...] = (2048, 8192)
@@ -164,6 +173,8 @@ def match_layers(filters: Sequence[str] | None, layers: Iterable[Layer] = SUITE_
     layers = list(layers)
     if not filters:
         return layers
+    if layers == list(SUITE_LAYERS):
+        layers += BASELINE_LAYERS  # selectable by name, never part of the default suite
     chosen: list[Layer] = []
     for f in filters:
         key = _norm(f)
