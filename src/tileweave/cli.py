@@ -1,4 +1,4 @@
-"""``tileweave`` command line: ``tileweave bench ...`` and ``tileweave demo``.
+"""``tileweave`` command line: ``tileweave bench ...``, ``tileweave demo`` and ``tileweave tune``.
 
 With no subcommand it runs the main job: the benchmark when two or more CUDA GPUs are visible,
 otherwise the CPU demo (the fused ops on emulated ranks in Triton's interpreter, checked against a
@@ -29,7 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tileweave.demo import main as demo_main
 
         return demo_main(args)
-    print(f"tileweave: unknown command {command!r}; use 'bench' or 'demo'", file=sys.stderr)
+    if command == "tune":
+        from tileweave.tune.autotune import main as tune_main
+
+        return tune_main(args)
+    print(f"tileweave: unknown command {command!r}; use 'bench', 'demo' or 'tune'", file=sys.stderr)
     return 2
 
 

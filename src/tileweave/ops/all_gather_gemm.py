@@ -36,7 +36,8 @@ from tileweave.ops import _launch
 from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend, get_backend
 from tileweave.tune import heuristics
-from tileweave.tune.configs import GemmConfig, choose_gemm_config
+from tileweave.tune.autotune import select_config
+from tileweave.tune.configs import GemmConfig
 
 _OP = "all_gather_gemm"
 
@@ -111,8 +112,8 @@ class AllGatherGemm:
             return (out, a_shard) if return_gathered else out
         _launch.check_not_capturing(_OP)
 
-        proposal = self.config or choose_gemm_config(m, n, k, a_shard.dtype, num_sms=backend.num_sms,
-                                                     interpreter=backend.interpreter)
+        proposal = self.config or select_config(m, n, k, a_shard.dtype, a_shard.device, num_sms=backend.num_sms,
+                                                interpreter=backend.interpreter)
         fused = self.policy == "fused" or (
             self.policy == "auto" and heuristics.prefer_fused_all_gather(m, n, k, w, a_shard.dtype,
                                                                        interpreter=backend.interpreter))

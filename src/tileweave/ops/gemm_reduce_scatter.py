@@ -38,7 +38,8 @@ from tileweave.ops import _launch
 from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend, TileweaveError, get_backend
 from tileweave.tune import heuristics
-from tileweave.tune.configs import GemmConfig, choose_gemm_config
+from tileweave.tune.autotune import select_config
+from tileweave.tune.configs import GemmConfig
 
 _OP = "gemm_reduce_scatter"
 CE_GROUPS = 256  # tileweave.kernels.gemm.CE_GROUPS
@@ -108,8 +109,8 @@ class GemmReduceScatter:
             return out
         _launch.check_not_capturing(_OP)
 
-        proposal = self.config or choose_gemm_config(m, n, k, a.dtype, num_sms=backend.num_sms,
-                                                     interpreter=backend.interpreter)
+        proposal = self.config or select_config(m, n, k, a.dtype, a.device, num_sms=backend.num_sms,
+                                                interpreter=backend.interpreter)
         if self.transport == "copy_engine" and not proposal.copy_engine:
             proposal = dataclasses.replace(proposal, copy_engine=True)
         fused = self.policy == "fused" or (

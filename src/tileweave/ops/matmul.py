@@ -7,7 +7,8 @@ import functools
 import torch
 
 from tileweave.ops import _launch
-from tileweave.tune.configs import GemmConfig, choose_gemm_config
+from tileweave.tune.autotune import select_config
+from tileweave.tune.configs import GemmConfig
 
 
 def _num_sms(device: torch.device) -> int:
@@ -51,8 +52,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         raise RuntimeError("tileweave.matmul on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     if a.stride(1) != 1 and a.stride(0) != 1:
         a = a.contiguous()
-    config = config or choose_gemm_config(m, n, k, a.dtype, num_sms=_num_sms(a.device),
-                                          interpreter=_launch.interpreting())
+    config = config or select_config(m, n, k, a.dtype, a.device, num_sms=_num_sms(a.device),
+                                     interpreter=_launch.interpreting())
     programs = config.programs or _num_sms(a.device)
     _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=out, bias=bias, config=config, m_chunk=m,
                    programs=programs)

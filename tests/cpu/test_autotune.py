@@ -1,0 +1,40 @@
+"""The autotune cache: keys, the on-disk round trip, tolerance of bad files, and a tuning pass in the
+interpreter (CPU timer) whose winner ``select_config`` then returns."""
+
+import json
+
+import torch
+
+from tileweave.tune import autotune
+from tileweave.tune.configs import GemmConfig
+
+
+def test_m_is_bucketed_to_the_next_power_of_two():
+    assert [autotune.m_bucket(m) for m in (1, 64, 65, 1000, 1024, 1025)] == [64, 64, 128, 1024, 1024, 2048]
+    assert autotune.shape_key(3000, 768, 4096, torch.bfloat16) == "bfloat16:4096:768:4096"
+
+
+def test_cache_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "gemm-test.json"
+    cache = autotune.ConfigCache(path)
+    config = GemmConfig(block_n=128, num_stages=4, warp_specialize=True)
+    cache.put("bfloat16:4096:768:4096", config, 0.05)
+    cache.save()
+    assert autotune.ConfigCache(path).get("bfloat16:4096:768:4096") == config
+    assert autotune.ConfigCache(path).get("bfloat16:8192:768:4096") is None
+    path.write_text("{not json")
+    assert autotune.ConfigCache(path).entries == {}
+    path.write_text(json.dumps({"entries": {"k": {"config": {"block_m": 7}}}}))
+    assert autotune.ConfigCache(path).get("k") is None, "an invalid stored config must be ignored"
+
+
+def test_tuning_pass_stores_a_verified_winner(tmp_path, monkeypatch):
+    monkeypatch.setenv(autotune.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(autotune, "_caches", {})
+    small = (GemmConfig(block_m=32, block_n=32, block_k=32, num_stages=1, num_warps=4, flatten=False),
+             GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, flatten=False))
+    config, ms = autotune.autotune_gemm(40, 48, 32, torch.float32, device="cpu", candidates=small,
+                                        warmup=0, iters=1, reps=1)
+    assert config in small and ms > 0
+    stored = json.loads(autotune.cache_path("cpu-interpreter").read_text())["entries"]
+    assert GemmConfig.from_dict(stored[autotune.shape_key(40, 48, 32, torch.float32)]["config"]) == config
