@@ -12,6 +12,7 @@ from tileweave.ops._launch import last_path
 from tileweave.ops.all_gather_gemm import AllGatherGemm, all_gather_gemm
 from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter, gemm_reduce_scatter
 from tileweave.ops.matmul import linear, matmul
+from tileweave.ops import registry as _registry  # noqa: F401  (registers torch.ops.tileweave.*)
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
 from tileweave.tune.configs import GemmConfig
 

@@ -195,20 +195,37 @@ class AllGatherGemm:
 _cache: dict[tuple, AllGatherGemm] = {}
 
 
+def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:
+    """The op shared by every functional call on ``group`` and ``device``."""
+    key = (group.group_name, str(device))
+    op = _cache.get(key)
+    if op is None:
+        op = _cache[key] = AllGatherGemm(group)
+    return op
+
+
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     return_gathered: bool = False):
     """Functional form of :class:`AllGatherGemm` (module docstring: shapes and semantics).
 
     Uses one cached op per (group, device); ``gathered``, when returned, is a fresh tensor here (the
-    workspace is shared by every caller of this function), so it stays valid.
+    workspace is shared by every caller of this function), so it stays valid. Under ``torch.compile``
+    this is the custom op ``torch.ops.tileweave.all_gather_gemm``.
     """
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name if hasattr(group, "group_name") else id(group), str(a_shard.device))
-    op = _cache.get(key)
-    if op is None:
-        op = _cache[key] = AllGatherGemm(group)
-    result = op(a_shard, b, bias=bias, out=out, return_gathered=return_gathered)
+    if torch.compiler.is_compiling():
+        from tileweave.ops import registry
+
+        if return_gathered:
+            result, gathered = registry.all_gather_gemm_gathered_op(a_shard, b, bias, group.group_name)
+        else:
+            result = registry.all_gather_gemm_op(a_shard, b, bias, group.group_name)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        return (result, gathered) if return_gathered else result
+    result = cached_op(group, a_shard.device)(a_shard, b, bias=bias, out=out, return_gathered=return_gathered)
     if return_gathered and _launch.last_path(_OP) == "fused":
         out, gathered = result
         return out, gathered.clone()

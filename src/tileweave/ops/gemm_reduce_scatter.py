@@ -255,12 +255,26 @@ class GemmReduceScatter:
 _cache: dict[tuple, GemmReduceScatter] = {}
 
 
-def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                        bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Functional form of :class:`GemmReduceScatter` (module docstring: shapes and semantics)."""
-    group = group if group is not None else dist.group.WORLD
-    key = (group.group_name if hasattr(group, "group_name") else id(group), str(a.device))
+def cached_op(group: dist.ProcessGroup, device: torch.device) -> GemmReduceScatter:
+    """The op shared by every functional call on ``group`` and ``device``."""
+    key = (group.group_name, str(device))
     op = _cache.get(key)
     if op is None:
         op = _cache[key] = GemmReduceScatter(group, transport=os.environ.get("TILEWEAVE_RS_TRANSPORT", "store"))
-    return op(a, b, bias=bias, out=out)
+    return op
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                        bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form of :class:`GemmReduceScatter` (module docstring: shapes and semantics). Under
+    ``torch.compile`` this is the custom op ``torch.ops.tileweave.gemm_reduce_scatter``."""
+    group = group if group is not None else dist.group.WORLD
+    if torch.compiler.is_compiling():
+        from tileweave.ops import registry
+
+        result = registry.gemm_reduce_scatter_op(a, b, bias, group.group_name)
+        if out is not None:
+            out.copy_(result)
+            result = out
+        return result
+    return cached_op(group, a.device)(a, b, bias=bias, out=out)
