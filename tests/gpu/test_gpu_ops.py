@@ -69,3 +69,16 @@ def test_back_to_back_without_sync(transport):
     for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
                             "bfloat16", transport, gpus=True):
         assert result["max_ag"] < 1e-2 and result["max_rs"] < 1e-2, result
+
+
+@needs_two
+def test_tp_mlp_layers_gpu():
+    # fp32 (TF32 off by default in torch.matmul, ieee in our kernel) and bf16 autocast.
+    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_mlp_check, 4096, 1024, 4096, True, gpus=True):
+        for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
+            assert result[key] < 1e-4, (key, result)
+    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_mlp_check, 4096, 1024, 4096, False, True,
+                            gpus=True):
+        assert result["grad_dtypes"] == "torch.float32,torch.float32", result
+        for key in ("y", "dx", "d_up_w", "d_down_w"):
+            assert result[key] < 3e-2, (key, result)

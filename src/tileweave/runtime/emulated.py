@@ -88,11 +88,14 @@ class EmulatedBackend(Backend):
 
     # The producer thread: one in-order queue, like a stream.
     def _run(self) -> None:
+        # Like a stream: after a failure the remaining work is skipped, but markers (comm_end's) still
+        # fire so that the caller learns of the failure instead of waiting.
         while True:
-            task = self._queue.get()
+            task, is_marker = self._queue.get()
             try:
-                if self._error is None:
-                    task()
+                if is_marker or self._error is None:
+                    with torch.no_grad():
+                        task()
             except BaseException as exc:  # recorded and raised by comm_end on the main thread
                 self._error = exc
             finally:
@@ -115,17 +118,17 @@ class EmulatedBackend(Backend):
             if producer_delay():
                 time.sleep(producer_delay())
             dst.copy_(src)
-        self._queue.put(copy)
+        self._queue.put((copy, False))
 
     def comm_wait(self, address: int, value: int) -> None:
-        self._queue.put(lambda: self._poll(address, value, "the producer"))
+        self._queue.put((lambda: self._poll(address, value, "the producer"), False))
 
     def comm_write(self, address: int, value: int) -> None:
-        self._queue.put(lambda: _write_u32(address, value))
+        self._queue.put((lambda: _write_u32(address, value), False))
 
     def comm_end(self) -> None:
         done = threading.Event()
-        self._queue.put(done.set)
+        self._queue.put((done.set, True))
         if not done.wait(self.timeout_s * 2):
             raise CollectiveTimeout(f"rank {self.rank}: the producer did not finish within "
                                     f"{2 * self.timeout_s:.0f} s")

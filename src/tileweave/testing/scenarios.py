@@ -230,3 +230,51 @@ def compile_check(rank: int, world: int) -> dict:
     nodes = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     return {"graphs": len(graphs), "match": bool(torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5)),
             "ops": sorted(n for n in nodes if "tileweave" in n)}
+
+
+def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save_gathered: bool,
+                 autocast: bool = False) -> dict:
+    """A sequence-parallel MLP (column-parallel up, SiLU, row-parallel down) against the same MLP
+    unsharded in float64: output, input gradient and every parameter gradient. (A smooth activation,
+    so that low-precision runs are not compared across ReLU's kink.)"""
+    from tileweave.nn import ColumnParallelLinear, RowParallelLinear
+
+    device = _device()
+    full_up = {"weight": _randn((ffn, hidden), torch.float32, "mlp-up", device=device) / hidden ** 0.5,
+               "bias": _randn((ffn,), torch.float32, "mlp-ub", device=device)}
+    full_down = {"weight": _randn((hidden, ffn), torch.float32, "mlp-dn", device=device) / ffn ** 0.5,
+                 "bias": _randn((hidden,), torch.float32, "mlp-db", device=device)}
+    x_full = _randn((tokens, hidden), torch.float32, "mlp-x", device=device)
+    grad_full = _randn((tokens, hidden), torch.float32, "mlp-g", device=device)
+    rows = slice(rank * tokens // world, (rank + 1) * tokens // world)
+
+    up = ColumnParallelLinear(hidden, ffn, save_gathered=save_gathered, device=device)
+    down = RowParallelLinear(ffn, hidden, device=device)
+    up.load_full_state_dict(full_up)
+    down.load_full_state_dict(full_down)
+    x = x_full[rows].clone().requires_grad_(True)
+    # Interpreter runs use fp16 (its bf16 is unreliable); GPUs use bf16, as training does.
+    low = torch.bfloat16 if x.is_cuda else torch.float16
+    with torch.autocast(x.device.type, dtype=low, enabled=autocast):
+        y = down(torch.nn.functional.silu(up(x)))
+    (y.float() * grad_full[rows]).sum().backward()
+
+    xr = x_full.double().requires_grad_(True)
+    wu, bu = full_up["weight"].double().requires_grad_(True), full_up["bias"].double().requires_grad_(True)
+    wd, bd = full_down["weight"].double().requires_grad_(True), full_down["bias"].double().requires_grad_(True)
+    yr = torch.nn.functional.silu(xr @ wu.t() + bu) @ wd.t() + bd
+    (yr * grad_full.double()).sum().backward()
+
+    local = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    saved = {"up": up.full_state_dict(), "down": down.full_state_dict()}
+    return {
+        "y": _rel_err(y, yr.detach()[rows]),
+        "dx": _rel_err(x.grad, xr.grad[rows]),
+        "d_up_w": _rel_err(up.weight.grad, wu.grad[local]),
+        "d_up_b": _rel_err(up.bias.grad, bu.grad[local]),
+        "d_down_w": _rel_err(down.weight.grad, wd.grad[:, local]),
+        "d_down_b": _rel_err(down.bias.grad, bd.grad),
+        "grad_dtypes": str(up.weight.grad.dtype) + "," + str(down.weight.grad.dtype),
+        "round_trip": bool(torch.equal(saved["up"]["weight"], full_up["weight"])
+                           and torch.equal(saved["down"]["weight"], full_down["weight"])),
+    }

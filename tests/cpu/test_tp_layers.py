@@ -1,0 +1,22 @@
+"""Sequence-parallel TP layers on emulated ranks: outputs and every gradient against the unsharded
+MLP in float64, with the gathered input kept or gathered again, and under autocast."""
+
+import pytest
+
+from tileweave.testing import scenarios
+from tileweave.testing.emulated import run_ranks
+
+
+@pytest.mark.parametrize("world, save_gathered", [(2, True), (4, False)])
+def test_mlp_forward_and_every_gradient(world, save_gathered):
+    for result in run_ranks(world, scenarios.tp_mlp_check, 48, 32, 64, save_gathered):
+        for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
+            assert result[key] < 1e-5, (key, result)
+        assert result["round_trip"], result
+
+
+def test_mlp_under_autocast_keeps_fp32_parameter_gradients():
+    for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True, True):
+        assert result["grad_dtypes"] == "torch.float32,torch.float32", result
+        for key in ("y", "dx", "d_up_w", "d_down_w"):
+            assert result[key] < 5e-3, (key, result)
