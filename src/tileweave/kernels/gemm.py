@@ -24,7 +24,7 @@ global order is the chunk order above, so the load stays balanced across chunk b
 import triton
 import triton.language as tl
 
-from tileweave.kernels.sync import signal_epoch, wait_epoch
+from tileweave.kernels.sync import wait_epoch
 
 PLAIN = tl.constexpr(0)
 AG = tl.constexpr(1)

@@ -27,16 +27,15 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
-from tileweave.runtime.backend import Backend, get_backend
+from tileweave.ops._fused import FusedOp
+from tileweave.ops.workspace import READY, RELEASED, Workspace, ensure_workspace
+from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
-from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
 _OP = "all_gather_gemm"
@@ -54,25 +53,18 @@ class _Plan:
     """Each peer's RELEASED flag for us."""
 
 
-class AllGatherGemm:
+class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
     ``"fused"`` and ``"fallback"`` force one.
     """
 
+    op_name = _OP
+
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  config: GemmConfig | None = None, max_spin: int | None = None) -> None:
-        if policy not in ("auto", "fused", "fallback"):
-            raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
-        self.group = group if group is not None else dist.group.WORLD
-        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
-        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
-        self.config = config
-        self.max_spin = max_spin
-        self._ws: Workspace | None = None
-        self._agreed: dict[tuple, object] = {}
-        self._backend: Backend | None = None
+        super().__init__(group, policy=policy, config=config, max_spin=max_spin)
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -81,11 +73,6 @@ class AllGatherGemm:
         backend = self._get_backend(device)
         self._ws = ensure_workspace(self._ws, backend, m * k * _itemsize(dtype))
         return self._ws.data.view(backend.rank, dtype, (m, k))
-
-    def _get_backend(self, device: torch.device) -> Backend:
-        if self._backend is None or self._backend.device != device:
-            self._backend = get_backend(self.group, device)
-        return self._backend
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, return_gathered: bool = False):
@@ -112,15 +99,8 @@ class AllGatherGemm:
             return (out, a_shard) if return_gathered else out
         _launch.check_not_capturing(_OP)
 
-        proposal = self.config or select_config(m, n, k, a_shard.dtype, a_shard.device, num_sms=backend.num_sms,
-                                                interpreter=backend.interpreter)
-        fused = self.policy == "fused" or (
-            self.policy == "auto" and heuristics.prefer_fused_all_gather(m, n, k, w, a_shard.dtype,
-                                                                       interpreter=backend.interpreter))
-        signature = (_OP, mc, k, n, str(a_shard.dtype), bias is not None, fused)
-        config = agree(backend, self._agreed, _OP, signature, proposal)
-        if mc == 0 or n == 0 or k == 0:
-            fused = False
+        fused, config = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
+                                     heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 

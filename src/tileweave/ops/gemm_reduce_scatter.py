@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, agree, ensure_workspace
-from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+from tileweave.ops._fused import FusedOp
+from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, ensure_workspace
+from tileweave.runtime.backend import Backend, TileweaveError
 from tileweave.tune import heuristics
-from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
 _OP = "gemm_reduce_scatter"
@@ -55,7 +55,7 @@ class _CopyPlan:
     releases: tuple
 
 
-class GemmReduceScatter:
+class GemmReduceScatter(FusedOp):
     """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
@@ -64,22 +64,15 @@ class GemmReduceScatter:
     by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``).
     """
 
+    op_name = _OP
+
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str = "store", config: GemmConfig | None = None,
                  max_spin: int | None = None) -> None:
-        if policy not in ("auto", "fused", "fallback"):
-            raise ValueError(f"policy must be 'auto', 'fused' or 'fallback', got {policy!r}")
         if transport not in ("store", "copy_engine"):
             raise ValueError(f"transport must be 'store' or 'copy_engine', got {transport!r}")
+        super().__init__(group, policy=policy, config=config, max_spin=max_spin)
         self.transport = transport
-        self.group = group if group is not None else dist.group.WORLD
-        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
-        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
-        self.config = config
-        self.max_spin = max_spin
-        self._ws: Workspace | None = None
-        self._agreed: dict[tuple, object] = {}
-        self._backend: Backend | None = None
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,9 +82,7 @@ class GemmReduceScatter:
         if b.shape[0] != k:
             raise ValueError(f"a is [M={m}, K_loc={k}] but b is {list(b.shape)}: b must be [K_loc={k}, N]")
         n = b.shape[1]
-        if self._backend is None or self._backend.device != a.device:
-            self._backend = get_backend(self.group, a.device)
-        backend = self._backend
+        backend = self._get_backend(a.device)
         w, rank = backend.world_size, backend.rank
         if m % w:
             raise ValueError(f"gemm_reduce_scatter scatters the M={m} rows of a over {w} ranks: M must be "
@@ -109,17 +100,9 @@ class GemmReduceScatter:
             return out
         _launch.check_not_capturing(_OP)
 
-        proposal = self.config or select_config(m, n, k, a.dtype, a.device, num_sms=backend.num_sms,
-                                                interpreter=backend.interpreter)
-        if self.transport == "copy_engine" and not proposal.copy_engine:
-            proposal = dataclasses.replace(proposal, copy_engine=True)
-        fused = self.policy == "fused" or (
-            self.policy == "auto" and heuristics.prefer_fused_reduce_scatter(
-                m, n, k, w, a.dtype, interpreter=backend.interpreter))
-        signature = (_OP, m, k, n, str(a.dtype), bias is not None, fused)
-        config = agree(backend, self._agreed, _OP, signature, proposal)
-        if mc == 0 or n == 0 or k == 0:
-            fused = False
+        overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
+        fused, config = self._decide(backend, m, n, k, a.dtype, a.device, heuristics.prefer_fused_reduce_scatter,
+                                     (m, k, n), bias is not None, **overrides)
         if not fused:
             return self._fallback(backend, a, b, bias, out)
 
