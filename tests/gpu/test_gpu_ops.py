@@ -82,3 +82,12 @@ def test_tp_mlp_layers_gpu():
         assert result["grad_dtypes"] == "torch.float32,torch.float32", result
         for key in ("y", "dx", "d_up_w", "d_down_w"):
             assert result[key] < 3e-2, (key, result)
+
+
+@needs_two
+@pytest.mark.parametrize("policy", ["fused", "fallback"])
+def test_tp_block_gpu(policy):
+    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_block_check, 2, 64, policy, gpus=True):
+        assert result.pop("paths") == f"{policy},{policy}"
+        for key, err in result.items():
+            assert err < 1e-4, (key, result)

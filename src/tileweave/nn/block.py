@@ -1,0 +1,144 @@
+"""A Llama-style transformer block with tensor and sequence parallelism on the fused ops.
+
+Activations between the two halves are sharded by tokens (``x_shard_m [M/W, hidden]``, M = batch x
+seq over the group); each half gathers the tokens in its column-parallel GEMM and scatters them in its
+row-parallel GEMM:
+
+    h = x + o_proj(attention(rope(qkv_proj(rms_norm(x)))))        # qkv: column-, o: row-parallel
+    y = h + down_proj(silu(gate(rms_norm(h))) * up(rms_norm(h)))  # gate_up: column-, down: row-parallel
+
+Each rank runs heads/W attention heads and ffn/W MLP features. With ``TILEWEAVE_POLICY=fallback`` set
+before the first call, the same block runs NCCL collectives around cuBLAS GEMMs (Megatron-style, no
+overlap), for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """Shape of one block (Llama 3 8B: hidden 4096, heads 32, kv_heads 8, ffn 14336)."""
+
+    hidden: int
+    """Model width."""
+    heads: int
+    """Query heads; divisible by the TP group size."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention); divisible by the TP group size."""
+    ffn: int
+    """MLP width; divisible by the TP group size."""
+    rope_theta: float = 500000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding over the sequence axis of ``x [batch, heads, seq, head_dim]``."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class TPTransformerBlock(nn.Module):
+    """One block; ``forward(x_shard_m [M/W, hidden], batch)`` returns ``[M/W, hidden]``.
+
+    Rows of the full ``[M, hidden]`` activation are ``batch`` sequences of ``M / batch`` tokens, rank r
+    holding rows ``[r*M/W, (r+1)*M/W)``.
+    """
+
+    def __init__(self, config: BlockConfig, *, group: dist.ProcessGroup | None = None, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.group = group if group is not None else dist.group.WORLD
+        w = dist.get_world_size(self.group)
+        for name in ("heads", "kv_heads", "ffn"):
+            if getattr(config, name) % w:
+                raise ValueError(f"BlockConfig.{name}={getattr(config, name)} must be divisible by the TP size {w}")
+        self.local_heads, self.local_kv_heads = config.heads // w, config.kv_heads // w
+        hd = config.head_dim
+        kw = dict(group=self.group, device=device, dtype=dtype)
+        self.attn_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
+        self.mlp_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
+        # Fused projections are laid out per rank: [q | k | v] and [gate | up] of this rank's heads and
+        # features, so that one column-parallel GEMM serves them (load_full_state_dict does the layout).
+        self.qkv = ColumnParallelLinear(config.hidden, (config.heads + 2 * config.kv_heads) * hd, bias=False, **kw)
+        self.o = RowParallelLinear(config.hidden, config.hidden, bias=False, **kw)
+        self.gate_up = ColumnParallelLinear(config.hidden, 2 * config.ffn, bias=False, **kw)
+        self.down = RowParallelLinear(config.ffn, config.hidden, bias=False, **kw)
+
+    def forward(self, x_shard: torch.Tensor, batch: int) -> torch.Tensor:
+        c, hd = self.config, self.config.head_dim
+        qkv = self.qkv(self.attn_norm(x_shard))                       # [M, (hl + 2 kvl) hd]
+        m = qkv.shape[0]
+        seq = m // batch
+        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=1)
+        q = rope(q.view(batch, seq, self.local_heads, hd).transpose(1, 2), c.rope_theta)
+        k = rope(k.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2), c.rope_theta)
+        v = v.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2)
+        groups = self.local_heads // self.local_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x_shard + self.o(attn.transpose(1, 2).reshape(m, self.local_heads * hd))
+        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=1)
+        return h + self.down(F.silu(gate) * up)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """From unsharded weights named like Llama's: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``,
+        ``down`` (each ``[out, in]``), ``attn_norm``, ``mlp_norm``."""
+        w, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            n = t.shape[0] // w
+            return t[r * n:(r + 1) * n]
+
+        self.attn_norm.weight.copy_(state["attn_norm"])
+        self.mlp_norm.weight.copy_(state["mlp_norm"])
+        self.qkv.weight.copy_(torch.cat([rows(state["q"]), rows(state["k"]), rows(state["v"])]))
+        self.gate_up.weight.copy_(torch.cat([rows(state["gate"]), rows(state["up"])]))
+        self.o.load_full_state_dict({"weight": state["o"]})
+        self.down.load_full_state_dict({"weight": state["down"]})
+
+
+def reference_block(x: torch.Tensor, state: dict[str, torch.Tensor], config: BlockConfig, batch: int) -> torch.Tensor:
+    """The same block unsharded, in plain torch: the reference for tests."""
+    c, hd = config, config.head_dim
+    m = x.shape[0]
+    seq = m // batch
+
+    def norm(t, weight):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_eps) * weight
+
+    a = norm(x, state["attn_norm"])
+    q = rope((a @ state["q"].t()).view(batch, seq, c.heads, hd).transpose(1, 2), c.rope_theta)
+    k = rope((a @ state["k"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2), c.rope_theta)
+    v = (a @ state["v"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2)
+    g = c.heads // c.kv_heads
+    attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+    h = x + attn.transpose(1, 2).reshape(m, c.hidden) @ state["o"].t()
+    b = norm(h, state["mlp_norm"])
+    return h + (F.silu(b @ state["gate"].t()) * (b @ state["up"].t())) @ state["down"].t()
