@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileweave.kernels.sync import signal_epoch, wait_epoch
+from tileweave.kernels.sync import release_add, signal_epoch, wait_epoch
 
 
 @triton.jit
@@ -72,3 +72,18 @@ def test_signal_publishes_data_before_the_flag():
     _producer[(1,)](flag, data, 9, BLOCK=16)
     assert flag.item() == 9
     assert torch.equal(data, torch.arange(16, dtype=torch.float32) + 9)
+
+
+@triton.jit
+def _counting_producer(counter_ptr, data_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(data_ptr + tl.program_id(0) * BLOCK + offs, offs.to(tl.float32) + 1)
+    release_add(counter_ptr, 1)
+
+
+def test_release_add_counts_every_program_after_its_data():
+    counter = torch.zeros(1, dtype=torch.int32)
+    data = torch.zeros(4 * 16)
+    _counting_producer[(4,)](counter, data, BLOCK=16)
+    assert counter.item() == 4
+    assert torch.equal(data, (torch.arange(16, dtype=torch.float32) + 1).repeat(4))

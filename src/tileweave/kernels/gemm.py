@@ -24,7 +24,7 @@ global order is the chunk order above, so the load stays balanced across chunk b
 import triton
 import triton.language as tl
 
-from tileweave.kernels.sync import wait_epoch
+from tileweave.kernels.sync import release_add, wait_epoch
 
 PLAIN = tl.constexpr(0)
 AG = tl.constexpr(1)
@@ -184,8 +184,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         done = tl.maximum(tiles - start + P - 1, 0) // P
         if done > 0:
             counters = tl.load(peer_flags_ptr + row_c0).to(tl.pointer_type(tl.int32))
-            tl.debug_barrier()
-            tl.atomic_add(counters + rank, done, sem="release", scope="sys")
+            release_add(counters + rank, done)
 
 
 @triton.jit
@@ -215,8 +214,7 @@ def _partial_to_send_slot(acc, group, step, offs_m, offs_n, m_chunk, N, buf_ptr,
     mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed == 0)
     rows = ((WORLD - 1 + step) * m_chunk + offs_m[:, None]).to(tl.int64) * N
     tl.store(buf_ptr + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()
-    tl.atomic_add(flags_ptr + index, 1, sem="release", scope="sys")
+    release_add(flags_ptr + index, 1)
 
 
 @triton.jit

@@ -46,3 +46,11 @@ def signal_epoch(flag_ptr, epoch):
     """
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def release_add(counter_ptr, count):
+    """Add ``count`` to ``*counter_ptr`` after every thread's earlier stores (CTA barrier, then a
+    system-scope release): a consumer that sees the total also sees the data it counts."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, count, sem="release", scope="sys")
