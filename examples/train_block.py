@@ -2,6 +2,7 @@
 
     python examples/train_block.py                      # 2 GPUs if present, else 2 emulated CPU ranks
     python examples/train_block.py --policy fallback    # the same model on NCCL + cuBLAS (Megatron-style)
+    python examples/train_block.py --policy floor       # compute floor: collectives replaced by local copies
 
 On GPUs it uses Llama 3 8B widths in bf16; on the CPU, tiny widths in fp32 (the interpreter is slow).
 """
@@ -20,8 +21,28 @@ import torch  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
 
 
+def _use_compute_floor(rank: int, world: int) -> None:
+    """Swap the layers' fused ops for local stand-ins that do the same GEMMs and move the same bytes
+    within one GPU: the block's time without communication. Its numbers are not a model's."""
+    import tileweave.nn.linear as linear
+
+    def all_gather_gemm(a_shard, b, group, *, bias=None, out=None, return_gathered=False):
+        gathered = a_shard.repeat(world, 1)
+        y = torch.addmm(bias, gathered, b) if bias is not None else gathered @ b
+        return (y, gathered) if return_gathered else y
+
+    def gemm_reduce_scatter(a, b, group, *, bias=None, out=None):
+        rows = a.shape[0] // world
+        y = (a @ b)[rank * rows:(rank + 1) * rows].clone()
+        return y + bias if bias is not None else y
+
+    linear.all_gather_gemm, linear.gemm_reduce_scatter = all_gather_gemm, gemm_reduce_scatter
+
+
 def train(rank: int, world: int, args: argparse.Namespace) -> float:
-    os.environ["TILEWEAVE_POLICY"] = args.policy
+    os.environ["TILEWEAVE_POLICY"] = "fused" if args.policy == "floor" else args.policy
+    if args.policy == "floor":
+        _use_compute_floor(rank, world)
     import torch.distributed as dist
 
     from tileweave.nn import BlockConfig, TPTransformerBlock
@@ -64,7 +85,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", choices=("fused", "fallback", "auto"), default="fused")
+    parser.add_argument("--policy", choices=("fused", "fallback", "auto", "floor"), default="fused")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
