@@ -318,19 +318,18 @@ def fused_gemm_kernel(
                         rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
     else:
-        peer_epilogue: tl.constexpr = 3 if COPY_ENGINE else 1
-        own_epilogue: tl.constexpr = 4 if COPY_ENGINE else 2
+        # Epilogues 1 and 2 for the store transport, 3 and 4 for the copy engines.
         for step in range(0, WORLD - 1):
             owner = (rank + 1 + step) % WORLD
             _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, BM, BN, BK, GROUP_M, P, peer_epilogue, WORLD, B_NK, False, USE_TMA, False,
+                        rank, BM, BN, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
-                    BM, BN, BK, GROUP_M, P, own_epilogue, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
+                    BM, BN, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
