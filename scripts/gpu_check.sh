@@ -5,7 +5,8 @@
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
-# RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. Where the tree
+# RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
+# fused) is what "ours" runs: fused measures the kernels, auto what users get by default. Where the tree
 # travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ for op in $OPS; do
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
   for transport in $transports; do
     timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
-      --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
+      --policy "${POLICY:-fused}" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
 exit $status
