@@ -184,9 +184,18 @@ def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, progra
         _launch_compiled(kernel, device, programs, args, constexprs)
 
 
+def _active_hook(hook):
+    # Triton 3.6 keeps launch hooks in a chain object that is never None, so its own launch path builds
+    # launch metadata and calls the (usually empty) chain on every launch; pass None when it is empty.
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
+
+
 def _launch_compiled(kernel, device: int, programs: int, args: tuple, constexprs: tuple) -> None:
     stream = torch._C._cuda_getCurrentRawStream(device)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    enter = _active_hook(triton.knobs.runtime.launch_enter_hook)
+    leave = _active_hook(triton.knobs.runtime.launch_exit_hook)
     metadata = kernel.launch_metadata((programs, 1, 1), stream, *args, *constexprs) if enter else None
     kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                *args, *constexprs)
