@@ -64,3 +64,14 @@ def test_empty_k_gives_bias_only():
 def test_bad_inputs_are_named(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         bad()
+
+
+def test_strided_bias_and_output_views():
+    a = torch.randn(20, 16)
+    b = torch.randn(16, 12)
+    bias = torch.randn(24)[::2]              # a non-contiguous view
+    big = torch.full((20, 30), float("nan"))
+    out = big[:, 4:16]                       # row pitch 30, unit column stride
+    tileweave.matmul(a, b, bias=bias, out=out)
+    assert _rel(out, a.double() @ b.double() + bias.double()) < 1e-5
+    assert torch.isnan(big[:, :4]).all() and torch.isnan(big[:, 16:]).all(), "wrote outside out"

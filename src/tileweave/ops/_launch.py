@@ -51,13 +51,16 @@ def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None
         raise ValueError(f"{name} is on {t.device} but the other operands are on {device}")
 
 
-def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> None:
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+    """The bias as the kernel reads it (contiguous), after checking it."""
     if bias is None:
-        return
+        return None
     if bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     if bias.dtype != dtype or bias.device != device:
         raise TypeError(f"bias is {bias.dtype} on {bias.device}; expected {dtype} on {device}")
+    return bias.contiguous()
 
 
 def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,

@@ -87,7 +87,7 @@ class AllGatherGemm(FusedOp):
         backend = self._get_backend(a_shard.device)
         w, rank = backend.world_size, backend.rank
         m = mc * w
-        _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
+        bias = _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
         out = _launch.check_out(out, (m, n), a_shard.dtype, a_shard.device)
         if out is None:
             out = torch.empty((m, n), dtype=a_shard.dtype, device=a_shard.device)

@@ -88,7 +88,7 @@ class GemmReduceScatter(FusedOp):
             raise ValueError(f"gemm_reduce_scatter scatters the M={m} rows of a over {w} ranks: M must be "
                              f"divisible by the group size {w} (pad M to {-(-m // w) * w})")
         mc = m // w
-        _launch.check_bias(bias, n, a.dtype, a.device)
+        bias = _launch.check_bias(bias, n, a.dtype, a.device)
         out = _launch.check_out(out, (mc, n), a.dtype, a.device)
         if out is None:
             out = torch.empty((mc, n), dtype=a.dtype, device=a.device)

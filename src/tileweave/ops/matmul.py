@@ -37,7 +37,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     if b.shape[0] != k:
         raise ValueError(f"a is [M={m}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N]")
     n = b.shape[1]
-    _launch.check_bias(bias, n, a.dtype, a.device)
+    bias = _launch.check_bias(bias, n, a.dtype, a.device)
     out = _launch.check_out(out, (m, n), a.dtype, a.device)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
