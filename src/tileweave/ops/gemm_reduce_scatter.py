@@ -149,15 +149,14 @@ class GemmReduceScatter(FusedOp):
         receive buffer and writes the owner's arrival flag; the owner's tiles wait for those flags."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
-        itemsize = a.element_size()
-        self._ws = ensure_workspace(self._ws, backend, 2 * (w - 1) * mc * n * itemsize)
-        ws = self._ws
         group_rows = config.group_m * config.block_m
         groups = -(-mc // group_rows)
         if groups > CE_GROUPS:
             raise TileweaveError(f"gemm_reduce_scatter: {mc} rows per rank make {groups} row groups of "
                                  f"{group_rows}; the copy-engine transport tracks at most {CE_GROUPS}: raise "
                                  "GemmConfig.group_m or use the store transport")
+        self._ws = ensure_workspace(self._ws, backend, 2 * (w - 1) * mc * n * a.element_size())
+        ws = self._ws
         flags = ws.ensure_ce_flags(CE_GROUPS)
         key = ("rs-ce", m, n, a.dtype, config)
         plan = ws.plans.get(key)
