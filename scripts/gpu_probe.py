@@ -35,12 +35,11 @@ GEMM_SHAPES = [  # (M, N, K) local GEMMs of the suite at TP=2 and TP=8
     (8192, 4096, 1792), (1024, 3072, 4096), (1024, 4096, 2048), (16384, 6144, 12288),
 ]
 CONFIGS = {
-    "d": GemmConfig(),
+    "d": GemmConfig(),  # 128x256x64, 3 stages, 8 warps, flattened, TMA stores
+    "ptr_c": GemmConfig(c_tma=False),
     "ws": GemmConfig(warp_specialize=True),
-    "ctma": GemmConfig(c_tma=True),
-    "ws_ctma": GemmConfig(warp_specialize=True, c_tma=True),
-    "s4_ctma": GemmConfig(num_stages=4, c_tma=True),
-    "g4_ctma": GemmConfig(group_m=4, c_tma=True),
+    "s4": GemmConfig(num_stages=4),
+    "g4": GemmConfig(group_m=4),
     "128x128": GemmConfig(block_n=128, num_stages=4),
     "128x128ws": GemmConfig(block_n=128, num_stages=4, warp_specialize=True),
     "256x128": GemmConfig(block_m=256, block_n=128, num_stages=3),
