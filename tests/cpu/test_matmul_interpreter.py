@@ -75,3 +75,25 @@ def test_strided_bias_and_output_views():
     tileweave.matmul(a, b, bias=bias, out=out)
     assert _rel(out, a.double() @ b.double() + bias.double()) < 1e-5
     assert torch.isnan(big[:, :4]).all() and torch.isnan(big[:, 16:]).all(), "wrote outside out"
+
+
+def test_cached_launch_plans_stay_correct_when_tensors_change():
+    from tileweave.ops import matmul as matmul_module
+
+    matmul_module._plans.clear()
+    w = torch.randn(24, 40, dtype=torch.float16)
+    for i in range(3):  # same layout, new data: one plan, reused
+        a = torch.randn(33, 40, dtype=torch.float16)
+        assert _rel(tileweave.matmul(a, w.t()), a.double() @ w.double().t()) < 2e-3
+    assert len(matmul_module._plans) == 1
+    # A view that starts 2 bytes into its storage is not 16-byte aligned: a new plan, still correct.
+    storage = torch.randn(33 * 40 + 1, dtype=torch.float16)
+    a = storage[1:].view(33, 40)
+    assert _rel(tileweave.matmul(a, w.t()), a.double() @ w.double().t()) < 2e-3
+    assert len(matmul_module._plans) == 2
+    # A strided bias is copied on the checked path, so it never takes a cached plan.
+    bias = torch.randn(48, dtype=torch.float16)[::2]
+    for _ in range(2):
+        out = tileweave.matmul(a, w.t(), bias=bias)
+        assert _rel(out, a.double() @ w.double().t() + bias.double()) < 2e-3
+    assert len(matmul_module._plans) == 2

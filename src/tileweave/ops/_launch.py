@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -108,13 +109,31 @@ def tiles_per_chunk(m_chunk: int, n: int, config: GemmConfig) -> int:
     return math.ceil(m_chunk / config.block_m) * math.ceil(n / config.block_n)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainLaunch:
+    """Everything a plain GEMM launch derives from shapes, strides, dtypes and alignment: replayed by
+    ``relaunch`` for later calls with tensors that match in all of those."""
+
+    ints: tuple
+    constexprs: tuple
+    num_warps: int
+    num_stages: int
+    programs: int
+    b_copied: bool
+    """``b`` had neither unit stride and was made contiguous: later calls must do the same."""
+    compiled: list = dataclasses.field(default_factory=list, compare=False)
+    """The compiled kernel once known (CUDA): later calls launch it without building a cache key."""
+
+
 def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
            config: GemmConfig, m_chunk: int, rank: int = 0, world: int = 1, programs: int,
            buf: torch.Tensor | None = None, peer_offsets: torch.Tensor | None = None,
            peer_flags: torch.Tensor | None = None, flags: torch.Tensor | None = None,
-           err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0) -> None:
-    """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode."""
+           err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0) -> PlainLaunch:
+    """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode. Returns
+    what a plain (``MODE_PLAIN``) launch can replay."""
     _install_allocator()
+    b_in = b
     b, b_nk = b_layout(b)
     k, n = b.shape
     use_tma = _tma_ok(a, 1) and _tma_ok(b, 0 if b_nk else 1)
@@ -139,6 +158,25 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
+    return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
+                       num_stages=config.num_stages, programs=programs, b_copied=b is not b_in)
+
+
+def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             bias: torch.Tensor | None) -> None:
+    """A plain GEMM launch again, for tensors that match the ones ``plan`` was made from in shape,
+    strides, dtype, device and 16-byte alignment (the caller's cache key guarantees it)."""
+    _install_allocator()
+    if plan.b_copied:
+        b = b.contiguous()
+    tensors = (a, a, b, c, bias if bias is not None else c, c, c, c, c)
+    if plan.compiled and torch.cuda.current_device() == a.device.index:
+        _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, 0, 0, *plan.ints),
+                         plan.constexprs)
+        return
+    kernel = _run(tensors, (0, 0), plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.programs)
+    if kernel is not None:
+        plan.compiled.append(kernel)
 
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
@@ -153,20 +191,21 @@ def _int_key(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31))
 
 
-def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs) -> None:
+def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs):
     """Launch through a cache of compiled kernels keyed on exactly what Triton specialises on.
 
     ``JITFunction.run`` re-derives the specialisation of all ~30 arguments on every call, which costs
     tens of microseconds of host time: more than the whole GEMM on small shapes. Here the first call of
-    a key goes through Triton and keeps the compiled kernel; later calls launch it directly. Set
-    TILEWEAVE_FAST_LAUNCH=0 to always go through Triton.
+    a key goes through Triton and keeps the compiled kernel; later calls launch it directly (and
+    return it, so that callers with a fixed key can keep it too). Set TILEWEAVE_FAST_LAUNCH=0 to
+    always go through Triton.
     """
     args = (*tensors, *unspecialized, *ints)
     if not (_fast_launch and tensors[0].is_cuda):
         with torch.cuda.device(tensors[0].device) if tensors[0].is_cuda else contextlib.nullcontext():
             fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
                                            num_warps=num_warps, num_stages=num_stages)
-        return
+        return None
     device = tensors[0].device.index
     key = (device, constexprs, num_warps, num_stages,
            tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
@@ -178,13 +217,14 @@ def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, progra
             kernel = fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
                                                     num_warps=num_warps, num_stages=num_stages)
         _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
-        return
+        return None
     if torch.cuda.current_device() != device:
         # The compiled function belongs to the tensors' device: launch it there.
         with torch.cuda.device(device):
             _launch_compiled(kernel, device, programs, args, constexprs)
     else:
         _launch_compiled(kernel, device, programs, args, constexprs)
+    return kernel
 
 
 def _active_hook(hook):

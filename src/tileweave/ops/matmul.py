@@ -31,8 +31,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     all on one device; the output has the input dtype. On the CPU this runs in Triton's interpreter
     (``TRITON_INTERPRET=1``).
     """
+    key = _plan_key(a, b, bias, out, config)
+    plan = _plans.get(key) if key is not None else None
+    if plan is not None:
+        # Seen before with tensors alike in every property the launch depends on: skip the checks
+        # and the derivation (tens of microseconds of host time, which small GEMMs cannot hide).
+        if out is None:
+            out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        _launch.relaunch(plan, a, b, out, bias)
+        _launch.record_path("matmul", "triton")
+        return out
     _launch.check_matrix("a", a)
     _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
+    # A strided bias is copied below; a replayed launch would not copy it, so such calls are not cached.
+    cacheable = key is not None and (bias is None or bias.is_contiguous())
     m, k = a.shape
     if b.shape[0] != k:
         raise ValueError(f"a is [M={m}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N]")
@@ -50,15 +62,38 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         return out
     if a.device.type == "cpu" and not _launch.interpreting():
         raise RuntimeError("tileweave.matmul on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
-    if a.stride(1) != 1 and a.stride(0) != 1:
+    a_copied = a.stride(1) != 1 and a.stride(0) != 1
+    if a_copied:
         a = a.contiguous()
-    config = config or select_config(m, n, k, a.dtype, a.device, num_sms=_num_sms(a.device),
+    chosen = config or select_config(m, n, k, a.dtype, a.device, num_sms=_num_sms(a.device),
                                      interpreter=_launch.interpreting())
-    programs = config.programs or _num_sms(a.device)
-    _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=out, bias=bias, config=config, m_chunk=m,
-                   programs=programs)
+    programs = chosen.programs or _num_sms(a.device)
+    launched = _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=out, bias=bias, config=chosen, m_chunk=m,
+                              programs=programs)
+    if cacheable and not a_copied:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = launched
     _launch.record_path("matmul", "triton")
     return out
+
+
+_plans: dict[tuple, _launch.PlainLaunch] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(a, b, bias, out, config) -> tuple | None:
+    """Everything about the arguments that the launch depends on, or None to take the checked path."""
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 2 or b.dim() != 2:
+        return None
+    if bias is not None and type(bias) is not torch.Tensor or out is not None and type(out) is not torch.Tensor:
+        return None
+    return (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
+            b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() % 16 == 0),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device, out.data_ptr() % 16 == 0),
+            config, _launch.interpreting(),
+            a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
