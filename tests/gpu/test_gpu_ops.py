@@ -1,5 +1,7 @@
 """The ops on real GPUs against float64 references (bf16 and fp16). Skipped without CUDA GPUs."""
 
+import os
+
 import pytest
 import torch
 
@@ -8,6 +10,9 @@ from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = pytest.mark.gpu
+if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
+    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
+                allow_module_level=True)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                reason="needs two CUDA GPUs")

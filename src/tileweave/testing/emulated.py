@@ -62,7 +62,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
         heap_path = f.name
     if gpus:
         overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", **(env or {})}
+                     "NVSHMEM_DISABLE_NVLS": "1", "TRITON_INTERPRET": "0", **(env or {})}
     else:
         overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
                      **(env or {})}
