@@ -65,3 +65,8 @@ def test_unfused_fallback_paths():
     for result in run_ranks(2, scenarios.fallback_check, 12, 16, 20):
         assert result["ag"] < 1e-5 and result["rs"] < 1e-5 and result["gathered"] == 1.0, result
         assert result["ag_path"] == "fallback" and result["rs_path"] == "fallback"
+
+
+def test_a_group_without_this_rank_is_refused():
+    results = run_ranks(2, scenarios.foreign_group_check)
+    assert "not a member of the group" in results[1], results

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -119,7 +120,12 @@ def _group_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int
         raise TileweaveError("torch.distributed is not initialised: call dist.init_process_group first "
                              "(or pass world-size-1 inputs to tileweave.matmul)")
     group = group if group is not None else dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise TileweaveError(f"this process (global rank {dist.get_rank()}) is not a member of the group "
+                             f"passed to tileweave ({dist.get_world_size(group)} ranks): pass a group it "
+                             "belongs to")
+    return group, rank, dist.get_world_size(group)
 
 
 class CudaBackend(Backend):
@@ -133,6 +139,7 @@ class CudaBackend(Backend):
         # About a minute of polling at ~1 us per poll: long enough for any straggler, short enough
         # that a lost peer becomes an error instead of a hang.
         self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 1 << 26))
+        self.timeout_s = float(os.environ.get("TILEWEAVE_TIMEOUT_S", 120))
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comm_handle = self.comm_stream.cuda_stream
         self._begin_event = torch.cuda.Event()
@@ -208,7 +215,21 @@ class CudaBackend(Backend):
         driver.stream_write_u32(self._main_handle(), address, value)
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        """Wait for the caller's stream and the copy stream, but not forever: stream waits on a
+        peer's flag block the GPU until the peer arrives, so a lost peer would otherwise hang the host
+        here. Used after each call in debug mode (TILEWEAVE_DEBUG=1)."""
+        events = []
+        for stream in (torch.cuda.current_stream(self.device), self.comm_stream):
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        deadline = time.monotonic() + self.timeout_s
+        while not all(event.query() for event in events):
+            if time.monotonic() > deadline:
+                raise CollectiveTimeout(f"rank {self.rank}: the GPU streams did not finish within "
+                                        f"{self.timeout_s:.0f} s; a peer is missing or its calls are out of "
+                                        "step (TILEWEAVE_TIMEOUT_S sets this bound)")
+            time.sleep(1e-4)
 
 
 _BACKENDS: dict[tuple, Backend] = {}

@@ -334,3 +334,15 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
         errors[f"d_{name}"] = _rel_err(grad, d[name])
     errors["paths"] = tileweave.last_path("all_gather_gemm") + "," + tileweave.last_path("gemm_reduce_scatter")
     return errors
+
+
+def foreign_group_check(rank: int, world: int) -> str:
+    """An op given a group this rank is not in must say so."""
+    group = dist.new_group([0])  # collective: every rank creates it, only rank 0 is a member
+    if rank == 0:
+        return "member"
+    try:
+        tileweave.AllGatherGemm(group)(_randn((4, 8), torch.float32, "fg"), _randn((8, 4), torch.float32, "fg"))
+    except tileweave.TileweaveError as exc:
+        return str(exc)
+    return "no error"
