@@ -29,6 +29,16 @@ def test_all_gather_gemm(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_all_gather_gemm_ring(world):
+    # Each chunk is forwarded hop by hop; a late rank delays every chunk that passes through it.
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport="ring"),
+        C(m_chunk=24, k=32, n=40, iters=2, straggler=1, delay_s=0.2, ag_transport="ring"),
+    ]
+    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("transport", ["store", "copy_engine"])
 def test_gemm_reduce_scatter(world, transport):

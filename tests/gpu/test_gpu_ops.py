@@ -42,11 +42,14 @@ C = scenarios.Case
 
 
 @needs_two
-def test_all_gather_gemm_gpu():
-    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3),
-             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2),
-             C(m_chunk=4096, k=4096, n=7168, dtype="bfloat16", iters=3),
-             C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05)]
+@pytest.mark.parametrize("transport", ["mesh", "ring"])
+def test_all_gather_gemm_gpu(transport):
+    t = transport
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, ag_transport=t),
+             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, ag_transport=t),
+             C(m_chunk=4096, k=4096, n=7168, dtype="bfloat16", iters=3, ag_transport=t),
+             C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05,
+               ag_transport=t)]
     for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_gemm_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == "fused"

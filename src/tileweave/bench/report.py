@@ -392,7 +392,8 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
         "git_dirty": bool(dirty.strip()) if dirty is not None else None,
         "timing": dict(timing),
         "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                                     "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_MAX_SPIN")},
+                                     "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_AG_TRANSPORT",
+                                     "TILEWEAVE_MAX_SPIN")},
         "argv": list(argv),
         "executable": sys.executable,
     }

@@ -254,11 +254,11 @@ def fused_gemm_kernel(
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr):
+        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
-    src's shard is complete in it.
+    src's shard is complete in it; ``RING`` orders peer chunks for a ring producer.
     RS: ``buf_ptr`` is the own receive buffer ``[W, Mc, N]``; ``peer_offs_ptr[p]`` is rank p's receive
     buffer as an int64 element offset from it and ``peer_flags_ptr[p]`` the int64 address of rank p's
     tile counters; ``flags_ptr[src]`` (own counters) counts src's tiles of the own chunk, cumulative
@@ -309,7 +309,9 @@ def fused_gemm_kernel(
         else:
             g_src = buf_ptr
         for step in range(1, WORLD):
-            src = (rank + step) % WORLD
+            # Chunks in arrival order: a full-mesh push delivers rank+1's first, a ring (each rank
+            # forwarding to rank+1) delivers rank-1's first.
+            src = (rank + WORLD - step) % WORLD if RING else (rank + step) % WORLD
             skip = wait_epoch(flags_ptr + src, epoch, err_ptr, 1 + src, max_spin)
             _chunk_loop(pid, step, g_src, b_src, c_desc, buf_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,

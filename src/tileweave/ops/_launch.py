@@ -129,7 +129,8 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
            config: GemmConfig, m_chunk: int, rank: int = 0, world: int = 1, programs: int,
            buf: torch.Tensor | None = None, peer_offsets: torch.Tensor | None = None,
            peer_flags: torch.Tensor | None = None, flags: torch.Tensor | None = None,
-           err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0) -> PlainLaunch:
+           err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0,
+           ring: bool = False) -> PlainLaunch:
     """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode. Returns
     what a plain (``MODE_PLAIN``) launch can replay."""
     _install_allocator()
@@ -156,7 +157,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
-                  config.lazy_wait, config.copy_engine)
+                  config.lazy_wait, config.copy_engine, ring)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
                        num_stages=config.num_stages, programs=programs, b_copied=b is not b_in)
@@ -181,7 +182,7 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
                     "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
-                    "COPY_ENGINE")
+                    "COPY_ENGINE", "RING")
 _compiled: dict[tuple, object] = {}
 _fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 

@@ -14,7 +14,9 @@ gathered            ``[M, K]``                  ``AllGather_M(a_shard)`` (backwa
 
 How it runs. Each rank's producer pushes its shard into every peer's symmetric gather buffer on the
 copy engines (high-priority stream, no SMs), nearest consumer first, and then writes the peer's ready
-flag with a stream memory op. The consumer is the persistent GEMM: it computes its own rows straight
+flag with a stream memory op (``transport="mesh"``, for NVSwitch-class nodes where every pair has its
+own links). With ``transport="ring"`` each rank instead forwards every chunk to rank+1 once it has
+it, so each link carries one stream of data (for PCIe or partial meshes). The consumer is the persistent GEMM: it computes its own rows straight
 from ``a_shard`` while the shards travel, then each peer's rows once that peer's flag carries this
 call's epoch. After the GEMM each rank tells every peer that its gather buffer may be refilled
 (``released``), and a producer waits for that before pushing the next call's shard, so no barrier is
@@ -27,6 +29,7 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -48,7 +51,9 @@ class _Plan:
     gathered: torch.Tensor
     own_slot: torch.Tensor
     pushes: tuple
-    """(peer's slot for our shard, our RELEASED flag for that peer, the peer's READY flag for us)."""
+    """Per copy: (destination slot in a peer's buffer, our RELEASED flag for that peer or None, the
+    peer's READY flag for the chunk, our READY flag to wait for before forwarding or None, the source:
+    None for our shard, else our slot of the forwarded chunk)."""
     releases: tuple
     """Each peer's RELEASED flag for us."""
 
@@ -57,14 +62,18 @@ class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
-    ``"fused"`` and ``"fallback"`` force one.
+    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring).
     """
 
     op_name = _OP
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
-                 config: GemmConfig | None = None, max_spin: int | None = None) -> None:
+                 transport: str = "mesh", config: GemmConfig | None = None,
+                 max_spin: int | None = None) -> None:
+        if transport not in ("mesh", "ring"):
+            raise ValueError(f"transport must be 'mesh' or 'ring', got {transport!r}")
         super().__init__(group, policy=policy, config=config, max_spin=max_spin)
+        self.transport = transport
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -107,14 +116,19 @@ class AllGatherGemm(FusedOp):
         self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
         ws = self._ws
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
-        plan = self._plan(ws, backend, mc, k, a_shard.dtype)
+        ring = self.transport == "ring"
+        plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
         ws.epoch += 1
         epoch = ws.epoch
         backend.comm_begin()
-        # Nearest consumer first: rank r - i computes rank r's rows at its step i.
-        for slot, released, ready in plan.pushes:
-            backend.comm_wait(released, epoch - 1)
-            backend.comm_copy(slot, a_shard)
+        # Mesh: our shard to every peer, nearest consumer first (rank r - i computes our rows at its
+        # step i). Ring: our shard, then each chunk from rank-1 as it arrives, all to rank+1.
+        for slot, released, ready, arrived, source in plan.pushes:
+            if released is not None:
+                backend.comm_wait(released, epoch - 1)
+            if arrived is not None:
+                backend.comm_wait(arrived, epoch)
+            backend.comm_copy(slot, a_shard if source is None else source)
             backend.comm_write(ready, epoch)
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
@@ -124,7 +138,7 @@ class AllGatherGemm(FusedOp):
                        config=config, m_chunk=mc, rank=rank, world=w,
                        programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
                        flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
-                       max_spin=self.max_spin or backend.default_max_spin)
+                       max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         for address in plan.releases:
             backend.main_write(address, epoch)
         backend.comm_end()
@@ -135,19 +149,31 @@ class AllGatherGemm(FusedOp):
         return (out, gathered) if return_gathered else out
 
     @staticmethod
-    def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype) -> "_Plan":
-        key = ("ag", mc, k, dtype)
+    def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> "_Plan":
+        key = ("ag", mc, k, dtype, ring)
         plan = ws.plans.get(key)
         if plan is None:
             w, rank = backend.world_size, backend.rank
-            rows = slice(rank * mc, (rank + 1) * mc)
-            pushes = []
-            for i in range(1, w):
-                peer = (rank - i) % w
-                pushes.append((ws.data.view(peer, dtype, (mc * w, k))[rows],
-                               ws.flag_address(rank, RELEASED, peer), ws.flag_address(peer, READY, rank)))
+            rows = lambda r: slice(r * mc, (r + 1) * mc)  # noqa: E731
             gathered = ws.data.view(rank, dtype, (mc * w, k))
-            plan = ws.plans[key] = _Plan(gathered=gathered, own_slot=gathered[rows], pushes=tuple(pushes),
+            pushes = []
+            if ring:
+                nxt = (rank + 1) % w
+                peer_buf = ws.data.view(nxt, dtype, (mc * w, k))
+                for i in range(1, w):
+                    chunk = (rank - i + 1) % w  # ours first, then what rank-1 forwarded to us
+                    pushes.append((peer_buf[rows(chunk)],
+                                   ws.flag_address(rank, RELEASED, nxt) if i == 1 else None,
+                                   ws.flag_address(nxt, READY, chunk),
+                                   None if i == 1 else ws.flag_address(rank, READY, chunk),
+                                   None if i == 1 else gathered[rows(chunk)]))
+            else:
+                for i in range(1, w):
+                    peer = (rank - i) % w
+                    pushes.append((ws.data.view(peer, dtype, (mc * w, k))[rows(rank)],
+                                   ws.flag_address(rank, RELEASED, peer), ws.flag_address(peer, READY, rank),
+                                   None, None))
+            plan = ws.plans[key] = _Plan(gathered=gathered, own_slot=gathered[rows(rank)], pushes=tuple(pushes),
                                          releases=tuple(ws.flag_address(p, RELEASED, rank)
                                                         for p in range(w) if p != rank))
         return plan
@@ -180,7 +206,7 @@ def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:
     key = (group.group_name, str(device))
     op = _cache.get(key)
     if op is None:
-        op = _cache[key] = AllGatherGemm(group)
+        op = _cache[key] = AllGatherGemm(group, transport=os.environ.get("TILEWEAVE_AG_TRANSPORT", "mesh"))
     return op
 
 

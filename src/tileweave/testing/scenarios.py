@@ -36,6 +36,8 @@ class Case:
     seed: int = 0
     transport: str = "store"
     """Reduce-scatter transport: "store" or "copy_engine"."""
+    ag_transport: str = "mesh"
+    """All-gather transport: "mesh" or "ring"."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -64,9 +66,10 @@ def _device() -> str:
 def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
     """Run each case ``iters`` times through one ``AllGatherGemm``; return the errors per call."""
     device = _device()
-    op = tileweave.AllGatherGemm(policy="fused")
+    ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring")}
     results = []
     for case in cases:
+        op = ops[case.ag_transport]
         dtype = getattr(torch, case.dtype)
         set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
         m = case.m_chunk * world
