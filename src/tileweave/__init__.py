@@ -6,6 +6,13 @@ Public API (shapes per rank; W ranks in the group):
 * ``all_gather_gemm(a_shard [M/W, K], b [K, N_loc], group)`` -> ``[M, N_loc]``; ``AllGatherGemm``.
 * ``gemm_reduce_scatter(a [M, K_loc], b [K_loc, N], group)`` -> ``[M/W, N]``; ``GemmReduceScatter``.
 * ``last_path(op)``: which path ("fused", "fallback", "local", "triton") the last call took.
+* ``tileweave.nn``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``TPTransformerBlock``.
+* ``torch.ops.tileweave.*``: the fused ops as custom ops (what ``torch.compile`` sees).
+
+Environment: ``TILEWEAVE_DEBUG=1`` checks every call for expired waits (synchronising);
+``TILEWEAVE_MAX_SPIN`` / ``TILEWEAVE_TIMEOUT_S`` bound in-kernel and host waits;
+``TILEWEAVE_POLICY``, ``TILEWEAVE_AG_TRANSPORT``, ``TILEWEAVE_RS_TRANSPORT`` override the defaults of
+the functional ops (the benchmark uses them); ``TILEWEAVE_CACHE_DIR`` holds autotuned configs.
 """
 
 from tileweave.ops._launch import last_path
