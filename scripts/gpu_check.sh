@@ -7,7 +7,8 @@
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
 # RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default. Where the tree
-# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit.
+# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit. BLOCK=0 skips the
+# transformer-block comparison (examples/train_block.py), which writes block.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -32,4 +33,11 @@ for op in $OPS; do
       --policy "${POLICY:-fused}" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
+if [ "${BLOCK:-1}" = 1 ]; then
+  # The TP block, forward + backward: fused, NCCL + cuBLAS, and the compute floor.
+  for policy in fused fallback floor; do
+    timeout "$BENCH_TIMEOUT" python3 examples/train_block.py --policy "$policy" --steps 8 2>&1 \
+      | grep -v -i warning | tail -1 | tee -a "$OUT/block.txt" || status=1
+  done
+fi
 exit $status
