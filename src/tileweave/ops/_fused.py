@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tileweave.ops import _launch
 from tileweave.ops.workspace import Workspace, agree
 from tileweave.runtime.backend import Backend, get_backend
 from tileweave.tune.autotune import select_config
@@ -35,6 +36,31 @@ class FusedOp:
         self._ws: Workspace | None = None
         self._agreed: dict[tuple, object] = {}
         self._backend: Backend | None = None
+        self._err_host: torch.Tensor | None = None
+        self._err_event = None
+
+    def _finish(self, backend: Backend, ws: Workspace) -> None:
+        """After a fused launch: surface an expired in-kernel wait. In debug mode (and on the CPU) by
+        synchronising now; otherwise without a sync, from a copy of the error word that the next call
+        reads once the GPU has written it, so a lost peer is reported one call late but never silently
+        (the outputs of a call whose wait expired are wrong)."""
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            _launch.raise_on_timeout(ws.err, self.op_name, backend.rank)
+            return
+        if self._err_host is None:
+            self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._err_event = torch.cuda.Event()
+        self._err_host.copy_(ws.err, non_blocking=True)
+        self._err_event.record()
+
+    def _check_previous(self) -> None:
+        if self._err_event is not None and self._err_event.query() and int(self._err_host[0]) != 0:
+            code = int(self._err_host[0])
+            self._err_host.zero_()
+            self._ws.err.zero_()
+            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name,
+                                     self._backend.rank if self._backend else -1)
 
     def _get_backend(self, device: torch.device) -> Backend:
         if self._backend is None or self._backend.device != device:

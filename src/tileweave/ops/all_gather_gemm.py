@@ -113,6 +113,7 @@ class AllGatherGemm(FusedOp):
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 
+        self._check_previous()
         self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
         ws = self._ws
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
@@ -142,9 +143,7 @@ class AllGatherGemm(FusedOp):
         for address in plan.releases:
             backend.main_write(address, epoch)
         backend.comm_end()
-        if backend.interpreter or _launch.debug_mode():
-            backend.synchronize()
-            _launch.raise_on_timeout(ws.err, _OP, rank)
+        self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
         return (out, gathered) if return_gathered else out
 

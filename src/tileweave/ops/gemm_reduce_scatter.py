@@ -106,6 +106,7 @@ class GemmReduceScatter(FusedOp):
         if not fused:
             return self._fallback(backend, a, b, bias, out)
 
+        self._check_previous()
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if config.copy_engine:
@@ -137,9 +138,7 @@ class GemmReduceScatter(FusedOp):
                        epoch=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
         for address in releases:
             backend.main_write(address, epoch)
-        if backend.interpreter or _launch.debug_mode():
-            backend.synchronize()
-            _launch.raise_on_timeout(ws.err, _OP, rank)
+        self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
         return out
 
@@ -184,9 +183,7 @@ class GemmReduceScatter(FusedOp):
                        epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
         for address in plan.releases:
             backend.main_write(address, epoch)
-        if backend.interpreter or _launch.debug_mode():
-            backend.synchronize()
-            _launch.raise_on_timeout(ws.err, _OP, rank)
+        self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
 
     @staticmethod
