@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -26,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import tileweave  # noqa: E402
 from tileweave.testing import scenarios  # noqa: E402
+from tileweave.tune.autotune import time_ms  # noqa: E402
 from tileweave.tune.configs import GemmConfig  # noqa: E402
 
 GEMM_SHAPES = [  # (M, N, K) local GEMMs of the suite at TP=2 and TP=8
@@ -47,18 +47,7 @@ CONFIGS = {
 
 
 def timed(fn, *, warmup=5, iters=10, reps=3):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
+    return time_ms(fn, torch.device("cuda"), warmup=warmup, iters=iters, reps=reps)
 
 
 def rel_err(got, ref):

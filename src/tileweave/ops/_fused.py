@@ -23,6 +23,23 @@ class FusedOp:
     """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, reused."""
 
     op_name = ""
+    transport_env = ""
+    """Environment variable that picks the transport of the ops the functional API shares."""
+    default_transport = ""
+    _shared: dict[tuple, "FusedOp"]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._shared = {}
+
+    @classmethod
+    def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "FusedOp":
+        """The op shared by every functional call on ``group`` and ``device``."""
+        key = (group.group_name, str(device))
+        op = cls._shared.get(key)
+        if op is None:
+            op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport))
+        return op
 
     def __init__(self, group: dist.ProcessGroup | None, *, policy: str, config: GemmConfig | None,
                  max_spin: int | None) -> None:

@@ -29,7 +29,6 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -66,6 +65,8 @@ class AllGatherGemm(FusedOp):
     """
 
     op_name = _OP
+    transport_env = "TILEWEAVE_AG_TRANSPORT"
+    default_transport = "mesh"
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str = "mesh", config: GemmConfig | None = None,
@@ -197,16 +198,9 @@ class AllGatherGemm(FusedOp):
         return (out, gathered) if return_gathered else out
 
 
-_cache: dict[tuple, AllGatherGemm] = {}
-
-
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:
     """The op shared by every functional call on ``group`` and ``device``."""
-    key = (group.group_name, str(device))
-    op = _cache.get(key)
-    if op is None:
-        op = _cache[key] = AllGatherGemm(group, transport=os.environ.get("TILEWEAVE_AG_TRANSPORT", "mesh"))
-    return op
+    return AllGatherGemm.shared(group, device)
 
 
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,

@@ -29,7 +29,6 @@ Concurrency: all ranks must call the op the same number of times in the same ord
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -65,6 +64,8 @@ class GemmReduceScatter(FusedOp):
     """
 
     op_name = _OP
+    transport_env = "TILEWEAVE_RS_TRANSPORT"
+    default_transport = "store"
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str = "store", config: GemmConfig | None = None,
@@ -231,16 +232,9 @@ class GemmReduceScatter(FusedOp):
         return out
 
 
-_cache: dict[tuple, GemmReduceScatter] = {}
-
-
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> GemmReduceScatter:
     """The op shared by every functional call on ``group`` and ``device``."""
-    key = (group.group_name, str(device))
-    op = _cache.get(key)
-    if op is None:
-        op = _cache[key] = GemmReduceScatter(group, transport=os.environ.get("TILEWEAVE_RS_TRANSPORT", "store"))
-    return op
+    return GemmReduceScatter.shared(group, device)
 
 
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,

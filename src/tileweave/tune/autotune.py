@@ -112,7 +112,9 @@ def select_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return config
 
 
-def _time_ms(fn, device: torch.device, *, warmup: int, iters: int, reps: int) -> float:
+def time_ms(fn, device: torch.device, *, warmup: int, iters: int, reps: int) -> float:
+    """Median per-call time of ``fn`` in ms over ``reps`` batches of ``iters`` back-to-back calls
+    (CUDA events on a GPU, the wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -154,7 +156,7 @@ def autotune_gemm(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, *
         err = ((out.double() - ref).norm() / ref.norm()).item()
         if not err < tol:
             continue
-        ms = _time_ms(lambda: matmul(a, w.t(), config=config), device, warmup=warmup, iters=iters, reps=reps)
+        ms = time_ms(lambda: matmul(a, w.t(), config=config), device, warmup=warmup, iters=iters, reps=reps)
         if best is None or ms < best[1]:
             best = (config, ms)
     if best is None:
