@@ -52,6 +52,18 @@ def test_gemm_reduce_scatter(world, transport):
 
 
 @pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_reduce_scatter_shape_changes_in_one_workspace(transport):
+    # The third shape has more row groups (of 2 x 32 rows) than the second and still fits the
+    # workspace sized by the first: every flag it waits for must have been raised by the calls before,
+    # whichever groups they used. A short spin budget turns a wait that can never end into a failure.
+    cases = [C(m_chunk=150, k=32, n=24, iters=1, transport=transport),
+             C(m_chunk=20, k=32, n=24, iters=1, transport=transport),
+             C(m_chunk=130, k=16, n=24, iters=2, transport=transport)]
+    _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases, env={"TILEWEAVE_MAX_SPIN": "20000"}),
+           "deterministic")
+
+
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result

@@ -132,6 +132,13 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         # The owner's receive buffer lies `offset` elements from ours. Addressing it from our own
         # (aligned) pointer keeps the stores 16-byte vectors; a pointer loaded from memory would not.
         offset = tl.multiple_of(tl.load(peer_offs_ptr + row_c0), 16)
+    missed_war = 0
+    if EPILOGUE == 3:
+        # The copy stream must have moved every region of this step's send slot for the previous call
+        # before we overwrite it (it raises the step's "sent" epoch after its last copy). On expiry the
+        # tiles are still counted (the copy stream waits for the counts) but not stored.
+        missed_war = wait_epoch(flags_ptr + 2 * WORLD * CE_GROUPS + step, epoch - 1, err_ptr, 200 + step,
+                                max_spin)
     if EPILOGUE == 2:
         if not LAZY_WAIT:
             skip = _wait_peers(flags_ptr, epoch, err_ptr, max_spin, rank, WORLD)
@@ -152,7 +159,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             tl.store(buf_ptr + offset + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
         elif EPILOGUE == 3:
             _partial_to_send_slot(acc, t // (GROUP_M * num_pid_n), step, offs_m, offs_n, m_chunk, N,
-                                  buf_ptr, c_ptr, flags_ptr, err_ptr, epoch, max_spin, WORLD)
+                                  buf_ptr, c_ptr, flags_ptr, missed_war, WORLD)
         elif EPILOGUE == 4:
             total = _sum_arrived_partials(acc, t // (GROUP_M * num_pid_n), offs_m, offs_n, m_chunk, N,
                                           buf_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, WORLD)
@@ -199,22 +206,21 @@ def _wait_peers(counters_ptr, target, err_ptr, max_spin, rank, WORLD: tl.constex
 
 # Copy-engine reduce-scatter. Flags, int32, per rank: [0, W*S) tiles done per (step, row group) (this
 # rank's kernel counts, its copy stream waits); [W*S, 2W*S) arrival epoch per (source, row group)
-# (peers' copy streams write); [2W*S, 3W*S) sent epoch per (step, row group) (this rank's copy stream
-# writes once a region is copied, so the next call may overwrite it). S = CE_GROUPS row groups at most.
+# (peers' copy streams write); [2W*S, 2W*S + W) sent epoch per step (this rank's copy stream writes it
+# after the step's last copy, so the next call may overwrite the send slot). S = CE_GROUPS row groups
+# at most. "sent" is per step, not per row group: a call whose shape has more row groups than the last
+# one would otherwise wait for a group flag that the last call never raised.
 CE_GROUPS = tl.constexpr(256)
 
 
 @triton.jit
-def _partial_to_send_slot(acc, group, step, offs_m, offs_n, m_chunk, N, buf_ptr, c_ptr, flags_ptr,
-                          err_ptr, epoch, max_spin, WORLD: tl.constexpr):
+def _partial_to_send_slot(acc, group, step, offs_m, offs_n, m_chunk, N, buf_ptr, c_ptr, flags_ptr, missed_war,
+                          WORLD: tl.constexpr):
     # Send slots follow the W - 1 receive slots; step s feeds owner rank + 1 + s.
-    index = step * CE_GROUPS + group
-    # The copy of this region for the previous call must be done before we overwrite it.
-    missed = wait_epoch(flags_ptr + 2 * WORLD * CE_GROUPS + index, epoch - 1, err_ptr, 200 + step, max_spin)
-    mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed == 0)
+    mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed_war == 0)
     rows = ((WORLD - 1 + step) * m_chunk + offs_m[:, None]).to(tl.int64) * N
     tl.store(buf_ptr + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    release_add(flags_ptr + index, 1)
+    release_add(flags_ptr + step * CE_GROUPS + group, 1)
 
 
 @triton.jit

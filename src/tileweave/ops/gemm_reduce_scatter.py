@@ -50,7 +50,8 @@ class _CopyPlan:
 
     steps: tuple
     """Per owner, in kernel order: (our RELEASED flag for it, per row group: (our counter, tiles in
-    the group, its receive rows for us, our send rows, its arrival flag for us, our sent flag))."""
+    the group, its receive rows for us, our send rows, its arrival flag for us), our sent flag for
+    the step)."""
     releases: tuple
 
 
@@ -162,26 +163,28 @@ class GemmReduceScatter(FusedOp):
         plan = ws.plans.get(key)
         if plan is None:
             plan = ws.plans[key] = self._copy_engine_plan(ws, backend, mc, n, a.dtype, config, groups)
-        if ws.last_plan is not None and ws.last_plan is not plan:
-            # Regions change with the shape: let the previous call's copies finish first.
-            backend.comm_end()
-        ws.last_plan = plan
         ws.epoch += 1
         epoch = ws.epoch
-        # The copy stream's work goes in first: it waits on counters that the kernel will raise.
-        for released, per_group in plan.steps:
-            backend.comm_wait(released, epoch - 1)
-            for s, (counter, tiles, dst, src, arrival, sent) in enumerate(per_group):
-                ws.ce_counts[counter] = ws.ce_counts.get(counter, 0) + tiles
-                backend.comm_wait(counter, ws.ce_counts[counter])
-                backend.comm_copy(dst, src)
-                backend.comm_write(arrival, epoch)
+
+        def queue_copies() -> None:
+            for released, per_group, sent in plan.steps:
+                backend.comm_wait(released, epoch - 1)
+                for counter, tiles, dst, src, arrival in per_group:
+                    ws.ce_counts[counter] = ws.ce_counts.get(counter, 0) + tiles
+                    backend.comm_wait(counter, ws.ce_counts[counter])
+                    backend.comm_copy(dst, src)
+                    backend.comm_write(arrival, epoch)
                 backend.comm_write(sent, epoch)
+
+        if backend.launch_blocks:
+            queue_copies()
         _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
                        rank=rank, world=w,
                        programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
                        buf=ws.data.view(rank, a.dtype, (2 * (w - 1) * mc, n)), flags=flags, err=ws.err,
                        epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
+        if not backend.launch_blocks:
+            queue_copies()
         for address in plan.releases:
             backend.main_write(address, epoch)
         self._finish(backend, ws)
@@ -209,9 +212,10 @@ class GemmReduceScatter(FusedOp):
                     min(config.group_m, tiles_m - s * config.group_m) * tiles_n,  # tiles in the group
                     recv[rows], send[rows],
                     ws.ce_flags.address(owner, 4 * (w * CE_GROUPS + rank * CE_GROUPS + s)),  # arrival
-                    base + 4 * (2 * w * CE_GROUPS + index),                   # our sent flag
                 ))
-            steps.append((ws.flag_address(rank, RELEASED, owner), tuple(per_group)))
+            steps.append((ws.flag_address(rank, RELEASED, owner), tuple(per_group),
+                          base + 4 * (2 * w * CE_GROUPS + step)))                # our sent flag
+
         return _CopyPlan(steps=tuple(steps),
                          releases=tuple(ws.flag_address(p, RELEASED, rank) for p in range(w) if p != rank))
 

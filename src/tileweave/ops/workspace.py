@@ -30,7 +30,6 @@ class Workspace:
         self.count_expected = 0
         self.ce_flags = None
         self.ce_counts: dict[tuple[int, int], int] = {}
-        self.last_plan = None
         self.plans: dict[tuple, object] = {}
         self._ptr_tables: dict[str, torch.Tensor] = {}
 

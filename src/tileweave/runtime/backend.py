@@ -78,6 +78,11 @@ class Backend(abc.ABC):
     device: torch.device
     group: dist.ProcessGroup
     interpreter: bool
+    launch_blocks: bool = False
+    """A kernel launch returns only when the kernel is done (the interpreter). Stream work that a
+    kernel waits for must then be queued before the launch; on GPUs it is queued after the launch,
+    so a stream wait on the kernel's own flags can never hold up the launch behind it (two streams
+    may share one hardware queue, e.g. under CUDA_DEVICE_MAX_CONNECTIONS=1)."""
     num_sms: int
     default_max_spin: int
 

@@ -52,6 +52,7 @@ class EmulatedBackend(Backend):
         self.group, self.rank, self.world_size = _group_size(group)
         self.device = torch.device("cpu")
         self.interpreter = True
+        self.launch_blocks = True
         self.num_sms = 4
         self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 200_000))
         self.timeout_s = float(os.environ.get("TILEWEAVE_EMULATED_TIMEOUT_S", 60))
