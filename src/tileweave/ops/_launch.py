@@ -241,8 +241,44 @@ def _launch_compiled(kernel, device: int, programs: int, args: tuple, constexprs
     enter = _active_hook(triton.knobs.runtime.launch_enter_hook)
     leave = _active_hook(triton.knobs.runtime.launch_exit_hook)
     metadata = kernel.launch_metadata((programs, 1, 1), stream, *args, *constexprs) if enter else None
-    kernel.run(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-               *args, *constexprs)
+    launcher = kernel.run
+    scratch = _cached_scratch(launcher, device, stream, programs)
+    if scratch is _USE_TRITON:
+        launcher(programs, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
+                 *args, *constexprs)
+        return
+    # Triton's launcher object would allocate the descriptors' global scratch through the allocator
+    # on every launch; hand its C entry point a scratch buffer kept per stream instead.
+    launcher.launch(programs, 1, 1, stream, kernel.function, launcher.launch_cooperative_grid,
+                    launcher.launch_pdl, scratch, None, kernel.packed_metadata, metadata, enter, leave,
+                    *args, *constexprs)
+
+
+_scratch_buffers: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+_USE_TRITON = object()
+
+
+def _cached_scratch(launcher, device: int, stream: int, programs: int):
+    """Address of a global-scratch buffer for ``launcher`` on ``stream`` (None when the kernel needs
+    none), or ``_USE_TRITON`` to let Triton's launcher allocate: an unknown launcher layout, profiling
+    scratch, or a stream being captured.
+
+    Kernels on one stream run one after another, so one buffer per stream is never in use by two
+    launches at once. Under CUDA-graph capture the buffer would be baked into the graph and could be
+    shared with work on another stream at replay, so captures keep Triton's per-launch allocation.
+    """
+    size = getattr(launcher, "global_scratch_size", None)
+    if (size is None or getattr(launcher, "profile_scratch_size", 1) or not hasattr(launcher, "launch")
+            or torch._C._cuda_isCurrentStreamCapturing()):
+        return _USE_TRITON
+    if size == 0:
+        return None
+    nbytes = programs * getattr(launcher, "num_ctas", 1) * size
+    entry = _scratch_buffers.get((device, stream))
+    if entry is None or entry[1].numel() < nbytes:
+        buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=torch.device("cuda", device))
+        entry = _scratch_buffers[(device, stream)] = (buffer.data_ptr(), buffer)
+    return entry[0]
 
 
 def _i32(value: int) -> int:
@@ -258,7 +294,10 @@ def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
     from tileweave.runtime.backend import CollectiveTimeout
 
     err.zero_()
-    if code >= 100:
+    if code >= 200:
+        what = (f"this rank's copy stream to move out the partials of step {code - 200} of the previous "
+                "call (its copies wait for the owner to release its receive buffer)")
+    elif code >= 100:
         what = f"the partial tiles from rank {code - 100}"
     else:
         what = f"the shard of rank {code - 1}"
