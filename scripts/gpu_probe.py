@@ -45,6 +45,25 @@ CONFIGS = {
     "256x128": GemmConfig(block_m=256, block_n=128, num_stages=3),
 }
 
+# Narrow or shallow local GEMMs (TP=8 shards, small M) that the large tiles leave under-occupied.
+SMALL_SHAPES = [
+    (1024, 768, 4096), (2048, 768, 4096), (4096, 768, 4096), (16384, 768, 4096),
+    (1024, 1280, 8192), (2048, 1280, 8192), (4096, 1280, 8192), (8192, 1280, 8192),
+    (1024, 4096, 512), (2048, 4096, 512), (1024, 4096, 1792), (2048, 4096, 1792),
+    (1024, 3072, 4096), (1024, 5120, 8192), (1024, 14336, 4096), (1024, 3584, 4096),
+]
+SMALL_CONFIGS = {
+    "d": GemmConfig(),
+    "128x128": GemmConfig(block_n=128, num_stages=4),
+    "128x128nf": GemmConfig(block_n=128, num_stages=4, flatten=False),
+    "128x128k128": GemmConfig(block_n=128, block_k=128, num_stages=3),
+    "64x128": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4),
+    "64x256": GemmConfig(block_m=64, block_n=256, num_stages=4, num_warps=4),
+    "128x64": GemmConfig(block_n=64, num_stages=4, num_warps=4),
+    "64x64": GemmConfig(block_m=64, block_n=64, num_stages=5, num_warps=4),
+    "64x128k128": GemmConfig(block_m=64, block_n=128, block_k=128, num_stages=3, num_warps=4),
+}
+
 
 def timed(fn, *, warmup=5, iters=10, reps=3):
     return time_ms(fn, torch.device("cuda"), warmup=warmup, iters=iters, reps=reps)
@@ -57,9 +76,13 @@ def rel_err(got, ref):
     return ((got - ref).norm() / ref.norm()).item()
 
 
-def phase_gemm(rank, world, out_dir):
+def phase_gemm_small(rank, world, out_dir):
+    phase_gemm(rank, world, out_dir, SMALL_SHAPES, SMALL_CONFIGS, "gemm_small")
+
+
+def phase_gemm(rank, world, out_dir, shapes=GEMM_SHAPES, configs=CONFIGS, tag="gemm"):
     rows = []
-    for i, (m, n, k) in enumerate(GEMM_SHAPES):
+    for i, (m, n, k) in enumerate(shapes):
         if i % world != rank:
             continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -67,7 +90,7 @@ def phase_gemm(rank, world, out_dir):
         ref = torch.matmul(a, w.t())
         t_ref = timed(lambda: torch.matmul(a, w.t()))
         auto = tileweave.matmul(a, w.t())
-        for name, cfg in list(CONFIGS.items()) + [("auto", None)]:
+        for name, cfg in list(configs.items()) + [("auto", None)]:
             try:
                 c = tileweave.matmul(a, w.t(), config=cfg)
                 err = rel_err(c, ref.double())
@@ -82,11 +105,11 @@ def phase_gemm(rank, world, out_dir):
     dist.all_gather_object(all_rows, rows)
     if rank == 0:
         flat = [r for part in all_rows for r in part]
-        json.dump(flat, open(os.path.join(out_dir, "probe_gemm.json"), "w"), indent=1)
+        json.dump(flat, open(os.path.join(out_dir, f"probe_{tag}.json"), "w"), indent=1)
         print("\n== gemm core: ratio to cuBLAS (higher is better) ==")
-        names = list(CONFIGS) + ["auto"]
+        names = list(configs) + ["auto"]
         print(f"{'shape':>20} {'cublas':>7} " + " ".join(f"{n:>9}" for n in names))
-        for (m, n, k) in GEMM_SHAPES:
+        for (m, n, k) in shapes:
             sel = {r["config"]: r for r in flat if (r["m"], r["n"], r["k"]) == (m, n, k)}
             tc = next(iter(sel.values()))["t_cublas"]
             print(f"{f'{m}x{n}x{k}':>20} {tc:7.3f} " + " ".join(f"{sel[x]['ratio']:9.3f}" for x in names))
@@ -261,7 +284,7 @@ def main_rank(rank, world, port, phases, out_dir):
     for phase in phases:
         t0 = time.time()
         try:
-            {"gemm": phase_gemm, "check": phase_check, "fused": phase_fused, "host": phase_host, "rsvar": phase_rsvar}[phase](rank, world, out_dir)
+            {"gemm": phase_gemm, "gemm_small": phase_gemm_small, "check": phase_check, "fused": phase_fused, "host": phase_host, "rsvar": phase_rsvar}[phase](rank, world, out_dir)
         except Exception:
             import traceback
             print(f"[rank {rank}] phase {phase} failed:\n{traceback.format_exc()}", flush=True)
