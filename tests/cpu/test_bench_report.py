@@ -151,6 +151,16 @@ def test_metadata_without_cuda():
     assert meta["timing"] == {"iters": 20}
 
 
+def test_commit_given_in_the_environment_wins_over_git(monkeypatch):
+    monkeypatch.setattr(report, "_run", lambda cmd, cwd: "0123abc" if "rev-parse" in cmd else "")
+    monkeypatch.setenv(report.COMMIT_ENV, "feedf00d")
+    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    assert (meta["git_commit"], meta["git_commit_source"]) == ("feedf00d", "env")
+    monkeypatch.delenv(report.COMMIT_ENV)
+    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    assert (meta["git_commit"], meta["git_commit_source"], meta["git_dirty"]) == ("0123abc", "git", False)
+
+
 def test_commit_can_be_given_when_git_is_absent(monkeypatch):
     monkeypatch.setattr(report, "_run", lambda cmd, cwd: None)
     monkeypatch.setenv(report.COMMIT_ENV, "deadbeef")

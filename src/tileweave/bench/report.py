@@ -30,7 +30,8 @@ GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
 """``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
 
 COMMIT_ENV = "TILEWEAVE_GIT_COMMIT"
-"""Commit to record when the tree has no git metadata (checked only then)."""
+"""Commit to record instead of asking git: a tree copied to a GPU machine may carry no git metadata,
+or stale metadata that names an older commit."""
 
 E_MIN_M = 4096
 """Rows with at least this many tokens enter the median E / eff: below it fixed per-call costs, not
@@ -370,11 +371,14 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
     here = Path(__file__).resolve().parent
     # safe.directory: a checkout copied to the GPU machine is often owned by another user.
     git = ["git", "-c", f"safe.directory={here.parents[2]}"]
-    commit = _run([*git, "rev-parse", "HEAD"], here)
-    dirty = _run([*git, "status", "--porcelain"], here) if commit else None
-    # A copy of the tree without .git (as shipped to a GPU machine) can be told its commit instead.
-    source = "git" if commit else ("env" if os.environ.get(COMMIT_ENV) else None)
-    commit = commit or os.environ.get(COMMIT_ENV)
+    # A copy of the tree shipped to a GPU machine is told its commit; it may have no .git or an old one.
+    commit = os.environ.get(COMMIT_ENV)
+    source = "env" if commit else None
+    dirty = None
+    if not commit:
+        commit = _run([*git, "rev-parse", "HEAD"], here)
+        dirty = _run([*git, "status", "--porcelain"], here) if commit else None
+        source = "git" if commit else None
     cuda = torch.cuda.is_available()
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
