@@ -38,3 +38,19 @@ def test_tuning_pass_stores_a_verified_winner(tmp_path, monkeypatch):
     assert config in small and ms > 0
     stored = json.loads(autotune.cache_path("cpu-interpreter").read_text())["entries"]
     assert GemmConfig.from_dict(stored[autotune.shape_key(40, 48, 32, torch.float32)]["config"]) == config
+
+
+def test_default_configs_keep_the_sms_busy():
+    # Large tiles where they make at least two waves, narrower tiles where they would leave SMs idle.
+    from tileweave.tune.configs import choose_gemm_config
+
+    def waves(m, n, k):
+        c = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132)
+        return c, -(-m // c.block_m) * -(-n // c.block_n) / 132
+
+    for m, n, k in [(16384, 768, 4096), (8192, 4096, 7168), (8192, 1280, 8192)]:
+        config, w = waves(m, n, k)
+        assert (config.block_m, config.block_n) == (128, 256) and w >= 2, (m, n, k, config)
+    for m, n, k in [(4096, 768, 4096), (2048, 1280, 8192), (1024, 768, 4096)]:
+        config, w = waves(m, n, k)
+        assert config.block_m * config.block_n < 128 * 256, (m, n, k, config, w)

@@ -90,11 +90,13 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
     if dtype == torch.float32:
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
-    if n <= 1024:
-        # Narrow outputs (TP=8 shards): 128-wide tiles give twice the tiles of 256-wide ones.
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms:
         return GemmConfig()
+    if n <= 1024:
+        # Narrow outputs (TP=8 shards) with few large tiles: 128-wide tiles give twice as many. With
+        # two waves of large tiles or more, the large tiles win even here (16384 x 768 x 4096 on an
+        # H200: 0.97x cuBLAS against 0.88x with 128 x 128).
+        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
     if mid_tiles >= num_sms:
         return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
