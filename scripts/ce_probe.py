@@ -4,7 +4,8 @@ and NCCL+cuBLAS. On an expired wait it prints the copy-engine flag block, to sho
     python3 scripts/ce_probe.py --variant kernel_first [--out DIR]
 
 Variants: kernel_first (the library's order), comm_first (copy-stream work queued before the launch),
-noflat (kernel_first with the tile loop not flattened).
+noflat (the tile loop not flattened), programs120 (12 SMs left free), tile_gpu and chunk
+(``GemmConfig.ce_release``: how tiles are counted for the copy stream).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def _dump_flags(op, rank):
 
 
 def _configure(op, variant, m, n, k, device):
-    change = {"noflat": {"flatten": False}, "programs120": {"programs": 120}}.get(variant)
+    change = {"noflat": {"flatten": False}, "programs120": {"programs": 120},
+              "tile_gpu": {"ce_release": "tile_gpu"}, "chunk": {"ce_release": "chunk"}}.get(variant)
     if change:
         op.config = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=132), **change)
 
 
-def _rank(rank, world, variant):
+def _rank(rank, world, variant, quick=False):
     if variant == "comm_first":
         backend_mod.CudaBackend.launch_blocks = True
     device = torch.device("cuda", rank)
@@ -67,7 +69,7 @@ def _rank(rank, world, variant):
     store = tileweave.GemmReduceScatter(policy="fused", transport="store")
     fallback = tileweave.GemmReduceScatter(policy="fallback")
     g = torch.Generator(device=device).manual_seed(1234 + rank)
-    for m, k, n, with_bias in CHECKS:
+    for m, k, n, with_bias in CHECKS[:1] if quick else CHECKS:
         _configure(ce, variant, m, n, k, device)
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
@@ -89,7 +91,7 @@ def _rank(rank, world, variant):
         results["checks"].append({"shape": [m, k, n], "rel_err": err, "rel_err_nccl": ((ref - full).norm() / full.norm()).item(),
                                   "deterministic": bool(torch.equal(got, again))})
     os.environ["TILEWEAVE_DEBUG"] = "0"  # no synchronisation per call while timing
-    for m, k, n in TIMED:
+    for m, k, n in TIMED[:1] if quick else TIMED:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
         row = {"shape": [m, k, n]}
@@ -111,12 +113,13 @@ def _rank(rank, world, variant):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", default="kernel_first", choices=["kernel_first", "comm_first", "noflat", "programs120"])
+    parser.add_argument("--variant", default="kernel_first", choices=["kernel_first", "comm_first", "noflat", "programs120", "tile_gpu", "chunk"])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--quick", action="store_true", help="one check and one timed shape")
     args = parser.parse_args()
     os.environ.setdefault("TILEWEAVE_DEBUG", "1")
     os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
-    ranks = run_ranks(2, _rank, args.variant, gpus=True, timeout_s=150)
+    ranks = run_ranks(2, _rank, args.variant, args.quick, gpus=True, timeout_s=150)
     with open(os.path.join(args.out, f"ce_probe_{args.variant}.json"), "w") as f:
         json.dump(ranks, f, indent=1)
     for rank, res in enumerate(ranks):

@@ -51,6 +51,15 @@ def test_gemm_reduce_scatter(world, transport):
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
+@pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
+def test_copy_engine_reduce_scatter_release_modes(release):
+    # Several row groups per chunk (2 x 32 rows here), rows not a multiple of the group, a late producer.
+    cases = [C(m_chunk=150, k=32, n=24, iters=2, transport="copy_engine", ce_release=release,
+               straggler=1, delay_s=0.2),
+             C(m_chunk=40, k=48, n=56, bias=True, transport="copy_engine", ce_release=release)]
+    _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
+
+
 @pytest.mark.parametrize("transport", ["store", "copy_engine"])
 def test_reduce_scatter_shape_changes_in_one_workspace(transport):
     # The third shape has more row groups (of 2 x 32 rows) than the second and still fits the

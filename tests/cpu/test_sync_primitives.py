@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tileweave.kernels.gemm import _count_groups_once, _first_tile
 from tileweave.kernels.sync import release_add, signal_epoch, wait_epoch
 
 
@@ -78,7 +79,7 @@ def test_signal_publishes_data_before_the_flag():
 def _counting_producer(counter_ptr, data_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(data_ptr + tl.program_id(0) * BLOCK + offs, offs.to(tl.float32) + 1)
-    release_add(counter_ptr, 1)
+    release_add(counter_ptr, 1, "sys")
 
 
 def test_release_add_counts_every_program_after_its_data():
@@ -87,3 +88,24 @@ def test_release_add_counts_every_program_after_its_data():
     _counting_producer[(4,)](counter, data, BLOCK=16)
     assert counter.item() == 4
     assert torch.equal(data, (torch.arange(16, dtype=torch.float32) + 1).repeat(4))
+
+
+@triton.jit
+def _count_per_group(counters_ptr, step, tiles, group_tiles, P: tl.constexpr):
+    start = _first_tile(tl.program_id(0), step, tiles, P)
+    _count_groups_once(counters_ptr, start, tiles, P, group_tiles)
+
+
+def test_per_group_counts_add_up_to_each_group_size():
+    # Programs own tiles start, start + P, ... of a chunk (rotated by the chunk's step); whatever the
+    # split, the counts they add per row group must total the group's tiles, the last group partial.
+    g = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        tiles = int(torch.randint(1, 200, (1,), generator=g))
+        group_tiles = int(torch.randint(1, 40, (1,), generator=g))
+        programs = int(torch.randint(1, 50, (1,), generator=g))
+        step = int(torch.randint(0, 4, (1,), generator=g))
+        counters = torch.zeros(-(-tiles // group_tiles) + 1, dtype=torch.int32)
+        _count_per_group[(programs,)](counters, step, tiles, group_tiles, P=programs)
+        expected = [min(group_tiles, tiles - i * group_tiles) for i in range(-(-tiles // group_tiles))] + [0]
+        assert counters.tolist() == expected, (tiles, group_tiles, programs, step)

@@ -72,6 +72,20 @@ def test_gemm_reduce_scatter_gpu(transport):
 
 
 @needs_two
+@pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
+def test_copy_engine_release_modes_gpu(release):
+    cases = [C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3, transport="copy_engine",
+               ce_release=release),
+             C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=2, transport="copy_engine",
+               ce_release=release, straggler=1, delay_s=0.05)]
+    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
+        for row in rank_rows:
+            assert row["path"] == "fused"
+            assert row["err"] < TOL[torch.bfloat16], row
+            assert row["deterministic"], row
+
+
+@needs_two
 @pytest.mark.parametrize("transport", ["store", "copy_engine"])
 def test_back_to_back_without_sync(transport):
     for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,

@@ -114,7 +114,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-                LAZY_WAIT: tl.constexpr):
+                LAZY_WAIT: tl.constexpr, CE_RELEASE: tl.constexpr):
     """All tiles of one chunk of ``m_chunk`` rows that belong to program ``pid``.
 
     ``EPILOGUE``: 0 stores to ``c``; 1 stores a partial into the owner's receive buffer and counts the
@@ -122,7 +122,9 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
     copy-engine transport: 3 stores a partial into the local send slot and counts it per row group;
     4 reduces the own chunk from the partials the copy engines delivered. ``skip``
     (0/1) drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and
-    no load can be hoisted above the wait.
+    no load can be hoisted above the wait. ``CE_RELEASE`` (epilogue 3): 0 counts each tile with a
+    system-scope release, 1 with a GPU-scope release, 2 counts a program's tiles per row group once,
+    after its last tile of the chunk.
     """
     num_pid_m = tl.cdiv(m_chunk, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -159,7 +161,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             tl.store(buf_ptr + offset + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
         elif EPILOGUE == 3:
             _partial_to_send_slot(acc, t // (GROUP_M * num_pid_n), step, offs_m, offs_n, m_chunk, N,
-                                  buf_ptr, c_ptr, flags_ptr, missed_war, WORLD)
+                                  buf_ptr, c_ptr, flags_ptr, missed_war, WORLD, CE_RELEASE)
         elif EPILOGUE == 4:
             total = _sum_arrived_partials(acc, t // (GROUP_M * num_pid_n), offs_m, offs_n, m_chunk, N,
                                           buf_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, WORLD)
@@ -184,6 +186,9 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             total = _add_bias(total, bias_ptr, offs_n, N, HAS_BIAS)
             _store_tile(c_ptr, c_desc, total, 0, pid_m * BM, pid_n * BN, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, False)
+    if EPILOGUE == 3:
+        if CE_RELEASE == 2:
+            _count_groups_once(flags_ptr + step * CE_GROUPS, start, tiles, P, GROUP_M * num_pid_n)
     if EPILOGUE == 1:
         # One release per program and chunk: the fence behind it waits for this program's remote
         # stores once, not once per tile. (Per-tile flags, tried on 2x H200, were slower and raced;
@@ -191,7 +196,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         done = tl.maximum(tiles - start + P - 1, 0) // P
         if done > 0:
             counters = tl.load(peer_flags_ptr + row_c0).to(tl.pointer_type(tl.int32))
-            release_add(counters + rank, done)
+            release_add(counters + rank, done, "sys")
 
 
 @triton.jit
@@ -215,12 +220,28 @@ CE_GROUPS = tl.constexpr(256)
 
 @triton.jit
 def _partial_to_send_slot(acc, group, step, offs_m, offs_n, m_chunk, N, buf_ptr, c_ptr, flags_ptr, missed_war,
-                          WORLD: tl.constexpr):
+                          WORLD: tl.constexpr, CE_RELEASE: tl.constexpr):
     # Send slots follow the W - 1 receive slots; step s feeds owner rank + 1 + s.
     mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N) & (missed_war == 0)
     rows = ((WORLD - 1 + step) * m_chunk + offs_m[:, None]).to(tl.int64) * N
     tl.store(buf_ptr + rows + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    release_add(flags_ptr + step * CE_GROUPS + group, 1)
+    if CE_RELEASE == 0:
+        release_add(flags_ptr + step * CE_GROUPS + group, 1, "sys")
+    elif CE_RELEASE == 1:
+        release_add(flags_ptr + step * CE_GROUPS + group, 1, "gpu")
+
+
+@triton.jit
+def _count_groups_once(counters_ptr, start, tiles, P, group_tiles):
+    # Program tiles are start, start + P, ...: add each row group's share with one release per group,
+    # after the program's last tile of the chunk, instead of one fence per tile inside the loop.
+    tl.debug_barrier()
+    for g in range(start // group_tiles, tl.cdiv(tiles, group_tiles)):
+        lo = tl.maximum(g * group_tiles, start)
+        hi = tl.minimum((g + 1) * group_tiles, tiles)
+        count = (hi - start + P - 1) // P - (lo - start + P - 1) // P
+        if count > 0:
+            tl.atomic_add(counters_ptr + g, count, sem="release", scope="sys")
 
 
 @triton.jit
@@ -260,7 +281,7 @@ def fused_gemm_kernel(
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr):
+        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr, CE_RELEASE: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
@@ -299,7 +320,7 @@ def fused_gemm_kernel(
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
     elif MODE == AG:
         # Own shard first, straight from the caller's tensor: nothing to wait for.
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -307,7 +328,7 @@ def fused_gemm_kernel(
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
             g_src = tl.make_tensor_descriptor(buf_ptr, shape=[gathered_rows, K], strides=[K, 1],
@@ -324,7 +345,7 @@ def fused_gemm_kernel(
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
                         skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
+                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
     else:
         # Epilogues 1 and 2 for the store transport, 3 and 4 for the copy engines.
         for step in range(0, WORLD - 1):
@@ -334,10 +355,10 @@ def fused_gemm_kernel(
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
                         rank, BM, BN, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
-                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
+                        FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
                     BM, BN, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
-                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT)
+                    FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)

@@ -49,8 +49,9 @@ def signal_epoch(flag_ptr, epoch):
 
 
 @triton.jit
-def release_add(counter_ptr, count):
+def release_add(counter_ptr, count, SCOPE: tl.constexpr):
     """Add ``count`` to ``*counter_ptr`` after every thread's earlier stores (CTA barrier, then a
-    system-scope release): a consumer that sees the total also sees the data it counts."""
+    release at ``SCOPE``): a consumer that sees the total also sees the data it counts. ``"sys"`` for
+    a reader on another GPU; ``"gpu"`` where the reader is this GPU's own copy engine or stream."""
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr, count, sem="release", scope="sys")
+    tl.atomic_add(counter_ptr, count, sem="release", scope=SCOPE)

@@ -13,7 +13,7 @@ from triton.runtime import _allocation
 
 from tileweave.kernels.gemm import fused_gemm_kernel
 from tileweave.runtime.backend import TileweaveError
-from tileweave.tune.configs import GemmConfig
+from tileweave.tune.configs import CE_RELEASES, GemmConfig
 
 MODE_PLAIN, MODE_AG, MODE_RS = 0, 1, 2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -157,7 +157,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
-                  config.lazy_wait, config.copy_engine, ring)
+                  config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release))
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
                        num_stages=config.num_stages, programs=programs, b_copied=b is not b_in)
@@ -182,7 +182,7 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
                     "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
-                    "COPY_ENGINE", "RING")
+                    "COPY_ENGINE", "RING", "CE_RELEASE")
 _compiled: dict[tuple, object] = {}
 _fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 

@@ -38,6 +38,8 @@ class Case:
     """Reduce-scatter transport: "store" or "copy_engine"."""
     ag_transport: str = "mesh"
     """All-gather transport: "mesh" or "ring"."""
+    ce_release: str = "tile"
+    """Copy-engine reduce-scatter: ``GemmConfig.ce_release`` (a case with another value gets its own op)."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -99,8 +101,17 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine")}
     results = []
     for case in cases:
-        op = ops[case.transport]
         dtype = getattr(torch, case.dtype)
+        op = ops[case.transport]
+        if case.ce_release != "tile":
+            from tileweave.tune.autotune import select_config
+
+            config = select_config(case.m_chunk * world, case.n, case.k, dtype, torch.device(device),
+                                   num_sms=torch.cuda.get_device_properties(device).multi_processor_count
+                                   if device.startswith("cuda") else 4,
+                                   interpreter=not device.startswith("cuda"))
+            op = tileweave.GemmReduceScatter(policy="fused", transport="copy_engine",
+                                             config=dataclasses.replace(config, ce_release=case.ce_release))
         set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
         m = case.m_chunk * world
         for it in range(case.iters):

@@ -16,6 +16,10 @@ import math
 import torch
 
 
+CE_RELEASES = ("tile", "tile_gpu", "chunk")
+"""``GemmConfig.ce_release`` values, in the order of the kernel's ``CE_RELEASE`` constexpr."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GemmConfig:
     """Compile-time shape of one launch of the persistent GEMM."""
@@ -48,6 +52,11 @@ class GemmConfig:
     copy_engine: bool = False
     """Reduce-scatter: move partials with the copy engines (local send buffer, a copy stream, arrival
     flags per row group) instead of storing them into the owner's buffer from the epilogue."""
+    ce_release: str = "tile"
+    """Copy-engine reduce-scatter: how finished tiles are counted for the copy stream. ``"tile"``: a
+    system-scope release per tile; ``"tile_gpu"``: a GPU-scope release per tile (the reader is this
+    GPU's stream and copy engine); ``"chunk"``: one release per row group after a program's last tile
+    of the chunk (copies start later, no fence inside the tile loop)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -56,6 +65,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {value}")
         if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig: bad num_stages={self.num_stages} or num_warps={self.num_warps}")
+        if self.ce_release not in CE_RELEASES:
+            raise ValueError(f"GemmConfig.ce_release must be one of {CE_RELEASES}, got {self.ce_release!r}")
         if self.programs < 0:
             raise ValueError(f"GemmConfig.programs must be >= 0, got {self.programs}")
 
@@ -63,7 +74,7 @@ class GemmConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
                 f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
-                f"_ce{int(self.copy_engine)}")
+                f"_ce{int(self.copy_engine)}{'' if self.ce_release == 'tile' else '_' + self.ce_release}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "GemmConfig":
