@@ -25,18 +25,9 @@ def _use_compute_floor(rank: int, world: int) -> None:
     """Swap the layers' fused ops for local stand-ins that do the same GEMMs and move the same bytes
     within one GPU: the block's time without communication. Its numbers are not a model's."""
     import tileweave.nn.linear as linear
+    from tileweave.bench.block import floor_ops
 
-    def all_gather_gemm(a_shard, b, group, *, bias=None, out=None, return_gathered=False):
-        gathered = a_shard.repeat(world, 1)
-        y = torch.addmm(bias, gathered, b) if bias is not None else gathered @ b
-        return (y, gathered) if return_gathered else y
-
-    def gemm_reduce_scatter(a, b, group, *, bias=None, out=None):
-        rows = a.shape[0] // world
-        y = (a @ b)[rank * rows:(rank + 1) * rows].clone()
-        return y + bias if bias is not None else y
-
-    linear.all_gather_gemm, linear.gemm_reduce_scatter = all_gather_gemm, gemm_reduce_scatter
+    linear.all_gather_gemm, linear.gemm_reduce_scatter = floor_ops(rank, world)
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> float:

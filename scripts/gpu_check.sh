@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmark on a multi-GPU box, in one command (GPU time is scarce: batch it).
 #
-#   OUT=/some/dir M=1024,2048,4096,8192,16384 OPS="ag rs gemm" bash scripts/gpu_check.sh
+#   OUT=/some/dir M=1024,2048,4096,8192,16384 OPS="ag rs gemm block" bash scripts/gpu_check.sh
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
 # RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default. Where the tree
-# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit. BLOCK=0 skips the
-# transformer-block comparison (examples/train_block.py), which writes block.txt.
+# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit. The block section
+# runs at BLOCK_M (default 4096,8192,16384). BLOCK=1 also runs examples/train_block.py (fused, NCCL,
+# floor), which writes block.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -17,7 +18,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TILEWEAVE_MAX_SPIN=${TILEWEAVE_MAX_SPIN:-16777216}
 OUT=${OUT:-bench/results}
 M=${M:-1024,2048,4096,8192,16384}
-OPS=${OPS:-ag rs gemm}
+OPS=${OPS:-ag rs gemm block}
+BLOCK_M=${BLOCK_M:-4096,8192,16384}
 RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
@@ -28,12 +30,14 @@ timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 
 for op in $OPS; do
   transports="store"
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
+  m="$M"
+  [ "$op" = block ] && m="$BLOCK_M"
   for transport in $transports; do
-    timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$M" --out "$OUT/results" \
+    timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
       --policy "${POLICY:-fused}" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
-if [ "${BLOCK:-1}" = 1 ]; then
+if [ "${BLOCK:-0}" = 1 ]; then
   # The TP block, forward + backward: fused, NCCL + cuBLAS, and the compute floor.
   for policy in fused fallback floor; do
     timeout "$BENCH_TIMEOUT" python3 examples/train_block.py --policy "$policy" --steps 8 2>&1 \

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from tileweave.bench import cli
-from tileweave.bench.suite import OPS, QUICK_LAYERS, QUICK_M_VALUES
+from tileweave.bench.suite import DEFAULT_OPS, QUICK_LAYERS, QUICK_M_VALUES
 
 
 def test_defaults():
     o = cli.parse_args([])
-    assert o.bench.ops == OPS
+    assert o.bench.ops == DEFAULT_OPS == ("gemm", "ag", "rs")
     assert o.bench.layers == () and o.bench.m_values == ()
     assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (0.5, 20, 5)
     assert o.bench.include_torch and o.world_size is None and o.tag is None
@@ -30,6 +30,19 @@ def test_every_option():
     assert o.world_size == 4 and o.tag == "h200-tp4" and str(o.out_dir) == "/tmp/x"
     assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (1.5, 40, 7)
     assert not o.bench.include_torch
+
+
+def test_block_section_filters():
+    o = cli.parse_args(["--op", "block,ag", "--layer", "llama3-70b", "--m", "8192,16384"])
+    assert o.bench.ops == ("ag", "block")
+    from tileweave.bench.block import select_block_rows
+
+    rows = select_block_rows(layers=o.bench.layers, m_values=o.bench.m_values, world_size=2)
+    assert [(r.model, r.m, r.batch) for r in rows] == [("llama3-70b", 8192, 2), ("llama3-70b", 16384, 4)]
+    assert len(select_block_rows(layers=("block",), m_values=None, world_size=8)) == 6
+    for bad in (["--op", "block", "--layer", "qkv"], ["--op", "block", "--m", "4097"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
 
 
 def test_tokens_is_m_for_torchrun():

@@ -166,3 +166,29 @@ def test_commit_can_be_given_when_git_is_absent(monkeypatch):
     monkeypatch.setenv(report.COMMIT_ENV, "deadbeef")
     meta = report.collect_metadata(world_size=2, timing={}, argv=[])
     assert (meta["git_commit"], meta["git_commit_source"], meta["git_dirty"]) == ("deadbeef", "env", None)
+
+
+def test_block_section_summary_and_table():
+    import random
+
+    rng = random.Random(11)
+    rows, expect = [], []
+    for m in (4096, 8192, 16384):
+        floor = rng.uniform(20, 80) * m / 4096
+        t = {"floor": floor, "base": floor * rng.uniform(1.05, 1.3), "torch": floor * rng.uniform(1.02, 1.3),
+             "ours": floor * rng.uniform(1.0, 1.2)}
+        rows += rows_for("llama3-8b block", m, t, op="block")
+        expect.append((m, t))
+    summaries = summarize(rows)
+    assert [s.m for s in summaries] == [4096, 8192, 16384]
+    for s, (m, t) in zip(summaries, expect):
+        assert s.x_base == pytest.approx(t["base"] / t["ours"])
+        assert s.x_torch == pytest.approx(t["torch"] / t["ours"])
+        assert s.over_floor == pytest.approx(t["ours"] / t["floor"])
+        assert s.tokens_per_s == pytest.approx(m / (t["ours"] / 1e3))
+    text = markdown("block", rows, META)
+    assert "| block | M | hidden | ffn | t_floor | t_base | t_torch | t_ours |" in text
+    beats = sum(t["ours"] < min(t["base"], t["torch"]) for _, t in expect)
+    assert f"ours faster than both NCCL and async-TP on {beats} of 3 rows" in text
+    worst = max(t["ours"] / t["floor"] for m, t in expect if m >= 8192)
+    assert f"worst ours/floor over M>=8192 (2 rows): {worst:.3f}" in text

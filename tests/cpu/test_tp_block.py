@@ -14,3 +14,13 @@ def test_block_forward_and_gradients(policy):
         assert paths == f"{policy},{policy}", paths
         for key, err in result.items():
             assert err < 1e-5, (key, result)
+
+
+def test_block_benchmark_variants_compute_the_block():
+    # The benchmark's NCCL-style reference and tileweave's variant, each against float64; the floor
+    # runs the same shapes; the layers get their own ops back afterwards.
+    for result in run_ranks(2, scenarios.block_bench_variants_check, 1, 32):
+        for key in ("base_y", "base_dx", "ours_y", "ours_dx", "ours_check"):
+            assert result[key] < 1e-5, (key, result)
+        assert result["ours_path"] == "ag fused, rs fused", result
+        assert result["floor_shape"] and result["restored"], result

@@ -113,3 +113,9 @@ def test_tp_block_gpu(policy):
         assert result.pop("paths") == f"{policy},{policy}"
         for key, err in result.items():
             assert err < 1e-4, (key, result)
+
+
+@needs_two
+def test_block_benchmark_variants_gpu():
+    for result in run_ranks(torch.cuda.device_count(), scenarios.block_bench_gpu_check, 4096, gpus=True):
+        assert result["ours"] < 1e-2 and result["torch"] < 1e-2, result  # the benchmark's own bound

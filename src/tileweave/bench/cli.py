@@ -2,7 +2,7 @@
 
 Usage::
 
-    tileweave bench [--op gemm,ag,rs] [--layer NAME ...] [--m 1024,2048,...] [--world-size N]
+    tileweave bench [--op gemm,ag,rs,block] [--layer NAME ...] [--m 1024,2048,...] [--world-size N]
                     [--out bench/results] [--tag STR] [--quick] [--warmup-s 0.5] [--iters 20]
                     [--reps 5] [--no-torch]
 
@@ -25,7 +25,15 @@ from datetime import timedelta
 from pathlib import Path
 
 from tileweave.bench.runner import BenchConfig
-from tileweave.bench.suite import OPS, QUICK_LAYERS, QUICK_M_VALUES, parse_ints, parse_ops, select_rows
+from tileweave.bench.suite import (
+    DEFAULT_OPS,
+    OPS,
+    QUICK_LAYERS,
+    QUICK_M_VALUES,
+    parse_ints,
+    parse_ops,
+    select_rows,
+)
 from tileweave.bench.timing import TimingConfig
 
 REQUIRED_ENV: dict[str, str] = {
@@ -66,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Steady-state benchmark of tileweave's fused TP GEMMs against NCCL + cuBLAS and "
                     "PyTorch async-TP (verified before timed; median over reps, max over ranks).",
     )
-    p.add_argument("--op", default=",".join(OPS), help="comma list of sections: gemm, ag, rs (default: all)")
+    p.add_argument("--op", default=",".join(DEFAULT_OPS),
+                   help="comma list of sections: gemm, ag, rs, block (default: gemm,ag,rs; block is the TP "
+                        "transformer block, forward + backward)")
     p.add_argument("--layer", nargs="+", action="extend", default=None, metavar="NAME",
                    help='layer filters: full name ("llama3-8b qkv"), model (llama3-70b) or part (qkv)')
     # --tokens: torchrun's own parser takes "--m" for an abbreviation of its options and stops.
@@ -106,14 +116,24 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
         if ns.tag is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", ns.tag):
             raise ValueError(f"--tag may use letters, digits, '.', '_' and '-' only; got {ns.tag!r}")
         # Filters are checked here, before any process starts, so a typo costs nothing.
-        for kind in ("AG", "RS"):
-            select_rows(kind=kind, layers=layers or None, m_values=m_values or None, world_size=1)
+        _check_filters(ops, layers, m_values, world_size=1)
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
                             include_torch=not ns.no_torch)
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),
                       policy=ns.policy, rs_transport=ns.rs_transport)
+
+
+def _check_filters(ops: Sequence[str], layers: Sequence[str], m_values: Sequence[int], *, world_size: int) -> None:
+    """Raise ValueError when the filters select nothing valid for a requested section."""
+    from tileweave.bench.block import select_block_rows
+
+    for op, kind in (("ag", "AG"), ("rs", "RS"), ("gemm", "AG")):
+        if op in ops:
+            select_rows(kind=kind, layers=layers or None, m_values=m_values or None, world_size=world_size)
+    if "block" in ops:
+        select_block_rows(layers=tuple(layers) or None, m_values=tuple(m_values) or None, world_size=world_size)
 
 
 def ensure_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
@@ -189,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["TILEWEAVE_RS_TRANSPORT"] = opts.rs_transport
     import torch
 
-    needs_ranks = any(op in ("ag", "rs") for op in opts.bench.ops)
+    needs_ranks = any(op in ("ag", "rs", "block") for op in opts.bench.ops)
     if not torch.cuda.is_available():
         print("tileweave bench: no CUDA device visible; the benchmark needs NVIDIA GPUs.", file=sys.stderr)
         return 1
@@ -231,14 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_world(opts: CliOptions, *, world: int, n_gpu: int, needs_ranks: bool) -> str | None:
     """Why ``world`` ranks cannot run ``opts`` here, or None."""
     if needs_ranks and world < 2:
-        return (f"sections ag/rs need at least 2 GPUs (world size {world}, {n_gpu} visible); "
+        return (f"sections ag/rs/block need at least 2 GPUs (world size {world}, {n_gpu} visible); "
                 "run with --op gemm on one GPU")
     if world > n_gpu:
         return f"--world-size {world} exceeds the {n_gpu} visible GPUs"
     try:
-        for kind in ("AG", "RS"):
-            select_rows(kind=kind, layers=opts.bench.layers or None, m_values=opts.bench.m_values or None,
-                        world_size=world if needs_ranks else 1)
+        _check_filters(opts.bench.ops, opts.bench.layers, opts.bench.m_values,
+                       world_size=world if needs_ranks else 1)
     except ValueError as e:
         return str(e)
     return None

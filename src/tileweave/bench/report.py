@@ -29,6 +29,12 @@ COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "base", "torch", "ours")
 GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
 """``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
 
+BLOCK_VARIANTS: tuple[str, ...] = ("floor", "base", "torch", "ours")
+"""``block`` section variants: compute floor, NCCL + cuBLAS, PyTorch async-TP, tileweave."""
+
+BLOCK_FLOOR_MIN_M = 8192
+"""Block rows with at least this many tokens enter the worst ours/floor ratio (issue bar: <= 1.08)."""
+
 COMMIT_ENV = "TILEWEAVE_GIT_COMMIT"
 """Commit to record instead of asking git: a tree copied to a GPU machine may carry no git metadata,
 or stale metadata that names an older commit."""
@@ -136,6 +142,10 @@ class ShapeSummary:
     x_cublas: float | None = None
     tflops_cublas: float | None = None
     tflops_ours: float | None = None
+    over_floor: float | None = None
+    """``block``: ours' step time over the compute floor's (1.0 is no communication cost at all)."""
+    tokens_per_s: float | None = None
+    """``block``: tokens per second of ours (M tokens per step)."""
 
 
 def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
@@ -157,6 +167,14 @@ def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
             out.append(ShapeSummary(
                 **common, x_cublas=speedup(t("cublas"), t("ours")),
                 tflops_cublas=tflops(flops, t("cublas")), tflops_ours=tflops(flops, t("ours")),
+            ))
+            continue
+        if first.op == "block":
+            ours = t("ours")
+            out.append(ShapeSummary(
+                **common, x_base=speedup(t("base"), ours), x_torch=speedup(t("torch"), ours),
+                x_base_torch=speedup(t("base"), t("torch")), over_floor=speedup(ours, t("floor")),
+                tokens_per_s=first.m / (ours * 1e-3) if ours else None,
             ))
             continue
         ideal = ideal_time(t("gemm"), t("comm"))
@@ -211,6 +229,27 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
         ))
         lines += ["", f"geomean x_cublas {_num(geomean(s.x_cublas for s in summaries), 3)} "
                       f"over {sum(s.x_cublas is not None for s in summaries)} shapes"]
+    elif op == "block":
+        header = ["block", "M", "hidden", "ffn", "t_floor", "t_base", "t_torch", "t_ours", "tokens/s ours",
+                  "x_base", "x_torch", "ours/floor", "path"]
+        lines += _table(header, (
+            [s.layer, str(s.m), str(s.k), str(s.n)] + [_time_cell(s, v) for v in BLOCK_VARIANTS]
+            + [_num(s.tokens_per_s, 0), _num(s.x_base, 2), _num(s.x_torch, 2), _num(s.over_floor, 3),
+               s.path or "n/a"]
+            for s in summaries
+        ))
+        big = [s for s in summaries if s.m >= BLOCK_FLOOR_MIN_M]
+        beats = [s for s in summaries if s.x_base is not None and s.x_torch is not None
+                 and s.x_base > 1 and s.x_torch > 1]
+        worst = max((s.over_floor for s in big if s.over_floor is not None), default=None)
+        lines += [
+            "",
+            "Times in ms per forward + backward step of one block.",
+            f"ours faster than both NCCL and async-TP on {len(beats)} of {len(summaries)} rows; "
+            f"geomean x_base {_num(geomean(s.x_base for s in summaries), 3)}, "
+            f"x_torch {_num(geomean(s.x_torch for s in summaries), 3)}",
+            f"worst ours/floor over M>={BLOCK_FLOOR_MIN_M} ({len(big)} rows): {_num(worst, 3)}",
+        ]
     else:
         header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "ideal", "t_base", "t_torch", "t_ours",
                   "x_base", "x_torch", "E", "eff", "path"]
@@ -232,7 +271,7 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
             f"eff {_num(median_or_none(s.eff for s in big), 2)}, "
             f"E_torch {_num(median_or_none(s.e_torch for s in big), 2)}",
         ]
-    variants = GEMM_VARIANTS if op == "gemm" else ("base", "torch", "ours")
+    variants = GEMM_VARIANTS if op == "gemm" else BLOCK_VARIANTS if op == "block" else ("base", "torch", "ours")
     mem = {(r.shape_key, r.variant): r for r in measurements}
     lines += ["", "Peak GPU memory per variant, MB (allocator peak + memory kept outside it), max over ranks:", ""]
     lines += _table(["layer", "M", *variants], (

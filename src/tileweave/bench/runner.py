@@ -3,10 +3,12 @@
 Phases, in order:
 
 1. ``gemm`` section on rank 0's GPU only; the other ranks wait at a barrier.
-2. PyTorch async-TP for every AG and RS row, before any other symmetric memory exists in the
-   process: that op hung once next to other symmetric buffers (DESIGN.md), so it gets a phase alone.
+2. PyTorch async-TP for every AG and RS row, then for every block row, before any other symmetric
+   memory exists in the process: that op hung once next to other symmetric buffers (DESIGN.md), so it
+   gets a phase alone.
 3. For every AG row, then every RS row: cuBLAS alone, the copy-engine transport alone (our own
    symmetric buffer), NCCL + cuBLAS, and tileweave's op.
+4. For every block row: the compute floor, NCCL + cuBLAS, and tileweave's ops.
 
 Deadlock safety: every decision that changes which collectives a rank issues (is a variant there, did
 it verify, how long to warm up) is agreed with an all-reduce first, so all ranks take the same branch.
@@ -41,7 +43,7 @@ class BenchConfig:
     """What one ``tileweave bench`` run measures."""
 
     ops: tuple[OpName, ...]
-    """Sections to run, from ``gemm``, ``ag``, ``rs``."""
+    """Sections to run, from ``gemm``, ``ag``, ``rs``, ``block``."""
     layers: tuple[str, ...] = ()
     """Layer filters (see ``suite.match_layers``); empty means all."""
     m_values: tuple[int, ...] = ()
@@ -52,7 +54,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.ops:
-            raise ValueError("ops must name at least one of gemm, ag, rs")
+            raise ValueError("ops must name at least one of gemm, ag, rs, block")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,12 +108,12 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     (unavailable,) = ctx.agree.max_floats([float(v.call is None)])
     if unavailable:
         return Measurement(**key, variant=v.name, status="n/a", note=v.note or "unavailable on some rank")
-    assert v.call is not None and v.check is not None
+    assert v.call is not None
     watch = MemoryWatch()
     err, note = math.inf, ""
     try:
         out = v.call(0)
-        err = v.check(out)
+        err = v.check(out) if v.check is not None else 0.0  # no check: runs, but its numbers are not a model's
         del out
         if not math.isfinite(err):
             note = "non-finite output"
@@ -119,7 +121,7 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
         note = f"{type(e).__name__}: {e}"[:300]
     failed = not err < V.TOLERANCE
     fail_any, err_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
-    err_out = err_max if err_max < 1e300 else None
+    err_out = err_max if err_max < 1e300 and v.check is not None else None
     if fail_any:
         torch.cuda.empty_cache()
         if not note:
@@ -238,6 +240,32 @@ def run_main_phase(
     return results
 
 
+def run_block_phase(
+    block_rows: list, names: tuple[str, ...], ctx: RankContext, progress: Progress
+) -> dict[tuple[str, int], list[Measurement]]:
+    """The block variants ``names`` on every block row, keyed by ``(layer, M)``. Each row first runs
+    one NCCL step as the reference the variants are checked against."""
+    from tileweave.bench import block as B
+
+    assert ctx.group is not None
+    out: dict[tuple[str, int], list[Measurement]] = {}
+    for row in block_rows:
+        x = B.make_block_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
+        y, dx = x.step(B.base_ops(ctx.world_size))(0)
+        reference = (y.clone(), dx.clone())
+        key = dict(op="block", layer=row.label, world_size=ctx.world_size, m=row.m, k=row.config.hidden,
+                   n=row.config.ffn)
+        res = out.setdefault((row.label, row.m), [])
+        for name in names:
+            v = B.block_variant(name, x, rank=ctx.rank, world_size=ctx.world_size,
+                                reference=None if name == "floor" else reference)
+            res.append(run_variant(ctx, v, key=key))
+        del x, y, dx, reference
+        torch.cuda.empty_cache()
+        progress.step(f"block {'/'.join(names)} {row.label} M={row.m}")
+    return out
+
+
 def run_rank(
     cfg: BenchConfig, *, rank: int, world_size: int, group: dist.ProcessGroup | None
 ) -> dict[str, list[Measurement]]:
@@ -256,8 +284,14 @@ def run_rank(
                         m_values=cfg.m_values or None, world_size=world_size)
         for op in coll_ops
     }
+    block_rows = []
+    if "block" in cfg.ops:
+        from tileweave.bench.block import select_block_rows
+
+        block_rows = select_block_rows(layers=cfg.layers or None, m_values=cfg.m_values or None,
+                                       world_size=world_size)
     n_gemm = len(gemm_shapes(layers=cfg.layers or None, m_values=cfg.m_values or None)) if "gemm" in cfg.ops else 0
-    n_rows = sum(len(r) for r in rows.values())
+    n_rows = sum(len(r) for r in rows.values()) + len(block_rows)
     progress = Progress(total=n_gemm + n_rows * (2 if cfg.include_torch else 1), enabled=rank == 0)
     results: dict[str, list[Measurement]] = {}
     try:
@@ -266,13 +300,23 @@ def run_rank(
                 results["gemm"] = run_gemm_section(cfg, local_ctx, progress)
             if group is not None:
                 dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-        if coll_ops:
+        if coll_ops or block_rows:
             if group is None or world_size < 2:
-                raise RuntimeError(f"sections {coll_ops} need >= 2 ranks, got world_size={world_size}")
-            torch_rows = run_torch_phase(rows, dist_ctx, progress) if cfg.include_torch else {}
+                raise RuntimeError(f"sections {coll_ops + ['block'] * bool(block_rows)} need >= 2 ranks, "
+                                   f"got world_size={world_size}")
+            torch_rows = run_torch_phase(rows, dist_ctx, progress) if cfg.include_torch and coll_ops else {}
+            torch_blocks = (run_block_phase(block_rows, ("torch",), dist_ctx, progress)
+                            if cfg.include_torch and block_rows else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
             results.update(run_main_phase(rows, torch_rows, dist_ctx, progress))
+            if block_rows:
+                ours = run_block_phase(block_rows, ("floor", "base", "ours"), dist_ctx, progress)
+                results["block"] = [
+                    r for key, measured in ours.items()
+                    for r in sorted(measured + torch_blocks.get(key, []),
+                                    key=lambda r: ("floor", "base", "torch", "ours").index(r.variant))
+                ]
     finally:
         progress.close()
     return results

@@ -360,3 +360,70 @@ def foreign_group_check(rank: int, world: int) -> str:
     except tileweave.TileweaveError as exc:
         return str(exc)
     return "no error"
+
+
+def block_bench_variants_check(rank: int, world: int, batch: int, seq: int) -> dict:
+    """The block section's step under each of its variants (tileweave's ops, NCCL-style ops, the
+    compute floor) on one small fp32 block: output and input gradient of ours and of the NCCL-style
+    ops against the float64 unsharded reference, the variant check's own error, and that the layers'
+    ops are restored afterwards."""
+    import tileweave.nn.linear as linear
+    from tileweave.bench import block as B
+    from tileweave.nn.block import BlockConfig, TPTransformerBlock, reference_block
+
+    device = _device()
+    c = BlockConfig(hidden=32, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0)
+    hd = c.head_dim
+    shapes = {"q": (c.heads * hd, c.hidden), "k": (c.kv_heads * hd, c.hidden), "v": (c.kv_heads * hd, c.hidden),
+              "o": (c.hidden, c.hidden), "gate": (c.ffn, c.hidden), "up": (c.ffn, c.hidden), "down": (c.hidden, c.ffn)}
+    state = {name: _randn(shape, torch.float32, "bb", name, device=device) / shape[1] ** 0.5
+             for name, shape in shapes.items()}
+    state["attn_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "bb-n1", device=device)
+    state["mlp_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "bb-n2", device=device)
+    m = batch * seq
+    x_full = _randn((m, c.hidden), torch.float32, "bb-x", device=device)
+    g_full = _randn((m, c.hidden), torch.float32, "bb-g", device=device)
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+
+    os.environ["TILEWEAVE_POLICY"] = "fused"
+    block = TPTransformerBlock(c, device=device)
+    block.load_full_state_dict(state)
+    row = B.BlockRow("llama3-8b", m)  # only its batch (M tokens as one sequence here) is used
+    assert row.batch == batch
+    inputs = B.BlockInputs(row=row, block=block, x=x_full[rows].clone().requires_grad_(True), dy=g_full[rows])
+    originals = (linear.all_gather_gemm, linear.gemm_reduce_scatter)
+    base = [t.clone() for t in inputs.step(B.base_ops(world))(0)]
+    ours = B.block_variant("ours", inputs, rank=rank, world_size=world, reference=tuple(base))
+    y_ours, dx_ours = ours.call(0)
+    floor_y, _ = inputs.step(B.floor_ops(rank, world))(0)
+
+    xr = x_full.double().requires_grad_(True)
+    ref_state = {k: v.double() for k, v in state.items()}
+    yr = reference_block(xr, ref_state, c, batch)
+    yr.backward(g_full.double())
+
+    def err(got, ref):
+        return ((got.double() - ref).norm() / ref.norm()).item()
+
+    return {"base_y": err(base[0], yr[rows]), "base_dx": err(base[1], xr.grad[rows]),
+            "ours_y": err(y_ours, yr[rows]), "ours_dx": err(dx_ours, xr.grad[rows]),
+            "ours_check": ours.check((y_ours, dx_ours)), "ours_path": ours.path(),
+            "floor_shape": tuple(floor_y.shape) == tuple(y_ours.shape),
+            "restored": (linear.all_gather_gemm, linear.gemm_reduce_scatter) == originals}
+
+
+def block_bench_gpu_check(rank: int, world: int, m: int) -> dict:
+    """On GPUs: the block section's PyTorch async-TP and tileweave variants of the llama3-8b block at
+    M tokens, each checked against its NCCL reference (bf16; the benchmark's own check)."""
+    from tileweave.bench import block as B
+    from tileweave.bench.runner import _enable_torch_symm_mem
+
+    _enable_torch_symm_mem(dist.group.WORLD)
+    row = B.BlockRow("llama3-8b", m)
+    x = B.make_block_inputs(row, rank=rank, world_size=world, group=dist.group.WORLD)
+    reference = tuple(t.clone() for t in x.step(B.base_ops(world))(0))
+    out = {}
+    for name in ("torch", "ours"):
+        v = B.block_variant(name, x, rank=rank, world_size=world, reference=reference)
+        out[name] = v.check(v.call(0)) if v.call is not None else v.note
+    return out
