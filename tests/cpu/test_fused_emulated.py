@@ -51,6 +51,19 @@ def test_gemm_reduce_scatter(world, transport):
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
+@pytest.mark.parametrize("transport", ["mesh", "ring"])
+def test_all_gather_gemm_eight_ranks(transport):
+    # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer.
+    cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, ag_transport=transport, straggler=5, delay_s=0.1)]
+    _check(run_ranks(8, scenarios.all_gather_gemm_check, cases, heap_bytes=4 << 20), "gathered_exact")
+
+
+@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+def test_gemm_reduce_scatter_eight_ranks(transport):
+    cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, transport=transport, straggler=3, delay_s=0.1)]
+    _check(run_ranks(8, scenarios.gemm_reduce_scatter_check, cases, heap_bytes=4 << 20), "deterministic")
+
+
 @pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
 def test_copy_engine_reduce_scatter_release_modes(release):
     # Several row groups per chunk (2 x 32 rows here), rows not a multiple of the group, a late producer.
