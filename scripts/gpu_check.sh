@@ -6,10 +6,10 @@
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
 # RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
-# fused) is what "ours" runs: fused measures the kernels, auto what users get by default. Where the tree
-# travels without .git, set TILEWEAVE_GIT_COMMIT so the results name their commit. The block section
-# runs at BLOCK_M (default 4096,8192,16384). BLOCK=1 also runs examples/train_block.py (fused, NCCL,
-# floor), which writes block.txt.
+# fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
+# section runs BLOCK_POLICY (default auto) at BLOCK_M (default 4096,8192,16384). Set
+# TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
+# stale one). BLOCK=1 also runs examples/train_block.py (fused, NCCL, floor), which writes block.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -31,10 +31,12 @@ for op in $OPS; do
   transports="store"
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
   m="$M"
-  [ "$op" = block ] && m="$BLOCK_M"
+  policy="${POLICY:-fused}"
+  # The block measures what users get: the default policy, unless BLOCK_POLICY says otherwise.
+  [ "$op" = block ] && m="$BLOCK_M" && policy="${BLOCK_POLICY:-auto}"
   for transport in $transports; do
     timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
-      --policy "${POLICY:-fused}" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
+      --policy "$policy" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
 if [ "${BLOCK:-0}" = 1 ]; then
