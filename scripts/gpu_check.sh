@@ -5,6 +5,9 @@
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
+# TESTS="copy_engine or block" selects GPU tests (pytest -k); CE_VARIANTS="tile_gpu chunk" runs
+# scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark, TESTS=none
+# the tests.
 # RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) at BLOCK_M (default 4096,8192,16384). Set
@@ -18,7 +21,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TILEWEAVE_MAX_SPIN=${TILEWEAVE_MAX_SPIN:-16777216}
 OUT=${OUT:-bench/results}
 M=${M:-1024,2048,4096,8192,16384}
-OPS=${OPS:-ag rs gemm block}
+OPS=${OPS-ag rs gemm block}
 BLOCK_M=${BLOCK_M:-4096,8192,16384}
 RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
@@ -26,7 +29,18 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv | tee "$OUT/gpus.txt"
 status=0
-timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" || status=1
+if [ "${TESTS:-}" != none ]; then
+  # One line per test (-v), so a run cut short by the time limit still shows which tests passed.
+  timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider tests/gpu ${TESTS:+-k "$TESTS"} \
+    > "$OUT/gpu_tests.txt" 2>&1 || status=1
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
+fi
+for variant in ${CE_VARIANTS:-}; do
+  # Copy-engine reduce-scatter variants (scripts/ce_probe.py): a check and one timed shape each.
+  timeout "$BENCH_TIMEOUT" python3 scripts/ce_probe.py --variant "$variant" --quick --out "$OUT" \
+    > "$OUT/ce_probe_$variant.txt" 2>&1 || status=1
+  grep "^\[.* r0\]" "$OUT/ce_probe_$variant.txt" | cut -c1-220
+done
 for op in $OPS; do
   transports="store"
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
