@@ -30,8 +30,13 @@ def record_path(op: str, path: str) -> None:
     _last_path[op] = path
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs kernels in its interpreter. Read once: Triton itself fixes the mode when the
+    kernels are decorated, at import (this saves a lookup on every launch of a small GEMM)."""
+    return _INTERPRETING
 
 
 def debug_mode() -> bool:
