@@ -248,6 +248,8 @@ def run_block_phase(
     from tileweave.bench import block as B
 
     assert ctx.group is not None
+    if "torch" in names:
+        _enable_torch_symm_mem(ctx.group)
     out: dict[tuple[str, int], list[Measurement]] = {}
     for row in block_rows:
         x = B.make_block_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
