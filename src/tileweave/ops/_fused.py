@@ -86,8 +86,9 @@ class FusedOp:
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                 prefer_fused: Callable[..., bool], shape: tuple, has_bias: bool,
-                **config_overrides) -> tuple[bool, GemmConfig]:
-        """Fused or not, and with which config: rank 0's choice, checked against every rank's shapes.
+                **config_overrides) -> tuple[bool, GemmConfig, bool]:
+        """Fused or not, with which config, and whether this is the first call of its signature:
+        rank 0's choice, checked against every rank's shapes.
 
         ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks.
         """
@@ -99,5 +100,19 @@ class FusedOp:
             self.policy == "auto" and prefer_fused(m, n, k, backend.world_size, dtype,
                                                    interpreter=backend.interpreter))
         signature = (self.op_name, *shape, str(dtype), has_bias, fused)
+        first = signature not in self._agreed
         config = agree(backend, self._agreed, self.op_name, signature, proposal)
-        return fused and m > 0 and n > 0 and k > 0, config
+        return fused and m > 0 and n > 0 and k > 0, config, first
+
+    @staticmethod
+    def _launch_kernel(backend: Backend, first: bool, **launch_args) -> None:
+        """Launch the fused kernel. On the first call of a signature every rank compiles it first and
+        then meets the others: a kernel spinning on a peer that is still compiling would spend its
+        bounded wait on the compiler (seconds for a cold cache) and could report a lost peer."""
+        if first and not backend.interpreter:
+            try:
+                _launch.launch(**launch_args, compile_only=True)
+            except Exception:  # noqa: BLE001 - the launch below compiles again and raises the error itself
+                pass
+            dist.barrier(group=backend.group, device_ids=[backend.device.index])
+        _launch.launch(**launch_args)

@@ -135,9 +135,10 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
            buf: torch.Tensor | None = None, peer_offsets: torch.Tensor | None = None,
            peer_flags: torch.Tensor | None = None, flags: torch.Tensor | None = None,
            err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0,
-           ring: bool = False) -> PlainLaunch:
+           ring: bool = False, compile_only: bool = False) -> PlainLaunch:
     """Launch ``fused_gemm_kernel``; see its docstring for what each argument means per mode. Returns
-    what a plain (``MODE_PLAIN``) launch can replay."""
+    what a plain (``MODE_PLAIN``) launch can replay. ``compile_only`` compiles the kernel these
+    arguments need (on a GPU) without launching it."""
     _install_allocator()
     b_in = b
     b, b_nk = b_layout(b)
@@ -163,7 +164,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release))
-    _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs)
+    _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
                        num_stages=config.num_stages, programs=programs, b_copied=b is not b_in)
 
@@ -197,26 +198,28 @@ def _int_key(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31))
 
 
-def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs):
+def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs, compile_only=False):
     """Launch through a cache of compiled kernels keyed on exactly what Triton specialises on.
 
     ``JITFunction.run`` re-derives the specialisation of all ~30 arguments on every call, which costs
     tens of microseconds of host time: more than the whole GEMM on small shapes. Here the first call of
     a key goes through Triton and keeps the compiled kernel; later calls launch it directly (and
     return it, so that callers with a fixed key can keep it too). Set TILEWEAVE_FAST_LAUNCH=0 to
-    always go through Triton.
+    always go through Triton. ``compile_only``: compile (and keep) without launching; nothing to do in
+    the interpreter.
     """
     args = (*tensors, *unspecialized, *ints)
+    if compile_only:
+        if tensors[0].is_cuda:
+            _compile(args, tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs)
+        return None
     if not (_fast_launch and tensors[0].is_cuda):
         with torch.cuda.device(tensors[0].device) if tensors[0].is_cuda else contextlib.nullcontext():
             fused_gemm_kernel[(programs,)](*args, **dict(zip(_CONSTEXPR_NAMES, constexprs)),
                                            num_warps=num_warps, num_stages=num_stages)
         return None
     device = tensors[0].device.index
-    key = (device, constexprs, num_warps, num_stages,
-           tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
-           tuple(-(1 << 31) <= v < (1 << 31) for v in unspecialized),
-           tuple(_int_key(v) for v in ints))
+    key = _compiled_key(tensors, unspecialized, ints, constexprs, num_warps, num_stages)
     kernel = _compiled.get(key)
     if kernel is None:
         with torch.cuda.device(device):
@@ -231,6 +234,24 @@ def _run(tensors, unspecialized, ints, constexprs, num_warps, num_stages, progra
     else:
         _launch_compiled(kernel, device, programs, args, constexprs)
     return kernel
+
+
+def _compiled_key(tensors, unspecialized, ints, constexprs, num_warps, num_stages) -> tuple:
+    return (tensors[0].device.index, constexprs, num_warps, num_stages,
+            tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+            tuple(-(1 << 31) <= v < (1 << 31) for v in unspecialized),
+            tuple(_int_key(v) for v in ints))
+
+
+def _compile(args, tensors, unspecialized, ints, constexprs, num_warps, num_stages, programs) -> None:
+    key = _compiled_key(tensors, unspecialized, ints, constexprs, num_warps, num_stages)
+    if key in _compiled:
+        return
+    with torch.cuda.device(tensors[0].device):
+        kernel = fused_gemm_kernel.warmup(*args, grid=(programs,), **dict(zip(_CONSTEXPR_NAMES, constexprs)),
+                                          num_warps=num_warps, num_stages=num_stages)
+    if _fast_launch:
+        _compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
 
 
 def _active_hook(hook):

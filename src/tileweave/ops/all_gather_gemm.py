@@ -109,7 +109,7 @@ class AllGatherGemm(FusedOp):
             return (out, a_shard) if return_gathered else out
         _launch.check_not_capturing(_OP)
 
-        fused, config = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
+        fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
                                      heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
@@ -136,11 +136,11 @@ class AllGatherGemm(FusedOp):
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
 
-        _launch.launch(mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out, bias=bias,
-                       config=config, m_chunk=mc, rank=rank, world=w,
-                       programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
-                       flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
-                       max_spin=self.max_spin or backend.default_max_spin, ring=ring)
+        self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out, bias=bias,
+                            config=config, m_chunk=mc, rank=rank, world=w,
+                            programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
+                            flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
+                            max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         for address in plan.releases:
             backend.main_write(address, epoch)
         backend.comm_end()

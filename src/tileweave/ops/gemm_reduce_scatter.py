@@ -103,8 +103,9 @@ class GemmReduceScatter(FusedOp):
         _launch.check_not_capturing(_OP)
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
-        fused, config = self._decide(backend, m, n, k, a.dtype, a.device, heuristics.prefer_fused_reduce_scatter,
-                                     (m, k, n), bias is not None, **overrides)
+        fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
+                                            heuristics.prefer_fused_reduce_scatter, (m, k, n), bias is not None,
+                                            **overrides)
         if not fused:
             return self._fallback(backend, a, b, bias, out)
 
@@ -112,7 +113,7 @@ class GemmReduceScatter(FusedOp):
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if config.copy_engine:
-            self._fused_copy_engine(backend, a, b, bias, out, config, m, n)
+            self._fused_copy_engine(backend, a, b, bias, out, config, m, n, first)
             return out
         self._ws = ensure_workspace(self._ws, backend, m * n * a.element_size())
         ws = self._ws
@@ -132,19 +133,20 @@ class GemmReduceScatter(FusedOp):
         # The receive buffers we are about to fill must have been released by their owners.
         for address in waits:
             backend.main_wait(address, epoch - 1)
-        _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
-                       rank=rank, world=w,
-                       programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
-                       buf=recv, peer_offsets=ws.data_offsets(a.element_size()),
-                       peer_flags=ws.counter_addresses(), flags=ws.flag_slice(COUNTERS), err=ws.err,
-                       epoch=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
+        self._launch_kernel(backend, first, mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config,
+                            m_chunk=mc, rank=rank, world=w,
+                            programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                            buf=recv, peer_offsets=ws.data_offsets(a.element_size()),
+                            peer_flags=ws.counter_addresses(), flags=ws.flag_slice(COUNTERS), err=ws.err,
+                            epoch=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
         for address in releases:
             backend.main_write(address, epoch)
         self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
         return out
 
-    def _fused_copy_engine(self, backend: Backend, a, b, bias, out, config: GemmConfig, m: int, n: int) -> None:
+    def _fused_copy_engine(self, backend: Backend, a, b, bias, out, config: GemmConfig, m: int, n: int,
+                           first: bool) -> None:
         """The copy-engine transport: the kernel writes peer partials to a local send buffer and counts
         them per row group; this rank's copy stream moves each finished row group into its owner's
         receive buffer and writes the owner's arrival flag; the owner's tiles wait for those flags."""
@@ -178,11 +180,11 @@ class GemmReduceScatter(FusedOp):
 
         if backend.launch_blocks:
             queue_copies()
-        _launch.launch(mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config, m_chunk=mc,
-                       rank=rank, world=w,
-                       programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
-                       buf=ws.data.view(rank, a.dtype, (2 * (w - 1) * mc, n)), flags=flags, err=ws.err,
-                       epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
+        self._launch_kernel(backend, first, mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config,
+                            m_chunk=mc, rank=rank, world=w,
+                            programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                            buf=ws.data.view(rank, a.dtype, (2 * (w - 1) * mc, n)), flags=flags, err=ws.err,
+                            epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
         if not backend.launch_blocks:
             queue_copies()
         for address in plan.releases:
