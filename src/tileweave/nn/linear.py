@@ -60,7 +60,10 @@ def _check_divisible(name: str, value: int, world: int) -> None:
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, save_gathered):
-        y, gathered = all_gather_gemm(x_shard, weight.t(), group, bias=bias, return_gathered=True)
+        if save_gathered:
+            y, gathered = all_gather_gemm(x_shard, weight.t(), group, bias=bias, return_gathered=True)
+        else:  # the gathered input is not kept: do not copy it out of the op's workspace either
+            y, gathered = all_gather_gemm(x_shard, weight.t(), group, bias=bias), None
         ctx.group, ctx.has_bias, ctx.save_gathered = group, bias is not None, save_gathered
         ctx.save_for_backward(gathered if save_gathered else x_shard, weight)
         return y
@@ -73,6 +76,8 @@ class _ColumnParallel(torch.autograd.Function):
         if ctx.save_gathered:
             gathered = saved
         else:
+            # After the input gradient, not alongside it: an NCCL kernel that cannot get SMs next to a
+            # fused kernel spinning on its peers would stall both ranks (DESIGN.md, the deadlock).
             gathered = saved.new_empty((saved.shape[0] * dist.get_world_size(ctx.group), saved.shape[1]))
             dist.all_gather_into_tensor(gathered, saved.contiguous(), group=ctx.group)
         dw = dy.t() @ gathered
