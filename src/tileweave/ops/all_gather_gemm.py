@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import READY, RELEASED, Workspace, ensure_workspace
+from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
@@ -110,7 +110,7 @@ class AllGatherGemm(FusedOp):
         _launch.check_not_capturing(_OP)
 
         fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
-                                     heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
+                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
         if not fused:
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 
@@ -122,16 +122,7 @@ class AllGatherGemm(FusedOp):
         plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
         ws.epoch += 1
         epoch = ws.epoch
-        backend.comm_begin()
-        # Mesh: our shard to every peer, nearest consumer first (rank r - i computes our rows at its
-        # step i). Ring: our shard, then each chunk from rank-1 as it arrives, all to rank+1.
-        for slot, released, ready, arrived, source in plan.pushes:
-            if released is not None:
-                backend.comm_wait(released, epoch - 1)
-            if arrived is not None:
-                backend.comm_wait(arrived, epoch)
-            backend.comm_copy(slot, a_shard if source is None else source)
-            backend.comm_write(ready, epoch)
+        self._push(backend, plan, a_shard, epoch)
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
@@ -141,12 +132,61 @@ class AllGatherGemm(FusedOp):
                             programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
                             flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
                             max_spin=self.max_spin or backend.default_max_spin, ring=ring)
+        # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and
+        # a peer must not refill it while a forward still reads it.
+        backend.comm_end()
         for address in plan.releases:
             backend.main_write(address, epoch)
-        backend.comm_end()
         self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
         return (out, gathered) if return_gathered else out
+
+    def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
+        """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
+        same copy-engine transport, so it needs no SM and can run next to kernels that spin on their
+        peers. ``wait()`` on the result makes the caller's stream wait for every shard and returns the
+        buffer; ``release()``, once the kernels that read it are enqueued, lets the peers refill it.
+        Collective like a call of the op: every rank, in the same order; no other call of this object
+        between the start and ``release()``."""
+        _launch.check_matrix("a_shard", a_shard)
+        backend = self._get_backend(a_shard.device)
+        w, rank = backend.world_size, backend.rank
+        mc, k = a_shard.shape
+        if w == 1:
+            return PendingGather(backend, a_shard, ())
+        if self.policy == "fallback":
+            gathered = a_shard.new_empty((mc * w, k))
+            dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
+            return PendingGather(backend, gathered, ())
+        _launch.check_not_capturing(_OP)
+        agree(backend, self._agreed, self.op_name, ("all_gather", mc, k, str(a_shard.dtype)), None)
+        self._check_previous()
+        self._ws = ensure_workspace(self._ws, backend, mc * w * k * a_shard.element_size())
+        ws = self._ws
+        a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
+        plan = self._plan(ws, backend, mc, k, a_shard.dtype, self.transport == "ring")
+        ws.epoch += 1
+        epoch = ws.epoch
+        self._push(backend, plan, a_shard, epoch)
+        if plan.own_slot.data_ptr() != a_shard.data_ptr():
+            backend.comm_copy(plan.own_slot, a_shard)
+        arrivals = tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank)
+        return PendingGather(backend, plan.gathered, plan.releases, epoch=epoch, arrivals=arrivals)
+
+    @staticmethod
+    def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, epoch: int) -> None:
+        """Queue this call's copies on the copy stream. Mesh: our shard to every peer, nearest consumer
+        first (rank r - i computes our rows at its step i). Ring: our shard, then each chunk from rank-1
+        as it arrives, all to rank+1. Each copy waits until its destination was released for this
+        epoch, and is followed by the destination's ready flag."""
+        backend.comm_begin()
+        for slot, released, ready, arrived, source in plan.pushes:
+            if released is not None:
+                backend.comm_wait(released, epoch - 1)
+            if arrived is not None:
+                backend.comm_wait(arrived, epoch)
+            backend.comm_copy(slot, a_shard if source is None else source)
+            backend.comm_write(ready, epoch)
 
     @staticmethod
     def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> "_Plan":
@@ -196,6 +236,30 @@ class AllGatherGemm(FusedOp):
             matmul(gathered, b, bias=bias, out=out)
         _launch.record_path(_OP, "fallback")
         return (out, gathered) if return_gathered else out
+
+
+class PendingGather:
+    """An all-gather in flight on the copy engines (``AllGatherGemm.all_gather``)."""
+
+    def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *, epoch: int = 0,
+                 arrivals: tuple = ()) -> None:
+        self._backend, self._gathered, self._releases = backend, gathered, releases
+        self._epoch, self._arrivals = epoch, arrivals
+
+    def wait(self) -> torch.Tensor:
+        """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
+        for address in self._arrivals:
+            self._backend.main_wait(address, self._epoch)
+        self._backend.comm_end()  # our own rows, copied on the copy stream
+        if _launch.debug_mode():
+            self._backend.synchronize()  # bounded: a lost peer raises here instead of hanging
+        return self._gathered
+
+    def release(self) -> None:
+        """Let the peers fill the buffer for the next call (after the kernels that read it)."""
+        for address in self._releases:
+            self._backend.main_write(address, self._epoch)
+        self._releases = ()
 
 
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:
