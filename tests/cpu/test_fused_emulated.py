@@ -51,6 +51,13 @@ def test_gemm_reduce_scatter(world, transport):
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
+@pytest.mark.parametrize("world, transport", [(2, "mesh"), (3, "ring"), (4, "mesh")])
+def test_all_gather_alone_on_the_copy_engines(world, transport):
+    for result in run_ranks(world, scenarios.all_gather_only_check, transport, 3, world - 1):
+        assert result["exact"], result
+        assert result["fused_err"] < TOL["float16"], result
+
+
 @pytest.mark.parametrize("transport", ["mesh", "ring"])
 def test_all_gather_gemm_eight_ranks(transport):
     # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer.

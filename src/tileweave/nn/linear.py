@@ -23,8 +23,9 @@ wgrad      ``dw [N, K/W] = AG_M(dy).T @ x``            GEMM on the gathered outp
 =========  ==========================================  =================================
 
 The column layer keeps the gathered input for its weight gradient (``save_gathered=True``, memory
-``[M, K]``) or gathers it again in backward (``False``). Every rank must run the same layers in the
-same order, forward and backward, like any collective.
+``[M, K]``) or gathers it again in backward (``False``), on the copy engines while the input-gradient
+GEMM+ReduceScatter runs. Every rank must run the same layers in the same order, forward and backward,
+like any collective.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tileweave.ops.all_gather_gemm import all_gather_gemm
+from tileweave.ops.all_gather_gemm import cached_op as cached_all_gather_op
 from tileweave.ops.gemm_reduce_scatter import gemm_reduce_scatter
 
 
@@ -72,15 +74,15 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, dy):
         saved, weight = ctx.saved_tensors
         dy = dy.contiguous()
+        # Without the saved gathered input, gather it again while the input gradient runs: on the copy
+        # engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an
+        # NCCL kernel would), into the all-gather op's own buffer, released after the weight gradient.
+        pending = None if ctx.save_gathered else cached_all_gather_op(ctx.group, saved.device).all_gather(saved)
         dx_shard = gemm_reduce_scatter(dy, weight, ctx.group)
-        if ctx.save_gathered:
-            gathered = saved
-        else:
-            # After the input gradient, not alongside it: an NCCL kernel that cannot get SMs next to a
-            # fused kernel spinning on its peers would stall both ranks (DESIGN.md, the deadlock).
-            gathered = saved.new_empty((saved.shape[0] * dist.get_world_size(ctx.group), saved.shape[1]))
-            dist.all_gather_into_tensor(gathered, saved.contiguous(), group=ctx.group)
+        gathered = saved if pending is None else pending.wait()
         dw = dy.t() @ gathered
+        if pending is not None:
+            pending.release()
         db = dy.sum(0) if ctx.has_bias else None
         return dx_shard, dw, db, None, None
 

@@ -427,3 +427,24 @@ def block_bench_gpu_check(rank: int, world: int, m: int) -> dict:
         v = B.block_variant(name, x, rank=rank, world_size=world, reference=reference)
         out[name] = v.check(v.call(0)) if v.call is not None else v.note
     return out
+
+
+def all_gather_only_check(rank: int, world: int, transport: str, iters: int, straggler: int) -> dict:
+    """``AllGatherGemm.all_gather`` alone and interleaved with fused calls on the same op: every
+    gathered tensor equals the concatenated shards, bitwise, call after call with fresh inputs."""
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused", transport=transport)
+    set_producer_delay(0.2 if rank == straggler else 0.0)
+    exact, fused_err = True, 0.0
+    for it in range(iters):
+        shards = [_randn((7, 24), torch.float16, "gather", it, p, device=device) for p in range(world)]
+        pending = op.all_gather(shards[rank])
+        gathered = pending.wait().clone()
+        pending.release()
+        exact &= bool(torch.equal(gathered, torch.cat(shards)))
+        b = _randn((24, 16), torch.float16, "gather-b", it, device=device)
+        out = op(shards[rank], b)  # the next epoch on the same buffer and flags
+        ref = torch.cat(shards).double() @ b.double()
+        fused_err = max(fused_err, _rel_err(out, ref))
+    set_producer_delay(0.0)
+    return {"exact": exact, "fused_err": fused_err}
