@@ -7,9 +7,10 @@ from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
 
 
-@pytest.mark.parametrize("policy", ["fused", "fallback"])
-def test_block_forward_and_gradients(policy):
-    for result in run_ranks(2, scenarios.tp_block_check, 2, 16, policy):
+@pytest.mark.parametrize("world, policy, heads, kv_heads", [(2, "fused", 4, 2), (2, "fallback", 4, 2),
+                                                           (4, "fused", 8, 4)])
+def test_block_forward_and_gradients(world, policy, heads, kv_heads):
+    for result in run_ranks(world, scenarios.tp_block_check, 2, 16, policy, heads, kv_heads):
         paths = result.pop("paths")
         assert paths == f"{policy},{policy}", paths
         for key, err in result.items():

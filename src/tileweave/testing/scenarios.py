@@ -295,13 +295,14 @@ def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save
     }
 
 
-def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "auto") -> dict:
+def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "auto", heads: int = 4,
+                   kv_heads: int = 2) -> dict:
     """The TP transformer block against the unsharded reference in float64: output, input gradient,
     and the gradient of every parameter (each rank's slice)."""
     from tileweave.nn.block import BlockConfig, TPTransformerBlock, reference_block
 
     device = _device()
-    c = BlockConfig(hidden=32, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0)
+    c = BlockConfig(hidden=32, heads=heads, kv_heads=kv_heads, ffn=64, rope_theta=10000.0)
     hd = c.head_dim
     shapes = {"q": (c.heads * hd, c.hidden), "k": (c.kv_heads * hd, c.hidden), "v": (c.kv_heads * hd, c.hidden),
               "o": (c.hidden, c.hidden), "gate": (c.ffn, c.hidden), "up": (c.ffn, c.hidden), "down": (c.hidden, c.ffn)}
