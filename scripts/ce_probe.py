@@ -68,6 +68,7 @@ def _rank(rank, world, variant, quick=False):
     ce = tileweave.GemmReduceScatter(policy="fused", transport="copy_engine")
     store = tileweave.GemmReduceScatter(policy="fused", transport="store")
     fallback = tileweave.GemmReduceScatter(policy="fallback")
+    chunked = tileweave.GemmReduceScatter(policy="fused", transport="chunked")
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     for m, k, n, with_bias in CHECKS[:1] if quick else CHECKS:
         _configure(ce, variant, m, n, k, device)
@@ -95,7 +96,7 @@ def _rank(rank, world, variant, quick=False):
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
         row = {"shape": [m, k, n]}
-        for name, op in (("fallback", fallback), ("store", store), ("copy_engine", ce)):
+        for name, op in (("fallback", fallback), ("store", store), ("chunked", chunked), ("copy_engine", ce)):
             if op is ce:
                 _configure(ce, variant, m, n, k, device)
             try:
@@ -129,9 +130,9 @@ def main():
             for key in t:
                 if key.endswith("_error"):
                     print(f"[{args.variant} r{rank}] {t['shape']} {key}: {t[key]}")
-            f, s, c = (t.get(key, float("nan")) for key in ("fallback", "store", "copy_engine"))
-            print(f"[{args.variant} r{rank}] {t['shape']}: fallback {f:.3f}  store {s:.3f}  ce {c:.3f} ms  "
-                  f"fallback/ce {f / c:.2f}x")
+            f, s, ch, c = (t.get(key, float("nan")) for key in ("fallback", "store", "chunked", "copy_engine"))
+            print(f"[{args.variant} r{rank}] {t['shape']}: fallback {f:.3f}  store {s:.3f}  chunked {ch:.3f}  "
+                  f"ce {c:.3f} ms  fallback/ce {f / c:.2f}x  fallback/chunked {f / ch:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 # TESTS="copy_engine or block" selects GPU tests (pytest -k); CE_VARIANTS="tile_gpu chunk" runs
 # scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark, TESTS=none
 # the tests.
-# RS_TRANSPORTS="store copy_engine" times GEMM+ReduceScatter once per transport. POLICY (default
+# RS_TRANSPORTS="store copy_engine chunked" times GEMM+ReduceScatter once per transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) at BLOCK_M (default 4096,8192,16384). Set
 # TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
@@ -23,7 +23,7 @@ OUT=${OUT:-bench/results}
 M=${M:-1024,2048,4096,8192,16384}
 OPS=${OPS-ag rs gemm block}
 BLOCK_M=${BLOCK_M:-4096,8192,16384}
-RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine}
+RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine chunked}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 mkdir -p "$OUT/results"

@@ -40,7 +40,7 @@ def test_all_gather_gemm_ring(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_gemm_reduce_scatter(world, transport):
     cases = [
         C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport=transport),
@@ -65,10 +65,20 @@ def test_all_gather_gemm_eight_ranks(transport):
     _check(run_ranks(8, scenarios.all_gather_gemm_check, cases, heap_bytes=4 << 20), "gathered_exact")
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_gemm_reduce_scatter_eight_ranks(transport):
     cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, transport=transport, straggler=3, delay_s=0.1)]
     _check(run_ranks(8, scenarios.gemm_reduce_scatter_check, cases, heap_bytes=4 << 20), "deterministic")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunked_reduce_scatter_in_row_blocks(world):
+    # Several row blocks per owner (16 rows each here, the last one longer), bias, a late producer,
+    # then a shape with fewer blocks on the same workspace.
+    cases = [C(m_chunk=70, k=24, n=40, bias=True, iters=2, transport="chunked", chunk_rows=16,
+               straggler=world - 1, delay_s=0.1),
+             C(m_chunk=20, k=24, n=40, iters=2, transport="chunked", chunk_rows=16)]
+    _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
 @pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
@@ -80,7 +90,7 @@ def test_copy_engine_reduce_scatter_release_modes(release):
     _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_reduce_scatter_shape_changes_in_one_workspace(transport):
     # The third shape has more row groups (of 2 x 32 rows) than the second and still fits the
     # workspace sized by the first: every flag it waits for must have been raised by the calls before,
@@ -92,7 +102,7 @@ def test_reduce_scatter_shape_changes_in_one_workspace(transport):
            "deterministic")
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result

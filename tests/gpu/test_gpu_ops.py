@@ -58,7 +58,7 @@ def test_all_gather_gemm_gpu(transport):
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_gemm_reduce_scatter_gpu(transport):
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport),
              C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport),
@@ -86,7 +86,7 @@ def test_copy_engine_release_modes_gpu(release):
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["store", "copy_engine"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_back_to_back_without_sync(transport):
     for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
                             "bfloat16", transport, gpus=True):

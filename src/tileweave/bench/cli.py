@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
     p.add_argument("--policy", choices=("auto", "fused", "fallback"), default="auto",
                    help="tileweave's path choice for 'ours' (default auto: what users get)")
-    p.add_argument("--rs-transport", choices=("store", "copy_engine"), default="store",
+    p.add_argument("--rs-transport", choices=("store", "copy_engine", "chunked"), default="store",
                    help="GEMM+ReduceScatter transport for 'ours' (default store)")
     return p
 

@@ -42,6 +42,10 @@ from tileweave.tune.configs import GemmConfig
 
 _OP = "gemm_reduce_scatter"
 CE_GROUPS = 256  # tileweave.kernels.gemm.CE_GROUPS
+TRANSPORTS = ("store", "copy_engine", "chunked")
+CHUNK_ROWS = 1024
+"""Rows per block of the chunked transport: small enough that an owner's first own block rarely waits
+for a copy, large enough that cuBLAS stays near full speed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +64,24 @@ class GemmReduceScatter(FusedOp):
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
     shape; ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"store"`` (the epilogue stores
-    peer tiles into their owners' buffers over NVLink) or ``"copy_engine"`` (local send buffer, copied
-    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``).
+    peer tiles into their owners' buffers over NVLink), ``"copy_engine"`` (local send buffer, copied
+    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (no fused
+    kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
+    copy engines as soon as it is done; the own rows last, each block adding the arrived partials in
+    its GEMM; memory ``(W-1)/W x [M, N]`` plus one block in flight per owner).
     """
 
     op_name = _OP
     transport_env = "TILEWEAVE_RS_TRANSPORT"
     default_transport = "store"
+    chunk_rows = CHUNK_ROWS
+    """Rows per block of the chunked transport (every rank must use the same)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str = "store", config: GemmConfig | None = None,
                  max_spin: int | None = None) -> None:
-        if transport not in ("store", "copy_engine"):
-            raise ValueError(f"transport must be 'store' or 'copy_engine', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         super().__init__(group, policy=policy, config=config, max_spin=max_spin)
         self.transport = transport
 
@@ -112,6 +121,9 @@ class GemmReduceScatter(FusedOp):
         self._check_previous()
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
+        if self.transport == "chunked":
+            self._chunked(backend, a, b, bias, out, m, n)
+            return out
         if config.copy_engine:
             self._fused_copy_engine(backend, a, b, bias, out, config, m, n, first)
             return out
@@ -189,6 +201,51 @@ class GemmReduceScatter(FusedOp):
             queue_copies()
         for address in plan.releases:
             backend.main_write(address, epoch)
+        self._finish(backend, ws)
+        _launch.record_path(_OP, "fused")
+
+    def _chunked(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
+        """The chunked transport (class docstring). Flags: the copy-engine block's arrival words, one
+        per (source, row block), and the workspace's RELEASED words for the receive slots."""
+        w, rank = backend.world_size, backend.rank
+        mc = m // w
+        blocks = max(1, min(CE_GROUPS, mc // self.chunk_rows))
+        bounds = [mc * j // blocks for j in range(blocks + 1)]
+        self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size())
+        ws = self._ws
+        ws.ensure_ce_flags(CE_GROUPS)
+        slots = ws.data.view(rank, a.dtype, (w - 1, mc, n))
+        ws.epoch += 1
+        epoch = ws.epoch
+        arrival = lambda owner, src, j: ws.ce_flags.address(owner, 4 * (w * CE_GROUPS + src * CE_GROUPS + j))  # noqa: E731
+        for step in range(w - 1):
+            owner = (rank + 1 + step) % w
+            dst = ws.data.view(owner, a.dtype, (w - 1, mc, n))[(rank - owner - 1) % w]
+            for j in range(blocks):
+                rows = slice(bounds[j], bounds[j + 1])
+                part = torch.matmul(a[owner * mc + rows.start:owner * mc + rows.stop], b)
+                backend.comm_begin()  # the copy stream waits for this block's GEMM
+                if j == 0:
+                    backend.comm_wait(ws.flag_address(rank, RELEASED, owner), epoch - 1)
+                if part.is_cuda:
+                    part.record_stream(backend.comm_stream)
+                backend.comm_copy(dst[rows], part)
+                backend.comm_write(arrival(owner, rank, j), epoch)
+        own = a[rank * mc:(rank + 1) * mc]
+        sources = [src for src in range(w) if src != rank]  # rank order: the sum is deterministic
+        for j in range(blocks):
+            rows = slice(bounds[j], bounds[j + 1])
+            for src in sources:
+                backend.main_wait(arrival(rank, src, j), epoch)
+            if len(sources) == 1 and bias is None:
+                partials = slots[0, rows]
+            else:
+                total = sum(slots[(src - rank - 1) % w, rows].float() for src in sources)
+                partials = (total + bias.float() if bias is not None else total).to(a.dtype)
+            torch.addmm(partials, own[rows], b, out=out[rows])
+        for p in range(w):
+            if p != rank:
+                backend.main_write(ws.flag_address(p, RELEASED, rank), epoch)
         self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
 

@@ -35,11 +35,13 @@ class Case:
     delay_s: float = 0.0
     seed: int = 0
     transport: str = "store"
-    """Reduce-scatter transport: "store" or "copy_engine"."""
+    """Reduce-scatter transport: "store", "copy_engine" or "chunked"."""
     ag_transport: str = "mesh"
     """All-gather transport: "mesh" or "ring"."""
     ce_release: str = "tile"
     """Copy-engine reduce-scatter: ``GemmConfig.ce_release`` (a case with another value gets its own op)."""
+    chunk_rows: int = 0
+    """Chunked reduce-scatter: rows per block (0: the op's default)."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -98,11 +100,13 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     """Run each case ``iters`` times through one ``GemmReduceScatter``; also re-run the last inputs to
     check that the output is bitwise the same."""
     device = _device()
-    ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine")}
+    ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine", "chunked")}
     results = []
     for case in cases:
         dtype = getattr(torch, case.dtype)
         op = ops[case.transport]
+        if case.chunk_rows:
+            op.chunk_rows = case.chunk_rows
         if case.ce_release != "tile":
             from tileweave.tune.autotune import select_config
 
