@@ -8,7 +8,8 @@
 # TESTS="copy_engine or block" selects GPU tests (pytest -k); CE_VARIANTS="tile_gpu chunk" runs
 # scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark, TESTS=none
 # the tests.
-# RS_TRANSPORTS="store copy_engine chunked" times GEMM+ReduceScatter once per transport. POLICY (default
+# RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked" time each op once per
+# transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) at BLOCK_M (default 4096,8192,16384). Set
 # TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
@@ -24,6 +25,7 @@ M=${M:-1024,2048,4096,8192,16384}
 OPS=${OPS-ag rs gemm block}
 BLOCK_M=${BLOCK_M:-4096,8192,16384}
 RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine chunked}
+AG_TRANSPORTS=${AG_TRANSPORTS:-mesh chunked}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 mkdir -p "$OUT/results"
@@ -42,15 +44,19 @@ for variant in ${CE_VARIANTS:-}; do
   grep "^\[.* r0\]" "$OUT/ce_probe_$variant.txt" | cut -c1-220
 done
 for op in $OPS; do
-  transports="store"
+  transports="default"
   [ "$op" = rs ] && transports="$RS_TRANSPORTS"
+  [ "$op" = ag ] && transports="$AG_TRANSPORTS"
   m="$M"
   policy="${POLICY:-fused}"
   # The block measures what users get: the default policy, unless BLOCK_POLICY says otherwise.
   [ "$op" = block ] && m="$BLOCK_M" && policy="${BLOCK_POLICY:-auto}"
   for transport in $transports; do
+    flags=()
+    [ "$op" = rs ] && flags=(--rs-transport "$transport")
+    [ "$op" = ag ] && flags=(--ag-transport "$transport")
     timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
-      --policy "$policy" --rs-transport "$transport" --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
+      --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
 done
 if [ "${BLOCK:-0}" = 1 ]; then

@@ -5,7 +5,7 @@ Public API (shapes per rank; W ranks in the group):
 * ``matmul(a, b)`` / ``linear(x, weight)``: the persistent Triton GEMM the fused ops run on.
 * ``all_gather_gemm(a_shard [M/W, K], b [K, N_loc], group)`` -> ``[M, N_loc]``; ``AllGatherGemm``.
 * ``gemm_reduce_scatter(a [M, K_loc], b [K_loc, N], group)`` -> ``[M/W, N]``; ``GemmReduceScatter``.
-* ``last_path(op)``: which path ("fused", "fallback", "local", "triton") the last call took.
+* ``last_path(op)``: which path ("fused", "chunked", "fallback", "local", "triton") the last call took.
 * ``tileweave.nn``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``TPTransformerBlock``.
 * ``torch.ops.tileweave.*``: the fused ops as custom ops (what ``torch.compile`` sees).
 

@@ -45,6 +45,14 @@ def test_block_section_filters():
             cli.parse_args(bad)
 
 
+def test_transports_for_ours():
+    o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "chunked"])
+    assert (o.ag_transport, o.rs_transport) == ("chunked", "chunked")
+    assert (cli.parse_args([]).ag_transport, cli.parse_args([]).rs_transport) == ("mesh", "store")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--ag-transport", "store"])
+
+
 def test_tokens_is_m_for_torchrun():
     assert cli.parse_args(["--tokens", "4096"]).bench.m_values == (4096,)
 

@@ -14,7 +14,8 @@ TOL = {"float16": 2e-3, "float32": 1e-5}
 def _check(rows_per_rank, extra_key):
     for rows in rows_per_rank:
         for row in rows:
-            assert row["path"] == "fused", row
+            chunked = "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])
+            assert row["path"] == ("chunked" if chunked else "fused"), row
             assert row["err"] < TOL[row["case"]["dtype"]], row
             assert row[extra_key], row
 
@@ -25,6 +26,16 @@ def test_all_gather_gemm(world):
         C(m_chunk=40, k=48, n=56, bias=True, iters=3),                       # rows not a tile multiple
         C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False),     # odd M, K not a TMA pitch
         C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3),  # a late producer
+    ]
+    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_gemm_chunked(world):
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport="chunked"),
+        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, ag_transport="chunked"),
+        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, ag_transport="chunked"),
     ]
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
@@ -58,7 +69,7 @@ def test_all_gather_alone_on_the_copy_engines(world, transport):
         assert result["fused_err"] < TOL["float16"], result
 
 
-@pytest.mark.parametrize("transport", ["mesh", "ring"])
+@pytest.mark.parametrize("transport", ["mesh", "ring", "chunked"])
 def test_all_gather_gemm_eight_ranks(transport):
     # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer.
     cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, ag_transport=transport, straggler=5, delay_s=0.1)]

@@ -66,6 +66,8 @@ class CliOptions:
     """tileweave's path choice for "ours" (exported as TILEWEAVE_POLICY)."""
     rs_transport: str = "store"
     """GEMM+ReduceScatter transport for "ours" (exported as TILEWEAVE_RS_TRANSPORT)."""
+    ag_transport: str = "mesh"
+    """AllGather+GEMM transport for "ours" (exported as TILEWEAVE_AG_TRANSPORT)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
     p.add_argument("--policy", choices=("auto", "fused", "fallback"), default="auto",
                    help="tileweave's path choice for 'ours' (default auto: what users get)")
+    p.add_argument("--ag-transport", choices=("mesh", "ring", "chunked"), default="mesh",
+                   help="AllGather+GEMM transport for 'ours' (default mesh)")
     p.add_argument("--rs-transport", choices=("store", "copy_engine", "chunked"), default="store",
                    help="GEMM+ReduceScatter transport for 'ours' (default store)")
     return p
@@ -122,7 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),
-                      policy=ns.policy, rs_transport=ns.rs_transport)
+                      policy=ns.policy, rs_transport=ns.rs_transport, ag_transport=ns.ag_transport)
 
 
 def _check_filters(ops: Sequence[str], layers: Sequence[str], m_values: Sequence[int], *, world_size: int) -> None:
@@ -207,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The ops read these when they are created; spawned ranks inherit them.
     os.environ["TILEWEAVE_POLICY"] = opts.policy
     os.environ["TILEWEAVE_RS_TRANSPORT"] = opts.rs_transport
+    os.environ["TILEWEAVE_AG_TRANSPORT"] = opts.ag_transport
     import torch
 
     needs_ranks = any(op in ("ag", "rs", "block") for op in opts.bench.ops)

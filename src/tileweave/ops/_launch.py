@@ -22,7 +22,9 @@ _last_path: dict[str, str] = {}
 
 
 def last_path(op: str) -> str | None:
-    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took."""
+    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took:
+    "fused" (the fused kernel), "chunked" (cuBLAS per chunk with the copy-engine transport),
+    "fallback" (NCCL collective and GEMM), "local" (a group of one) or "triton" (matmul)."""
     return _last_path.get(op)
 
 

@@ -41,6 +41,7 @@ from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 
 _OP = "all_gather_gemm"
+TRANSPORTS = ("mesh", "ring", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,9 @@ class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
-    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring).
+    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
+    or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
+    rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
     """
 
     op_name = _OP
@@ -71,8 +74,8 @@ class AllGatherGemm(FusedOp):
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str = "mesh", config: GemmConfig | None = None,
                  max_spin: int | None = None) -> None:
-        if transport not in ("mesh", "ring"):
-            raise ValueError(f"transport must be 'mesh' or 'ring', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         super().__init__(group, policy=policy, config=config, max_spin=max_spin)
         self.transport = transport
 
@@ -126,20 +129,39 @@ class AllGatherGemm(FusedOp):
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-
-        self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out, bias=bias,
-                            config=config, m_chunk=mc, rank=rank, world=w,
-                            programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
-                            flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
-                            max_spin=self.max_spin or backend.default_max_spin, ring=ring)
+        if self.transport == "chunked":
+            self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, epoch)
+        else:
+            self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
+                                bias=bias, config=config, m_chunk=mc, rank=rank, world=w,
+                                programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
+                                flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
+                                max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and
         # a peer must not refill it while a forward still reads it.
         backend.comm_end()
         for address in plan.releases:
             backend.main_write(address, epoch)
         self._finish(backend, ws)
-        _launch.record_path(_OP, "fused")
+        _launch.record_path(_OP, "chunked" if self.transport == "chunked" else "fused")
         return (out, gathered) if return_gathered else out
+
+    @staticmethod
+    def _chunked_gemms(backend: Backend, ws: Workspace, a_shard, gathered, b, bias, out, epoch: int) -> None:
+        """cuBLAS in the fused kernel's order: the own rows from the caller's shard, then each peer's
+        rows once the caller's stream has waited for that peer's flag."""
+        w, rank = backend.world_size, backend.rank
+        mc = a_shard.shape[0]
+        for step in range(w):
+            src = (rank + step) % w
+            rows = slice(src * mc, (src + 1) * mc)
+            if step:
+                backend.main_wait(ws.flag_address(rank, READY, src), epoch)
+            lhs = a_shard if step == 0 else gathered[rows]
+            if bias is not None:
+                torch.addmm(bias, lhs, b, out=out[rows])
+            else:
+                torch.matmul(lhs, b, out=out[rows])
 
     def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
@@ -289,7 +311,7 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
             result = out
         return (result, gathered) if return_gathered else result
     result = cached_op(group, a_shard.device)(a_shard, b, bias=bias, out=out, return_gathered=return_gathered)
-    if return_gathered and _launch.last_path(_OP) == "fused":
+    if return_gathered and _launch.last_path(_OP) in ("fused", "chunked"):  # a view of the shared workspace
         out, gathered = result
         return out, gathered.clone()
     return result

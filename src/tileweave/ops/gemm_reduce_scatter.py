@@ -247,7 +247,7 @@ class GemmReduceScatter(FusedOp):
             if p != rank:
                 backend.main_write(ws.flag_address(p, RELEASED, rank), epoch)
         self._finish(backend, ws)
-        _launch.record_path(_OP, "fused")
+        _launch.record_path(_OP, "chunked")
 
     @staticmethod
     def _copy_engine_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype,

@@ -37,7 +37,7 @@ class Case:
     transport: str = "store"
     """Reduce-scatter transport: "store", "copy_engine" or "chunked"."""
     ag_transport: str = "mesh"
-    """All-gather transport: "mesh" or "ring"."""
+    """All-gather transport: "mesh", "ring" or "chunked"."""
     ce_release: str = "tile"
     """Copy-engine reduce-scatter: ``GemmConfig.ce_release`` (a case with another value gets its own op)."""
     chunk_rows: int = 0
@@ -70,7 +70,7 @@ def _device() -> str:
 def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
     """Run each case ``iters`` times through one ``AllGatherGemm``; return the errors per call."""
     device = _device()
-    ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring")}
+    ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
     results = []
     for case in cases:
         op = ops[case.ag_transport]
