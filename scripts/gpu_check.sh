@@ -11,7 +11,8 @@
 # RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked" time each op once per
 # transport. POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
-# section runs BLOCK_POLICY (default auto) at BLOCK_M (default 4096,8192,16384). Set
+# section runs BLOCK_POLICY (default auto) with BLOCK_AG_TRANSPORT / BLOCK_RS_TRANSPORT at BLOCK_M
+# (default 4096,8192,16384). Set
 # TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
 # stale one). BLOCK=1 also runs examples/train_block.py (fused, NCCL, floor), which writes block.txt.
 set -uo pipefail
@@ -55,6 +56,7 @@ for op in $OPS; do
     flags=()
     [ "$op" = rs ] && flags=(--rs-transport "$transport")
     [ "$op" = ag ] && flags=(--ag-transport "$transport")
+    [ "$op" = block ] && flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-mesh}" --rs-transport "${BLOCK_RS_TRANSPORT:-store}")
     timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
       --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
   done
