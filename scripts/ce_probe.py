@@ -64,7 +64,6 @@ def _rank(rank, world, variant, quick=False):
         backend_mod.CudaBackend.launch_blocks = True
     device = torch.device("cuda", rank)
     results = {"variant": variant, "checks": [], "timed": []}
-    config = None
     ce = tileweave.GemmReduceScatter(policy="fused", transport="copy_engine")
     store = tileweave.GemmReduceScatter(policy="fused", transport="store")
     fallback = tileweave.GemmReduceScatter(policy="fallback")

@@ -8,8 +8,8 @@
 # TESTS="copy_engine or block" selects GPU tests (pytest -k); CE_VARIANTS="tile_gpu chunk" runs
 # scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark, TESTS=none
 # the tests.
-# RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked" time each op once per
-# transport. POLICY (default
+# RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked": the transports each
+# op's "ours" runs with, next to one set of baselines (one report section per transport). POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) with BLOCK_AG_TRANSPORT / BLOCK_RS_TRANSPORT at BLOCK_M
 # (default 4096,8192,16384). Set
@@ -44,22 +44,22 @@ for variant in ${CE_VARIANTS:-}; do
     > "$OUT/ce_probe_$variant.txt" 2>&1 || status=1
   grep "^\[.* r0\]" "$OUT/ce_probe_$variant.txt" | cut -c1-220
 done
+comma() { echo "$*" | tr ' ' ','; }
 for op in $OPS; do
-  transports="default"
-  [ "$op" = rs ] && transports="$RS_TRANSPORTS"
-  [ "$op" = ag ] && transports="$AG_TRANSPORTS"
   m="$M"
   policy="${POLICY:-fused}"
+  flags=()
+  # Several transports of one op run next to one set of baselines (sections <op>-<transport>).
+  [ "$op" = rs ] && flags=(--rs-transport "$(comma $RS_TRANSPORTS)")
+  [ "$op" = ag ] && flags=(--ag-transport "$(comma $AG_TRANSPORTS)")
   # The block measures what users get: the default policy, unless BLOCK_POLICY says otherwise.
-  [ "$op" = block ] && m="$BLOCK_M" && policy="${BLOCK_POLICY:-auto}"
-  for transport in $transports; do
-    flags=()
-    [ "$op" = rs ] && flags=(--rs-transport "$transport")
-    [ "$op" = ag ] && flags=(--ag-transport "$transport")
-    [ "$op" = block ] && flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-mesh}" --rs-transport "${BLOCK_RS_TRANSPORT:-store}")
-    timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
-      --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "${op}-${transport}" 2>&1 | grep -v -i warning | tail -40 || status=1
-  done
+  if [ "$op" = block ]; then
+    m="$BLOCK_M"
+    policy="${BLOCK_POLICY:-auto}"
+    flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-mesh}" --rs-transport "${BLOCK_RS_TRANSPORT:-store}")
+  fi
+  timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
+    --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "$op" 2>&1 | grep -v -i warning | tail -60 || status=1
 done
 if [ "${BLOCK:-0}" = 1 ]; then
   # The TP block, forward + backward: fused, NCCL + cuBLAS, and the compute floor.

@@ -49,8 +49,12 @@ def test_transports_for_ours():
     o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "chunked"])
     assert (o.ag_transport, o.rs_transport) == ("chunked", "chunked")
     assert (cli.parse_args([]).ag_transport, cli.parse_args([]).rs_transport) == ("mesh", "store")
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--ag-transport", "store"])
+    several = cli.parse_args(["--rs-transport", "store,chunked,copy_engine"])
+    assert several.bench.transports == {"ag": ("mesh",), "rs": ("store", "chunked", "copy_engine")}
+    assert several.rs_transport == "store"  # the functional op's (and the block section's) transport
+    for bad in (["--ag-transport", "store"], ["--rs-transport", "store,store"], ["--rs-transport", ","]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
 
 
 def test_tokens_is_m_for_torchrun():

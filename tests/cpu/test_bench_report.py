@@ -192,3 +192,13 @@ def test_block_section_summary_and_table():
     assert f"ours faster than both NCCL and async-TP on {beats} of 3 rows" in text
     worst = max(t["ours"] / t["floor"] for m, t in expect if m >= 8192)
     assert f"worst ours/floor over M>=8192 (2 rows): {worst:.3f}" in text
+
+
+def test_a_transport_section_reads_like_its_op():
+    rows = rows_for("llama3-8b o", 4096, {"gemm": 0.10, "comm": 0.05, "base": 0.19, "torch": 0.27, "ours": 0.12},
+                    op="rs-chunked")
+    text = markdown("rs-chunked", rows, META)
+    assert text.startswith("## tileweave bench: rs-chunked")
+    assert "| layer | M | K | N | t_gemm | t_comm | ideal | t_base | t_torch | t_ours |" in text
+    (s,) = summarize(rows)
+    assert s.x_base == pytest.approx(0.19 / 0.12) and s.e == pytest.approx(1 - (0.12 - 0.10) / (0.19 - 0.10))

@@ -207,11 +207,11 @@ def block_variant(name: str, x: BlockInputs, *, rank: int, world_size: int,
         y, dx = out
         return max(V.rel_err(y, reference[0].float()), V.rel_err(dx, reference[1].float()))
 
-    path = None
-    if name == "ours":
-        def path() -> str:
-            import tileweave
-
-            return f"ag {tileweave.last_path('all_gather_gemm')}, rs {tileweave.last_path('gemm_reduce_scatter')}"
-    return V.Variant(name=name, call=x.step(ops), check=check, path=path,
+    return V.Variant(name=name, call=x.step(ops), check=check, path=_paths if name == "ours" else None,
                      note="" if reference is not None or name != "floor" else "not a model: not verified")
+
+
+def _paths() -> str:
+    import tileweave
+
+    return f"ag {tileweave.last_path('all_gather_gemm')}, rs {tileweave.last_path('gemm_reduce_scatter')}"

@@ -27,7 +27,6 @@ from pathlib import Path
 from tileweave.bench.runner import BenchConfig
 from tileweave.bench.suite import (
     DEFAULT_OPS,
-    OPS,
     QUICK_LAYERS,
     QUICK_M_VALUES,
     parse_ints,
@@ -35,6 +34,8 @@ from tileweave.bench.suite import (
     select_rows,
 )
 from tileweave.bench.timing import TimingConfig
+from tileweave.ops.all_gather_gemm import TRANSPORTS as AG_TRANSPORTS
+from tileweave.ops.gemm_reduce_scatter import TRANSPORTS as RS_TRANSPORTS
 
 REQUIRED_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
@@ -65,9 +66,11 @@ class CliOptions:
     policy: str = "auto"
     """tileweave's path choice for "ours" (exported as TILEWEAVE_POLICY)."""
     rs_transport: str = "store"
-    """GEMM+ReduceScatter transport for "ours" (exported as TILEWEAVE_RS_TRANSPORT)."""
+    """GEMM+ReduceScatter transport for the functional op, the first of --rs-transport (exported as
+    TILEWEAVE_RS_TRANSPORT; the block section uses it)."""
     ag_transport: str = "mesh"
-    """AllGather+GEMM transport for "ours" (exported as TILEWEAVE_AG_TRANSPORT)."""
+    """AllGather+GEMM transport for the functional op, the first of --ag-transport (exported as
+    TILEWEAVE_AG_TRANSPORT)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
     p.add_argument("--policy", choices=("auto", "fused", "fallback"), default="auto",
                    help="tileweave's path choice for 'ours' (default auto: what users get)")
-    p.add_argument("--ag-transport", choices=("mesh", "ring", "chunked"), default="mesh",
-                   help="AllGather+GEMM transport for 'ours' (default mesh)")
-    p.add_argument("--rs-transport", choices=("store", "copy_engine", "chunked"), default="store",
-                   help="GEMM+ReduceScatter transport for 'ours' (default store)")
+    p.add_argument("--ag-transport", default="mesh",
+                   help="AllGather+GEMM transport(s) for 'ours', from mesh, ring, chunked; a comma list times "
+                        "each next to one set of baselines (default mesh)")
+    p.add_argument("--rs-transport", default="store",
+                   help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
+                        "list times each next to one set of baselines (default store)")
     return p
 
 
@@ -121,12 +126,22 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
             raise ValueError(f"--tag may use letters, digits, '.', '_' and '-' only; got {ns.tag!r}")
         # Filters are checked here, before any process starts, so a typo costs nothing.
         _check_filters(ops, layers, m_values, world_size=1)
+        transports = {"ag": _transports(ns.ag_transport, AG_TRANSPORTS, "--ag-transport"),
+                      "rs": _transports(ns.rs_transport, RS_TRANSPORTS, "--rs-transport")}
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
-                            include_torch=not ns.no_torch)
+                            include_torch=not ns.no_torch, transports=transports)
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),
-                      policy=ns.policy, rs_transport=ns.rs_transport, ag_transport=ns.ag_transport)
+                      policy=ns.policy, rs_transport=transports["rs"][0], ag_transport=transports["ag"][0])
+
+
+def _transports(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+    chosen = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in chosen if t not in allowed]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(f"{option} expects distinct names from {', '.join(allowed)}; got {text!r}")
+    return chosen
 
 
 def _check_filters(ops: Sequence[str], layers: Sequence[str], m_values: Sequence[int], *, world_size: int) -> None:
@@ -189,9 +204,7 @@ def _worker(local_rank: int, world_size: int, opts: CliOptions, rank_offset: int
         date = time.strftime("%Y%m%d-%H%M%S")
         tag = opts.tag or _default_tag(world_size)
         tables = []
-        for op in OPS:
-            if op not in results:
-                continue
+        for op in results:  # sections in the order they ran; "rs-chunked" etc. with several transports
             files = write_report(out_dir=opts.out_dir, tag=tag, op=op, date=date, meta=meta,
                                  measurements=results[op])
             print(f"wrote {files.json}, {files.md}" + (f", {files.png}" if files.png else " (no chart: "

@@ -51,6 +51,10 @@ class BenchConfig:
     timing: TimingConfig = TimingConfig()
     include_torch: bool = True
     """Measure PyTorch async-TP (off only to work around a hang in that peer)."""
+    transports: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """``{"ag": (...), "rs": (...)}``: with two or more transports for an op, "ours" runs once per
+    transport next to one set of baselines, reported as ``<op>-<transport>``; otherwise "ours" is the
+    functional op with the transport of its environment variable."""
 
     def __post_init__(self) -> None:
         if not self.ops:
@@ -204,8 +208,12 @@ def run_main_phase(
     torch_rows: dict[tuple[str, str, int], Measurement],
     ctx: RankContext,
     progress: Progress,
+    transports: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, list[Measurement]]:
-    """cuBLAS, transport, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows."""
+    """cuBLAS, transport, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows. With
+    several ``transports`` for an op, ours runs once per transport (one op object each) and each gets
+    its own section ``<op>-<transport>`` holding the shared baseline rows."""
+    transports = transports or {}
     assert ctx.group is not None
     numel = max(
         (V.comm_source_numel(r, world_size=ctx.world_size) for op_rows in rows.values() for r in op_rows),
@@ -217,21 +225,26 @@ def run_main_phase(
     results: dict[str, list[Measurement]] = {}
     try:
         for op, op_rows in rows.items():
-            res = results.setdefault(op, [])
+            several = len(transports.get(op, ())) > 1
+            sections = [f"{op}-{t}" for t in transports[op]] if several else [op]
+            ops = [V.ours_object(op, t, group=ctx.group) for t in transports[op]] if several else [None]
             for row in op_rows:
                 x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
                 key = _row_key(row, op=op, world_size=ctx.world_size)
-                for v in (
+                shared = [run_variant(ctx, v, key=key) for v in (
                     V.gemm_variant(x),
                     comm.variant(x),
                     V.base_variant(x, group=ctx.group),
-                ):
-                    res.append(run_variant(ctx, v, key=key))
+                )]
                 if (op, row.layer.name, row.m) in torch_rows:
-                    res.append(torch_rows[(op, row.layer.name, row.m)])
+                    shared.append(torch_rows[(op, row.layer.name, row.m)])
                 else:
-                    res.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
-                res.append(run_variant(ctx, V.ours_variant(x, group=ctx.group), key=key))
+                    shared.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
+                for section, obj in zip(sections, ops):
+                    ours = run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key)
+                    results.setdefault(section, []).extend(
+                        [dataclasses.replace(r, op=section) for r in shared] + [dataclasses.replace(ours, op=section)]
+                        if several else shared + [ours])
                 del x
                 torch.cuda.empty_cache()
                 progress.step(f"{op} {row.layer.name} M={row.m}")
@@ -311,7 +324,7 @@ def run_rank(
                             if cfg.include_torch and block_rows else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress))
+            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports))
             if block_rows:
                 ours = run_block_phase(block_rows, ("floor", "base", "ours"), dist_ctx, progress)
                 results["block"] = [

@@ -175,10 +175,23 @@ def base_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
     return Variant(name="base", call=rs, check=_checker(x.ref))
 
 
-def ours_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
-    """tileweave's fused op, weights passed as ``w.t()`` (a view; the op must not copy it)."""
+def ours_object(op: str, transport: str, *, group: dist.ProcessGroup):
+    """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY), for timing one
+    transport next to others in one run."""
+    import tileweave
+
+    cls = tileweave.AllGatherGemm if op == "ag" else tileweave.GemmReduceScatter
+    return cls(group, transport=transport)
+
+
+def ours_variant(x: RowInputs, *, group: dist.ProcessGroup, op: Callable | None = None) -> Variant:
+    """tileweave's fused op (the functional one, or the op object ``op``), weights passed as ``w.t()``
+    (a view; the op must not copy it)."""
     n = x.n_sets
     op_name = "all_gather_gemm" if x.row.layer.kind == "AG" else "gemm_reduce_scatter"
+    if op is not None:
+        return Variant(name="ours", call=lambda i: op(x.a[i % n], x.w[i % n].t()), check=_checker(x.ref),
+                       path=path_probe(op_name))
     fn, note = lookup_ours(op_name)
     if fn is None:
         return Variant(name="ours", call=None, note=note)
