@@ -299,6 +299,21 @@ def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save
     }
 
 
+def _small_block_data(c, m: int, tag: str, device) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """An unsharded fp32 block state (as ``TPTransformerBlock.load_full_state_dict`` takes it), and
+    the full input and output gradient of ``m`` tokens; the same on every rank."""
+    hd = c.head_dim
+    shapes = {"q": (c.heads * hd, c.hidden), "k": (c.kv_heads * hd, c.hidden), "v": (c.kv_heads * hd, c.hidden),
+              "o": (c.hidden, c.hidden), "gate": (c.ffn, c.hidden), "up": (c.ffn, c.hidden), "down": (c.hidden, c.ffn)}
+    state = {name: _randn(shape, torch.float32, tag, name, device=device) / shape[1] ** 0.5
+             for name, shape in shapes.items()}
+    state["attn_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, f"{tag}-n1", device=device)
+    state["mlp_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, f"{tag}-n2", device=device)
+    x_full = _randn((m, c.hidden), torch.float32, f"{tag}-x", device=device)
+    g_full = _randn((m, c.hidden), torch.float32, f"{tag}-g", device=device)
+    return state, x_full, g_full
+
+
 def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "auto", heads: int = 4,
                    kv_heads: int = 2) -> dict:
     """The TP transformer block against the unsharded reference in float64: output, input gradient,
@@ -307,16 +322,8 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
 
     device = _device()
     c = BlockConfig(hidden=32, heads=heads, kv_heads=kv_heads, ffn=64, rope_theta=10000.0)
-    hd = c.head_dim
-    shapes = {"q": (c.heads * hd, c.hidden), "k": (c.kv_heads * hd, c.hidden), "v": (c.kv_heads * hd, c.hidden),
-              "o": (c.hidden, c.hidden), "gate": (c.ffn, c.hidden), "up": (c.ffn, c.hidden), "down": (c.hidden, c.ffn)}
-    state = {name: _randn(shape, torch.float32, "blk", name, device=device) / shape[1] ** 0.5
-             for name, shape in shapes.items()}
-    state["attn_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "blk-n1", device=device)
-    state["mlp_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "blk-n2", device=device)
+    state, x_full, g_full = _small_block_data(c, batch * seq, "blk", device)
     m = batch * seq
-    x_full = _randn((m, c.hidden), torch.float32, "blk-x", device=device)
-    g_full = _randn((m, c.hidden), torch.float32, "blk-g", device=device)
     rows = slice(rank * m // world, (rank + 1) * m // world)
 
     os.environ["TILEWEAVE_POLICY"] = policy  # read by the ops the block's layers create
@@ -378,16 +385,8 @@ def block_bench_variants_check(rank: int, world: int, batch: int, seq: int) -> d
 
     device = _device()
     c = BlockConfig(hidden=32, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0)
-    hd = c.head_dim
-    shapes = {"q": (c.heads * hd, c.hidden), "k": (c.kv_heads * hd, c.hidden), "v": (c.kv_heads * hd, c.hidden),
-              "o": (c.hidden, c.hidden), "gate": (c.ffn, c.hidden), "up": (c.ffn, c.hidden), "down": (c.hidden, c.ffn)}
-    state = {name: _randn(shape, torch.float32, "bb", name, device=device) / shape[1] ** 0.5
-             for name, shape in shapes.items()}
-    state["attn_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "bb-n1", device=device)
-    state["mlp_norm"] = 1 + 0.1 * _randn((c.hidden,), torch.float32, "bb-n2", device=device)
     m = batch * seq
-    x_full = _randn((m, c.hidden), torch.float32, "bb-x", device=device)
-    g_full = _randn((m, c.hidden), torch.float32, "bb-g", device=device)
+    state, x_full, g_full = _small_block_data(c, m, "bb", device)
     rows = slice(rank * m // world, (rank + 1) * m // world)
 
     os.environ["TILEWEAVE_POLICY"] = "fused"
