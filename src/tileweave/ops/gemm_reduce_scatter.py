@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import COUNTERS, RELEASED, Workspace, ensure_workspace
+from tileweave.ops.workspace import CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, Workspace, ensure_workspace
 from tileweave.runtime.backend import Backend, TileweaveError
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
@@ -209,45 +209,65 @@ class GemmReduceScatter(FusedOp):
         per (source, row block), and the workspace's RELEASED words for the receive slots."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
-        blocks = max(1, min(CE_GROUPS, mc // self.chunk_rows))
-        bounds = [mc * j // blocks for j in range(blocks + 1)]
         self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size())
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
-        slots = ws.data.view(rank, a.dtype, (w - 1, mc, n))
+        blocks = max(1, min(CE_GROUPS, mc // self.chunk_rows))
+        key = ("rs-chunked", m, n, a.dtype, blocks)
+        plan = ws.plans.get(key)
+        if plan is None:
+            plan = ws.plans[key] = self._chunked_plan(ws, backend, mc, n, a.dtype, blocks)
+        sends, owns, releases = plan
         ws.epoch += 1
         epoch = ws.epoch
-        arrival = lambda owner, src, j: ws.ce_flags.address(owner, 4 * (w * CE_GROUPS + src * CE_GROUPS + j))  # noqa: E731
-        for step in range(w - 1):
-            owner = (rank + 1 + step) % w
-            dst = ws.data.view(owner, a.dtype, (w - 1, mc, n))[(rank - owner - 1) % w]
-            for j in range(blocks):
-                rows = slice(bounds[j], bounds[j + 1])
-                part = torch.matmul(a[owner * mc + rows.start:owner * mc + rows.stop], b)
+        for released, per_block in sends:
+            for j, (a_rows, dst, arrival) in enumerate(per_block):
+                part = torch.matmul(a[a_rows], b)
                 backend.comm_begin()  # the copy stream waits for this block's GEMM
                 if j == 0:
-                    backend.comm_wait(ws.flag_address(rank, RELEASED, owner), epoch - 1)
+                    backend.comm_wait(released, epoch - 1)
                 if part.is_cuda:
                     part.record_stream(backend.comm_stream)
-                backend.comm_copy(dst[rows], part)
-                backend.comm_write(arrival(owner, rank, j), epoch)
+                backend.comm_copy(dst, part)
+                backend.comm_write(arrival, epoch)
         own = a[rank * mc:(rank + 1) * mc]
-        sources = [src for src in range(w) if src != rank]  # rank order: the sum is deterministic
-        for j in range(blocks):
-            rows = slice(bounds[j], bounds[j + 1])
-            for src in sources:
-                backend.main_wait(arrival(rank, src, j), epoch)
-            if len(sources) == 1 and bias is None:
-                partials = slots[0, rows]
-            else:
-                total = sum(slots[(src - rank - 1) % w, rows].float() for src in sources)
+        for rows, arrivals, slots in owns:
+            for address in arrivals:
+                backend.main_wait(address, epoch)
+            if len(slots) == 1 and bias is None:
+                partials = slots[0]
+            else:  # in rank order: the sum is deterministic
+                total = sum(slot.float() for slot in slots)
                 partials = (total + bias.float() if bias is not None else total).to(a.dtype)
             torch.addmm(partials, own[rows], b, out=out[rows])
-        for p in range(w):
-            if p != rank:
-                backend.main_write(ws.flag_address(p, RELEASED, rank), epoch)
+        for address in releases:
+            backend.main_write(address, epoch)
         self._finish(backend, ws)
         _launch.record_path(_OP, "chunked")
+
+    @staticmethod
+    def _chunked_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:
+        """Views and flag addresses of the chunked transport for one shape: per owner (its RELEASED
+        flag for us, per block: our rows of ``a``, its receive rows for us, its arrival flag), per own
+        block (rows, arrival flags and receive rows of each source in rank order), the releases."""
+        w, rank = backend.world_size, backend.rank
+        bounds = [mc * j // blocks for j in range(blocks + 1)]
+        block_rows = [slice(bounds[j], bounds[j + 1]) for j in range(blocks)]
+        sends = []
+        for step in range(w - 1):
+            owner = (rank + 1 + step) % w
+            dst = ws.data.view(owner, dtype, (w - 1, mc, n))[(rank - owner - 1) % w]
+            sends.append((ws.flag_address(rank, RELEASED, owner), tuple(
+                (slice(owner * mc + r.start, owner * mc + r.stop), dst[r],
+                 ws.ce_flag_address(owner, CE_ARRIVAL, rank * CE_GROUPS + j))
+                for j, r in enumerate(block_rows))))
+        slots = ws.data.view(rank, dtype, (w - 1, mc, n))
+        sources = [src for src in range(w) if src != rank]
+        owns = tuple((r, tuple(ws.ce_flag_address(rank, CE_ARRIVAL, src * CE_GROUPS + j) for src in sources),
+                      tuple(slots[(src - rank - 1) % w, r] for src in sources))
+                     for j, r in enumerate(block_rows))
+        releases = tuple(ws.flag_address(p, RELEASED, rank) for p in sources)
+        return tuple(sends), owns, releases
 
     @staticmethod
     def _copy_engine_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype,
@@ -256,7 +276,6 @@ class GemmReduceScatter(FusedOp):
         group_rows = config.group_m * config.block_m
         tiles_n = -(-n // config.block_n)
         tiles_m = -(-mc // config.block_m)
-        base = ws.ce_flags.address(rank)
         steps = []
         for step in range(w - 1):
             owner = (rank + 1 + step) % w
@@ -265,15 +284,14 @@ class GemmReduceScatter(FusedOp):
             per_group = []
             for s in range(groups):
                 rows = slice(s * group_rows, min((s + 1) * group_rows, mc))
-                index = step * CE_GROUPS + s
                 per_group.append((
-                    base + 4 * index,                                         # our tiles-done counter
+                    ws.ce_flag_address(rank, CE_COUNTERS, step * CE_GROUPS + s),  # our tiles-done counter
                     min(config.group_m, tiles_m - s * config.group_m) * tiles_n,  # tiles in the group
                     recv[rows], send[rows],
-                    ws.ce_flags.address(owner, 4 * (w * CE_GROUPS + rank * CE_GROUPS + s)),  # arrival
+                    ws.ce_flag_address(owner, CE_ARRIVAL, rank * CE_GROUPS + s),  # its arrival flag for us
                 ))
             steps.append((ws.flag_address(rank, RELEASED, owner), tuple(per_group),
-                          base + 4 * (2 * w * CE_GROUPS + step)))                # our sent flag
+                          ws.ce_flag_address(rank, CE_SENT, step)))              # our sent flag
 
         return _CopyPlan(steps=tuple(steps),
                          releases=tuple(ws.flag_address(p, RELEASED, rank) for p in range(w) if p != rank))

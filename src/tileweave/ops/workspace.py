@@ -14,6 +14,9 @@ from tileweave.runtime.backend import Backend, TileweaveError
 #   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
 #   3W          ERR:      nonzero when a bounded in-kernel wait expired
 READY, RELEASED, COUNTERS = 0, 1, 2
+# The copy-engine flag block (``Workspace.ensure_ce_flags``), W x groups words per region; the kernel's
+# side of the layout is at ``tileweave.kernels.gemm.CE_GROUPS``.
+CE_COUNTERS, CE_ARRIVAL, CE_SENT = 0, 1, 2
 
 
 class Workspace:
@@ -29,6 +32,7 @@ class Workspace:
         self.epoch = 0
         self.count_expected = 0
         self.ce_flags = None
+        self.ce_groups = 0
         self.ce_counts: dict[tuple[int, int], int] = {}
         self.plans: dict[tuple, object] = {}
         self._ptr_tables: dict[str, torch.Tensor] = {}
@@ -45,7 +49,13 @@ class Workspace:
         ``tileweave.kernels.gemm.CE_GROUPS``), allocated on first use; returns this rank's view."""
         if self.ce_flags is None:
             self.ce_flags = self.backend.allocate(4 * 3 * self.backend.world_size * groups)
+            self.ce_groups = groups
         return self.ce_flags.view(self.backend.rank, torch.int32, (3 * self.backend.world_size * groups,))
+
+    def ce_flag_address(self, rank: int, region: int, index: int) -> int:
+        """Address of word ``index`` of ``region`` (CE_COUNTERS, CE_ARRIVAL, CE_SENT) in ``rank``'s
+        copy-engine flag block."""
+        return self.ce_flags.address(rank, 4 * (region * self.backend.world_size * self.ce_groups + index))
 
     def counter_addresses(self) -> torch.Tensor:
         """Every rank's COUNTERS array as int64 addresses (for the kernel's release atomics)."""
