@@ -241,10 +241,9 @@ def run_main_phase(
                 else:
                     shared.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
                 for section, obj in zip(sections, ops):
-                    ours = run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key)
+                    measured = shared + [run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key)]
                     results.setdefault(section, []).extend(
-                        [dataclasses.replace(r, op=section) for r in shared] + [dataclasses.replace(ours, op=section)]
-                        if several else shared + [ours])
+                        dataclasses.replace(r, op=section) for r in measured)
                 del x
                 torch.cuda.empty_cache()
                 progress.step(f"{op} {row.layer.name} M={row.m}")
