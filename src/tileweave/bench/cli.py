@@ -65,7 +65,7 @@ class CliOptions:
     argv: tuple[str, ...]
     policy: str = "auto"
     """tileweave's path choice for "ours" (exported as TILEWEAVE_POLICY)."""
-    rs_transport: str = "store"
+    rs_transport: str = "chunked"
     """GEMM+ReduceScatter transport for the functional op, the first of --rs-transport (exported as
     TILEWEAVE_RS_TRANSPORT; the block section uses it)."""
     ag_transport: str = "mesh"
@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ag-transport", default="mesh",
                    help="AllGather+GEMM transport(s) for 'ours', from mesh, ring, chunked; a comma list times "
                         "each next to one set of baselines (default mesh)")
-    p.add_argument("--rs-transport", default="store",
+    p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
-                        "list times each next to one set of baselines (default store)")
+                        "list times each next to one set of baselines (default chunked)")
     return p
 
 

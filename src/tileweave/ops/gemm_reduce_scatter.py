@@ -12,7 +12,12 @@ result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
                                                 ``sum over ranks (a @ b)`` + bias
 ==================  ==========================  ==========================================
 
-How it runs, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
+Transports. ``chunked`` (the default) runs cuBLAS per owner and row block and moves each finished
+block with the copy engines, overlapping it with the next block's GEMM; ``store`` and ``copy_engine``
+are the fused kernel described next. ``policy="auto"`` takes the chunked transport where
+``tune.heuristics`` measured it faster than GEMM + NCCL reduce-scatter, the unfused path elsewhere.
+
+The store transport, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
 r+2, ..., its own rows last. A finished tile of a peer's rows is stored in the output dtype straight
 into that peer's receive buffer over NVLink (its slot for this source) and counted in the peer's
 counter for this source. The own rows come last: once every peer's tiles of them are in, each own
@@ -29,6 +34,7 @@ Concurrency: all ranks must call the op the same number of times in the same ord
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -44,8 +50,20 @@ _OP = "gemm_reduce_scatter"
 CE_GROUPS = 256  # tileweave.kernels.gemm.CE_GROUPS
 TRANSPORTS = ("store", "copy_engine", "chunked")
 CHUNK_ROWS = 1024
-"""Rows per block of the chunked transport: small enough that an owner's first own block rarely waits
-for a copy, large enough that cuBLAS stays near full speed."""
+CHUNK_GFLOP = 96.0
+"""The chunked transport's blocks: at least ``CHUNK_ROWS`` rows, doubled until a block's GEMM has
+``CHUNK_GFLOP`` (about 0.15 ms on an H200), so that the host's cost per block (a GEMM, an event, a copy
+and a flag: tens of microseconds) stays hidden behind the GPU's work. Measured on 2x H200: blocks of
+1024 rows with K_loc=2048 left the transport host-bound at 4x the GEMM's time (NOTES.md, entry 17)."""
+
+
+def chunk_rows_for(mc: int, k: int, n: int) -> int:
+    """Rows per block of the chunked transport for ``mc`` rows per owner of a ``[., k] x [k, n]`` GEMM
+    (the same on every rank: it depends on the agreed shape alone)."""
+    rows = CHUNK_ROWS
+    while rows < mc and 2.0 * rows * k * n < CHUNK_GFLOP * 1e9:
+        rows *= 2
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +86,18 @@ class GemmReduceScatter(FusedOp):
     by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (no fused
     kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
     copy engines as soon as it is done; the own rows last, each block adding the arrived partials in
-    its GEMM; memory ``(W-1)/W x [M, N]`` plus one block in flight per owner).
+    its GEMM; memory ``2 (W-1)/W x [M, N]``: the receive slots and a send buffer).
     """
 
     op_name = _OP
     transport_env = "TILEWEAVE_RS_TRANSPORT"
-    default_transport = "store"
-    chunk_rows = CHUNK_ROWS
-    """Rows per block of the chunked transport (every rank must use the same)."""
+    default_transport = "chunked"
+    chunk_rows = 0
+    """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
+    same)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
-                 transport: str = "store", config: GemmConfig | None = None,
+                 transport: str = "chunked", config: GemmConfig | None = None,
                  max_spin: int | None = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -113,7 +132,9 @@ class GemmReduceScatter(FusedOp):
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
         fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
-                                            heuristics.prefer_fused_reduce_scatter, (m, k, n), bias is not None,
+                                            functools.partial(heuristics.prefer_fused_reduce_scatter,
+                                                              transport=self.transport),
+                                            (m, k, n), bias is not None,
                                             **overrides)
         if not fused:
             return self._fallback(backend, a, b, bias, out)
@@ -206,13 +227,16 @@ class GemmReduceScatter(FusedOp):
 
     def _chunked(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
         """The chunked transport (class docstring). Flags: the copy-engine block's arrival words, one
-        per (source, row block), and the workspace's RELEASED words for the receive slots."""
+        per (source, row block), and the workspace's RELEASED words for the receive slots. Each block
+        is computed into its own slot of a send buffer kept with the plan, so that no allocation waits
+        on the copy stream; the call ends by joining that stream, so the next call may overwrite it."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
         self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size())
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
-        blocks = max(1, min(CE_GROUPS, mc // self.chunk_rows))
+        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
+        blocks = max(1, min(CE_GROUPS, mc // rows))
         key = ("rs-chunked", m, n, a.dtype, blocks)
         plan = ws.plans.get(key)
         if plan is None:
@@ -221,13 +245,11 @@ class GemmReduceScatter(FusedOp):
         ws.epoch += 1
         epoch = ws.epoch
         for released, per_block in sends:
-            for j, (a_rows, dst, arrival) in enumerate(per_block):
-                part = torch.matmul(a[a_rows], b)
+            for j, (a_rows, part, dst, arrival) in enumerate(per_block):
+                torch.matmul(a[a_rows], b, out=part)
                 backend.comm_begin()  # the copy stream waits for this block's GEMM
                 if j == 0:
                     backend.comm_wait(released, epoch - 1)
-                if part.is_cuda:
-                    part.record_stream(backend.comm_stream)
                 backend.comm_copy(dst, part)
                 backend.comm_write(arrival, epoch)
         own = a[rank * mc:(rank + 1) * mc]
@@ -242,23 +264,27 @@ class GemmReduceScatter(FusedOp):
             torch.addmm(partials, own[rows], b, out=out[rows])
         for address in releases:
             backend.main_write(address, epoch)
-        self._finish(backend, ws)
+        backend.comm_end()
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()  # no kernel here, so no error word: stream waits are bounded on the host
         _launch.record_path(_OP, "chunked")
 
     @staticmethod
     def _chunked_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:
-        """Views and flag addresses of the chunked transport for one shape: per owner (its RELEASED
-        flag for us, per block: our rows of ``a``, its receive rows for us, its arrival flag), per own
-        block (rows, arrival flags and receive rows of each source in rank order), the releases."""
+        """Views, buffers and flag addresses of the chunked transport for one shape: per owner (its
+        RELEASED flag for us, per block: our rows of ``a``, our send slot, its receive rows for us, its
+        arrival flag), per own block (rows, arrival flags and receive rows of each source in rank
+        order), the releases."""
         w, rank = backend.world_size, backend.rank
         bounds = [mc * j // blocks for j in range(blocks + 1)]
         block_rows = [slice(bounds[j], bounds[j + 1]) for j in range(blocks)]
+        send = torch.empty((w - 1, mc, n), dtype=dtype, device=ws.data.views[rank].device)
         sends = []
         for step in range(w - 1):
             owner = (rank + 1 + step) % w
             dst = ws.data.view(owner, dtype, (w - 1, mc, n))[(rank - owner - 1) % w]
             sends.append((ws.flag_address(rank, RELEASED, owner), tuple(
-                (slice(owner * mc + r.start, owner * mc + r.stop), dst[r],
+                (slice(owner * mc + r.start, owner * mc + r.stop), send[step, r], dst[r],
                  ws.ce_flag_address(owner, CE_ARRIVAL, rank * CE_GROUPS + j))
                 for j, r in enumerate(block_rows))))
         slots = ws.data.view(rank, dtype, (w - 1, mc, n))

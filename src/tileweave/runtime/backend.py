@@ -197,9 +197,10 @@ class CudaBackend(Backend):
         if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes != src.nbytes:
             raise ValueError("comm_copy needs two contiguous tensors of the same size")
         if _producer_delay_s:
-            with torch.cuda.stream(self.comm_stream):
-                # About 1.4 GHz under load; only the order of magnitude matters for a straggler.
-                torch.cuda._sleep(int(_producer_delay_s * 1.4e9))
+            # The host waits before issuing the copy. A sleeping kernel on the copy stream would need
+            # an SM, and none is free while a fused kernel's programs wait for this stream's earlier
+            # copies: the starvation of DESIGN.md's deadlock, not a straggler.
+            time.sleep(_producer_delay_s)
         # A copy whose source or destination is a peer's memory runs on a copy engine, not on an SM.
         driver.memcpy_async(dst.data_ptr(), src.data_ptr(), src.nbytes, self._comm_handle)
 

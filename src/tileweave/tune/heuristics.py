@@ -6,19 +6,27 @@ problem size those costs exceed what the overlap saves. The thresholds are measu
 NOTES.md and bench/results/); the interpreter always fuses so that tests exercise the protocol.
 
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
-GEMM+RS takes the unfused path at any size for now, AllGather+GEMM the fused one.
+GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), AllGather+GEMM the fused
+kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Smallest local GEMM (in GFLOP, 2*M*N*K) at which the fused ops are used by default. AG+GEMM was
-# faster than NCCL+cuBLAS on all 15 rows measured (M 2048-8192, 1.01-1.34x). GEMM+RS with the store
-# transport was slower on 14 of 15 (0.82-0.98x), so it is not chosen on GPUs until a transport beats
-# the unfused path (bench/results/2026-11-30_h200x2/).
+# Smallest local GEMM (in GFLOP, 2*M*N*K) at which the fused AllGather+GEMM is used by default: it was
+# faster than NCCL+cuBLAS on all 15 rows measured (M 2048-8192, 1.01-1.34x).
 MIN_FUSED_GFLOP_AG = 0.0
-MIN_FUSED_GFLOP_RS = float("inf")
+
+# GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
+# 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
+# transport overlaps a block's copy with the next block's GEMM: it wins when a block's GEMM outlasts its
+# copy, i.e. when 2 K_loc / (GEMM rate) > 2 bytes / (copy-engine rate): K_loc above ~3300 at ~650
+# TFLOP/s and ~200 GB/s on an H200; and when each owner has at least two blocks to pipeline. On 2x
+# H200 it was 1.02-1.12x NCCL+cuBLAS on the 8 suite rows with K_loc >= 4096 and M/W >= 2048, and
+# 0.43-1.00x on the 7 others (bench/results/2026-11-30_h200x2_run3/).
+MIN_CHUNKED_K_LOCAL = 4096
+MIN_CHUNKED_ROWS_PER_RANK = 2048
 
 
 def _gflop(m: int, n: int, k: int) -> float:
@@ -32,6 +40,10 @@ def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: tor
 
 
 def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *,
-                                interpreter: bool = False) -> bool:
+                                interpreter: bool = False, transport: str = "chunked") -> bool:
     """``m``: rows before the scatter; ``k_local``: this rank's slice of K."""
-    return interpreter or _gflop(m, n, k_local) >= MIN_FUSED_GFLOP_RS
+    if interpreter:
+        return True
+    if transport != "chunked":
+        return False
+    return k_local >= MIN_CHUNKED_K_LOCAL and m // world >= MIN_CHUNKED_ROWS_PER_RANK

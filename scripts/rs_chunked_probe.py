@@ -1,0 +1,117 @@
+"""Where the chunked reduce-scatter spends its time, on two GPUs: per shape, NCCL+cuBLAS, the blocked
+GEMMs alone (no communication), the chunked transport at several block sizes, the host's cost to
+issue one call, and a profile of the GPU work by kernel name.
+
+    python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
+
+Shapes are M x K_local x N (the suite's llama3-8b o-proj at M=4096 is 4096x2048x4096).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import tileweave  # noqa: E402
+from tileweave.ops.gemm_reduce_scatter import chunk_rows_for  # noqa: E402
+from tileweave.testing.emulated import run_ranks  # noqa: E402
+from tileweave.tune.autotune import time_ms  # noqa: E402
+
+SHAPES = [(4096, 2048, 4096), (8192, 2048, 4096), (8192, 4096, 8192), (8192, 7168, 4096)]
+BLOCK_ROWS = [1024, 2048, -1, 0]  # -1: one block per owner; 0: the library's choice (chunk_rows_for)
+
+
+def _host_us(fn, device, calls=20):
+    """Microseconds the host takes to issue one call while the GPU is kept busy (so no call waits)."""
+    fn()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    torch.cuda._sleep(int(0.2 * 1.4e9))  # ~200 ms of GPU work ahead of the calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize(device)
+    return host
+
+
+def _profile(fn, device, calls=5):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if total:
+            rows.append((e.key[:60], e.count // calls, round(total / calls, 1)))
+    return sorted(rows, key=lambda r: -r[2])[:8]
+
+
+def _rank(rank, world, shapes):
+    device = torch.device("cuda", rank)
+    g = torch.Generator(device=device).manual_seed(99 + rank)
+    fallback = tileweave.GemmReduceScatter(policy="fallback")
+    out = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
+        b = w.t()
+        row = {"shape": [m, k, n]}
+        row["gemm"] = time_ms(lambda: torch.matmul(a, b), device, warmup=10, iters=20, reps=5)
+        row["fallback"] = time_ms(lambda: fallback(a, b), device, warmup=10, iters=20, reps=5)
+        for rows in BLOCK_ROWS:
+            br = m // world if rows == -1 else rows or chunk_rows_for(m // world, k, n)
+            row[f"gemm_blocks_{rows}"] = time_ms(lambda: [torch.matmul(a[i:i + br], b) for i in range(0, m, br)],
+                                                 device, warmup=10, iters=20, reps=5)
+            op = tileweave.GemmReduceScatter(policy="fused", transport="chunked")
+            op.chunk_rows = rows and br
+            op(a, b)
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            row[f"chunked_{rows}"] = time_ms(lambda: op(a, b), device, warmup=10, iters=20, reps=5)
+            if rows == 0:
+                row["host_us_chunked"] = _host_us(lambda: op(a, b), device)
+                row["host_us_fallback"] = _host_us(lambda: fallback(a, b), device)
+                if rank == 0:
+                    row["profile_chunked"] = _profile(lambda: op(a, b), device)
+                else:
+                    _profile(lambda: op(a, b), device)
+        out.append(row)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shapes", default="")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
+    ranks = run_ranks(2, _rank, shapes, gpus=True, timeout_s=400)
+    with open(os.path.join(args.out, "rs_chunked_probe.json"), "w") as f:
+        json.dump(ranks, f, indent=1)
+    for r0, r1 in zip(*ranks):
+        print(f"{r0['shape']}")
+        for key in r0:
+            if key in ("shape", "profile_chunked"):
+                continue
+            print(f"  {key:22s} r0 {r0[key]:8.3f}  r1 {r1[key]:8.3f}")
+        for name, count, us in r0.get("profile_chunked", []):
+            print(f"  prof r0 {us:8.1f} us  x{count:<3d} {name}")
+
+
+if __name__ == "__main__":
+    main()

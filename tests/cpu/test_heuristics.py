@@ -1,0 +1,36 @@
+"""The per-shape choices that every rank must make alike: properties over random shapes."""
+
+import random
+
+import torch
+
+from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, chunk_rows_for
+from tileweave.tune import heuristics
+
+
+def test_chunk_rows_reach_the_block_work_or_the_owner_rows():
+    rng = random.Random()
+    for _ in range(200):
+        mc, k, n = rng.randrange(1, 20000), rng.randrange(1, 30000), rng.randrange(1, 60000)
+        rows = chunk_rows_for(mc, k, n)
+        assert rows >= CHUNK_ROWS and rows & (rows - 1) == 0
+        block_gflop = 2.0 * rows * k * n / 1e9
+        # Either a block has the work that hides the host's per-block cost, or it already spans the
+        # owner's rows; and it never doubled past the first size that had enough work.
+        assert block_gflop >= CHUNK_GFLOP or rows >= mc
+        if rows > CHUNK_ROWS:
+            assert 2.0 * (rows // 2) * k * n < CHUNK_GFLOP * 1e9 and rows // 2 < mc
+
+
+def test_reduce_scatter_transports_by_default():
+    rng = random.Random()
+    for _ in range(200):
+        w = rng.choice([2, 4, 8])
+        m, n, k = w * rng.randrange(1, 8192), rng.randrange(1, 30000), rng.randrange(1, 30000)
+        chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport="chunked")
+        # The chunked transport needs a block's GEMM to outlast its copy and two blocks per owner.
+        assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and m // w >= heuristics.MIN_CHUNKED_ROWS_PER_RANK)
+        for transport in ("store", "copy_engine"):
+            assert not heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport)
+            assert heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport,
+                                                          interpreter=True)
