@@ -91,10 +91,53 @@ def _rank(rank, world):
     return results
 
 
+def _profile_rank(rank, world, m, k, n):
+    """cProfile of the functional op's host path next to the same work written out by hand."""
+    import cProfile
+    import io
+    import pstats
+
+    device = torch.device("cuda", rank)
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5).t()
+    group = dist.group.WORLD
+
+    def by_hand():
+        out = torch.empty((m // world, n), dtype=a.dtype, device=device)
+        dist.reduce_scatter_tensor(out, torch.matmul(a, b), group=group)
+
+    def ours():
+        tileweave.gemm_reduce_scatter(a, b, group)
+
+    results = {}
+    for name, fn in (("by_hand", by_hand), ("ours", ours)):
+        results[name] = {"us_per_call": _issue(lambda x, y: fn(), a, b, device, collections.defaultdict(list))}
+        prof = cProfile.Profile()
+        torch.cuda._sleep(int(0.3 * 1.4e9))
+        prof.enable()
+        for _ in range(CALLS):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+        results[name]["profile"] = text.getvalue()
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--profile", default="", help="MxK_locxN: cProfile the functional op (auto policy)")
     args = parser.parse_args()
+    if args.profile:
+        m, k, n = (int(x) for x in args.profile.split("x"))
+        ranks = run_ranks(2, _profile_rank, m, k, n, gpus=True, timeout_s=200)
+        for name, r in ranks[0].items():
+            print(f"[r0] {name}: {r['us_per_call']:.1f} us/call")
+            print(r["profile"][-3200:])
+        return
     ranks = run_ranks(2, _rank, gpus=True, timeout_s=200)
     with open(os.path.join(args.out, "host_probe.json"), "w") as f:
         json.dump(ranks, f, indent=1)

@@ -50,11 +50,12 @@ _OP = "gemm_reduce_scatter"
 CE_GROUPS = 256  # tileweave.kernels.gemm.CE_GROUPS
 TRANSPORTS = ("store", "copy_engine", "chunked")
 CHUNK_ROWS = 1024
-CHUNK_GFLOP = 96.0
+CHUNK_GFLOP = 48.0
 """The chunked transport's blocks: at least ``CHUNK_ROWS`` rows, doubled until a block's GEMM has
-``CHUNK_GFLOP`` (about 0.15 ms on an H200), so that the host's cost per block (a GEMM, an event, a copy
-and a flag: tens of microseconds) stays hidden behind the GPU's work. Measured on 2x H200: blocks of
-1024 rows with K_loc=2048 left the transport host-bound at 4x the GEMM's time (NOTES.md, entry 17)."""
+``CHUNK_GFLOP`` (about 75 us on an H200), so that the host's cost per block (a GEMM, an event, a copy
+and a flag: tens of microseconds) stays hidden behind the GPU's work. Measured on 2x H200 (NOTES.md,
+entry 17): 1024-row blocks at K_loc=2048 were host-bound (1.6x the time of one block per owner);
+at K_loc 4096 and 7168 1024-row blocks beat 2048-row ones by 1-4%."""
 
 
 def chunk_rows_for(mc: int, k: int, n: int) -> int:
