@@ -137,6 +137,10 @@ def test_unfused_fallback_paths():
     for result in run_ranks(2, scenarios.fallback_check, 12, 16, 20):
         assert result["ag"] < 1e-5 and result["rs"] < 1e-5 and result["gathered"] == 1.0, result
         assert result["ag_path"] == "fallback" and result["rs_path"] == "fallback"
+        for it in range(3):
+            assert result[f"ag_repeat{it}"] < 1e-5 and result[f"rs_repeat{it}"] < 1e-5, result
+        assert "K=" in result["ag_bad_k"] and "K_loc=" in result["rs_bad_k"], result
+        assert "dtype" in result["ag_bad_dtype"] and "dtype" in result["rs_bad_dtype"], result
 
 
 def test_a_group_without_this_rank_is_refused():

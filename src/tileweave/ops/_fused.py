@@ -35,7 +35,7 @@ class FusedOp:
     @classmethod
     def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "FusedOp":
         """The op shared by every functional call on ``group`` and ``device``."""
-        key = (group.group_name, str(device))
+        key = (id(group), device)  # the op holds the group, so its id is not reused while cached
         op = cls._shared.get(key)
         if op is None:
             op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport))
@@ -55,6 +55,10 @@ class FusedOp:
         self._backend: Backend | None = None
         self._err_host: torch.Tensor | None = None
         self._err_event = None
+        self._unfused: dict[tuple, Backend] = {}
+        """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
+        path, with their backend: a repeat call skips the checks and the decision, whose Python costs
+        tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
 
     def _finish(self, backend: Backend, ws: Workspace) -> None:
         """After a fused launch: surface an expired in-kernel wait. In debug mode (and on the CPU) by

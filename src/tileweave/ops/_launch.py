@@ -334,7 +334,7 @@ def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
                             "if a rank is legitimately that slow)")
 
 
-def check_not_capturing(op: str) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+def check_not_capturing(op: str, t: torch.Tensor) -> None:
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise TileweaveError(f"{op} cannot be captured in a CUDA graph yet: its flags carry host-side "
                              "epochs that a replay would not advance")

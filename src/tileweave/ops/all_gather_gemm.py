@@ -91,6 +91,14 @@ class AllGatherGemm(FusedOp):
                  out: torch.Tensor | None = None, return_gathered: bool = False):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
         the workspace, valid until the next call of this object."""
+        signature = ((a_shard.shape, b.shape, a_shard.dtype, b.dtype, a_shard.device, b.device)
+                     if bias is None and out is None and isinstance(a_shard, torch.Tensor)
+                     and isinstance(b, torch.Tensor) else None)
+        backend = self._unfused.get(signature) if signature else None
+        if backend is not None:
+            _launch.check_not_capturing(_OP, a_shard)
+            out = a_shard.new_empty((a_shard.shape[0] * backend.world_size, b.shape[1]))
+            return self._fallback(backend, a_shard, b, None, out, return_gathered)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
         mc, k = a_shard.shape
@@ -110,11 +118,13 @@ class AllGatherGemm(FusedOp):
             matmul(a_shard, b, bias=bias, out=out)
             _launch.record_path(_OP, "local")
             return (out, a_shard) if return_gathered else out
-        _launch.check_not_capturing(_OP)
+        _launch.check_not_capturing(_OP, a_shard)
 
         fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
                                             heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
         if not fused:
+            if signature:
+                self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 
         self._check_previous()
@@ -180,7 +190,7 @@ class AllGatherGemm(FusedOp):
             gathered = a_shard.new_empty((mc * w, k))
             dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
             return PendingGather(backend, gathered, ())
-        _launch.check_not_capturing(_OP)
+        _launch.check_not_capturing(_OP, a_shard)
         agree(backend, self._agreed, self.op_name, ("all_gather", mc, k, str(a_shard.dtype)), None)
         self._check_previous()
         self._ws = ensure_workspace(self._ws, backend, mc * w * k * a_shard.element_size())

@@ -107,6 +107,13 @@ class GemmReduceScatter(FusedOp):
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
+        signature = ((a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
+                     if bias is None and out is None and isinstance(a, torch.Tensor)
+                     and isinstance(b, torch.Tensor) else None)
+        backend = self._unfused.get(signature) if signature else None
+        if backend is not None:
+            _launch.check_not_capturing(_OP, a)
+            return self._fallback(backend, a, b, None, a.new_empty((a.shape[0] // backend.world_size, b.shape[1])))
         _launch.check_matrix("a", a)
         _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
         m, k = a.shape
@@ -129,7 +136,7 @@ class GemmReduceScatter(FusedOp):
             matmul(a, b, bias=bias, out=out)
             _launch.record_path(_OP, "local")
             return out
-        _launch.check_not_capturing(_OP)
+        _launch.check_not_capturing(_OP, a)
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
         fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
@@ -138,6 +145,8 @@ class GemmReduceScatter(FusedOp):
                                             (m, k, n), bias is not None,
                                             **overrides)
         if not fused:
+            if signature:
+                self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
 
         self._check_previous()

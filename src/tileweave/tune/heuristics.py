@@ -7,16 +7,19 @@ NOTES.md and bench/results/); the interpreter always fuses so that tests exercis
 
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
 GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), AllGather+GEMM the fused
-kernel.
+kernel (8192 gathered rows).
 """
 
 from __future__ import annotations
 
 import torch
 
-# Smallest local GEMM (in GFLOP, 2*M*N*K) at which the fused AllGather+GEMM is used by default: it was
-# faster than NCCL+cuBLAS on all 15 rows measured (M 2048-8192, 1.01-1.34x).
-MIN_FUSED_GFLOP_AG = 0.0
+# AllGather+GEMM is fused from MIN_FUSED_ROWS_AG gathered rows, or from MIN_FUSED_GFLOP_AG (2*M*N*K of
+# the local GEMM) below that. On 2x H200 the fused kernel was faster than NCCL+cuBLAS on all 25 rows of
+# M 2048-16384 (1.01-1.34x); at M=1024 it was 0.63-0.98x on the three rows under 130 GFLOP and
+# 1.03-1.04x on the two over 480 (bench/results/2026-11-30_h200x2_run3/).
+MIN_FUSED_ROWS_AG = 2048
+MIN_FUSED_GFLOP_AG = 400.0
 
 # GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
@@ -36,7 +39,7 @@ def _gflop(m: int, n: int, k: int) -> float:
 def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
                             interpreter: bool = False) -> bool:
     """``m``: gathered rows; ``n_local``: this rank's output columns."""
-    return interpreter or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
+    return interpreter or m >= MIN_FUSED_ROWS_AG or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
 
 
 def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *,
