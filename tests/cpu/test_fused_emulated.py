@@ -109,8 +109,12 @@ def test_reduce_scatter_shape_changes_in_one_workspace(transport):
     cases = [C(m_chunk=150, k=32, n=24, iters=1, transport=transport),
              C(m_chunk=20, k=32, n=24, iters=1, transport=transport),
              C(m_chunk=130, k=16, n=24, iters=2, transport=transport)]
-    _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases, env={"TILEWEAVE_MAX_SPIN": "20000"}),
-           "deterministic")
+    ranks = run_ranks(2, scenarios.gemm_reduce_scatter_check, cases, env={"TILEWEAVE_MAX_SPIN": "20000"})
+    _check(ranks, "deterministic")
+    if transport == "chunked":
+        # One send buffer for every shape, sized by the largest (W-1 peers' rows of [M/W, N], fp16).
+        largest = max((2 - 1) * c.m_chunk * c.n * 2 for c in cases)
+        assert all(row["local_bytes"] == largest for rows in ranks for row in rows), ranks
 
 
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])

@@ -75,6 +75,13 @@ class FusedOp:
         self._err_host.copy_(ws.err, non_blocking=True)
         self._err_event.record()
 
+    @staticmethod
+    def _finish_without_kernel(backend: Backend) -> None:
+        """After a call that launched no fused kernel (the chunked transports): there is no error word
+        to read, and its stream waits are bounded on the host, in debug mode (and on the CPU)."""
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+
     def _check_previous(self) -> None:
         if self._err_event is not None and self._err_event.query() and int(self._err_host[0]) != 0:
             code = int(self._err_host[0])

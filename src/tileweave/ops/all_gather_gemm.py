@@ -152,7 +152,10 @@ class AllGatherGemm(FusedOp):
         backend.comm_end()
         for address in plan.releases:
             backend.main_write(address, epoch)
-        self._finish(backend, ws)
+        if self.transport == "chunked":
+            self._finish_without_kernel(backend)
+        else:
+            self._finish(backend, ws)
         _launch.record_path(_OP, "chunked" if self.transport == "chunked" else "fused")
         return (out, gathered) if return_gathered else out
 

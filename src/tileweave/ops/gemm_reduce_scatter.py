@@ -238,13 +238,14 @@ class GemmReduceScatter(FusedOp):
     def _chunked(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
         """The chunked transport (class docstring). Flags: the copy-engine block's arrival words, one
         per (source, row block), and the workspace's RELEASED words for the receive slots. Each block
-        is computed into its own slot of a send buffer kept with the plan, so that no allocation waits
-        on the copy stream; the call ends by joining that stream, so the next call may overwrite it."""
+        is computed into its own slot of the workspace's send buffer, so that no allocation waits on
+        the copy stream; the call ends by joining that stream, so the next call may overwrite it."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
         self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size())
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
+        ws.ensure_local((w - 1) * mc * n * a.element_size())  # the send buffer, before the plans
         rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
         blocks = max(1, min(CE_GROUPS, mc // rows))
         key = ("rs-chunked", m, n, a.dtype, blocks)
@@ -275,8 +276,7 @@ class GemmReduceScatter(FusedOp):
         for address in releases:
             backend.main_write(address, epoch)
         backend.comm_end()
-        if backend.interpreter or _launch.debug_mode():
-            backend.synchronize()  # no kernel here, so no error word: stream waits are bounded on the host
+        self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
 
     @staticmethod
@@ -288,7 +288,7 @@ class GemmReduceScatter(FusedOp):
         w, rank = backend.world_size, backend.rank
         bounds = [mc * j // blocks for j in range(blocks + 1)]
         block_rows = [slice(bounds[j], bounds[j + 1]) for j in range(blocks)]
-        send = torch.empty((w - 1, mc, n), dtype=dtype, device=ws.data.views[rank].device)
+        send = ws.local[:(w - 1) * mc * n * dtype.itemsize].view(dtype).view(w - 1, mc, n)
         sends = []
         for step in range(w - 1):
             owner = (rank + 1 + step) % w

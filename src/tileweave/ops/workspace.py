@@ -35,7 +35,19 @@ class Workspace:
         self.ce_groups = 0
         self.ce_counts: dict[tuple[int, int], int] = {}
         self.plans: dict[tuple, object] = {}
+        self.local: torch.Tensor | None = None
         self._ptr_tables: dict[str, torch.Tensor] = {}
+
+    def ensure_local(self, nbytes: int) -> torch.Tensor:
+        """This rank's private buffer (not symmetric) of at least ``nbytes``, grown on demand like the
+        data buffer: one for every shape, not one per shape. Growing it drops the plans, whose views
+        may point into the old one (they are rebuilt on their next call)."""
+        if self.local is None or self.local.numel() < nbytes:
+            if self.local is not None:
+                nbytes = max(nbytes, 2 * self.local.numel())
+            self.local = torch.empty(nbytes, dtype=torch.uint8, device=self.backend.device)
+            self.plans.clear()
+        return self.local
 
     def flag_address(self, rank: int, kind: int, index: int) -> int:
         return self.flags.address(rank, 4 * (kind * self.backend.world_size + index))

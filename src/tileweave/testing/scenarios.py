@@ -130,8 +130,10 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
                 ref = ref + bias.double()
             ref = ref[rank * case.m_chunk:(rank + 1) * case.m_chunk]
             again = op(a_all[rank], b_all[rank], bias=bias)
+            local = op._ws.local if op._ws is not None else None
             results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("gemm_reduce_scatter"),
-                            "err": _rel_err(out, ref), "deterministic": bool(torch.equal(out, again))})
+                            "err": _rel_err(out, ref), "deterministic": bool(torch.equal(out, again)),
+                            "local_bytes": 0 if local is None else local.numel()})
     set_producer_delay(0.0)
     return results
 
