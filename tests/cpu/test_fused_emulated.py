@@ -150,3 +150,15 @@ def test_unfused_fallback_paths():
 def test_a_group_without_this_rank_is_refused():
     results = run_ranks(2, scenarios.foreign_group_check)
     assert "not a member of the group" in results[1], results
+
+
+def test_cuda_graph_capture_takes_the_unfused_path_only():
+    for outcomes in run_ranks(2, scenarios.capture_rules_check):
+        for name, outcome in outcomes.items():
+            policy, call, when = name.split(" ", 2)
+            if policy == "fused":
+                assert outcome.startswith("error") and "cannot be captured" in outcome, (name, outcome)
+            elif when == "before eager":  # the agreement is a collective: never under capture
+                assert outcome.startswith("error") and "before capturing" in outcome, (name, outcome)
+            else:
+                assert outcome.startswith("ok") and float(outcome.split()[1]) < 1e-5, (name, outcome)

@@ -123,3 +123,9 @@ def test_tp_block_gpu(policy):
 def test_block_benchmark_variants_gpu():
     for result in run_ranks(torch.cuda.device_count(), scenarios.block_bench_gpu_check, 4096, gpus=True):
         assert result["ours"] < 1e-2 and result["torch"] < 1e-2, result  # the benchmark's own bound
+
+
+@needs_two
+def test_unfused_path_in_a_cuda_graph_gpu():
+    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_unfused_gpu_check, gpus=True):
+        assert result["paths"] == "fallback,fallback" and result["err"] < 1e-2, result

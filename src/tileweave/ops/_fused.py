@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops.workspace import Workspace, agree
-from tileweave.runtime.backend import Backend, get_backend
+from tileweave.runtime.backend import Backend, TileweaveError, get_backend
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
@@ -96,12 +96,15 @@ class FusedOp:
         return self._backend
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
-                prefer_fused: Callable[..., bool], shape: tuple, has_bias: bool,
+                prefer_fused: Callable[..., bool], shape: tuple, has_bias: bool, capturing: bool = False,
                 **config_overrides) -> tuple[bool, GemmConfig, bool]:
         """Fused or not, with which config, and whether this is the first call of its signature:
         rank 0's choice, checked against every rank's shapes.
 
-        ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks.
+        ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks. Under CUDA-graph
+        capture only the unfused path runs (NCCL and cuBLAS capture; the fused paths' host-side epochs
+        would not advance on replay), and only for a signature already agreed on by an eager call (the
+        agreement is a collective of Python objects, which a graph cannot hold).
         """
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
                                                 interpreter=backend.interpreter)
@@ -112,6 +115,12 @@ class FusedOp:
                                                    interpreter=backend.interpreter))
         signature = (self.op_name, *shape, str(dtype), has_bias, fused)
         first = signature not in self._agreed
+        if capturing and fused:
+            raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
+        if capturing and first:
+            raise TileweaveError(f"{self.op_name}: the first call of each shape checks it with the other "
+                                 "ranks (a collective that a CUDA graph cannot hold): call it once with "
+                                 "these shapes before capturing")
         config = agree(backend, self._agreed, self.op_name, signature, proposal)
         return fused and m > 0 and n > 0 and k > 0, config, first
 

@@ -334,7 +334,16 @@ def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
                             "if a rank is legitimately that slow)")
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (never for CPU tensors)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph yet (its flags carry host-side epochs "
+                 "that a replay would not advance); capture it with policy='fallback', or at shapes where "
+                 "policy='auto' takes the unfused path (tileweave.last_path says which)")
+
+
 def check_not_capturing(op: str, t: torch.Tensor) -> None:
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise TileweaveError(f"{op} cannot be captured in a CUDA graph yet: its flags carry host-side "
-                             "epochs that a replay would not advance")
+    if capturing(t):
+        raise TileweaveError(f"{op}: {CAPTURE_FUSED}")

@@ -95,8 +95,7 @@ class AllGatherGemm(FusedOp):
                      if bias is None and out is None and isinstance(a_shard, torch.Tensor)
                      and isinstance(b, torch.Tensor) else None)
         backend = self._unfused.get(signature) if signature else None
-        if backend is not None:
-            _launch.check_not_capturing(_OP, a_shard)
+        if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             out = a_shard.new_empty((a_shard.shape[0] * backend.world_size, b.shape[1]))
             return self._fallback(backend, a_shard, b, None, out, return_gathered)
         _launch.check_matrix("a_shard", a_shard)
@@ -118,10 +117,10 @@ class AllGatherGemm(FusedOp):
             matmul(a_shard, b, bias=bias, out=out)
             _launch.record_path(_OP, "local")
             return (out, a_shard) if return_gathered else out
-        _launch.check_not_capturing(_OP, a_shard)
 
         fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
-                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None)
+                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
+                                            _launch.capturing(a_shard))
         if not fused:
             if signature:
                 self._unfused[signature] = backend

@@ -111,8 +111,7 @@ class GemmReduceScatter(FusedOp):
                      if bias is None and out is None and isinstance(a, torch.Tensor)
                      and isinstance(b, torch.Tensor) else None)
         backend = self._unfused.get(signature) if signature else None
-        if backend is not None:
-            _launch.check_not_capturing(_OP, a)
+        if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             return self._fallback(backend, a, b, None, a.new_empty((a.shape[0] // backend.world_size, b.shape[1])))
         _launch.check_matrix("a", a)
         _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
@@ -136,13 +135,12 @@ class GemmReduceScatter(FusedOp):
             matmul(a, b, bias=bias, out=out)
             _launch.record_path(_OP, "local")
             return out
-        _launch.check_not_capturing(_OP, a)
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
         fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
                                             functools.partial(heuristics.prefer_fused_reduce_scatter,
                                                               transport=self.transport),
-                                            (m, k, n), bias is not None,
+                                            (m, k, n), bias is not None, _launch.capturing(a),
                                             **overrides)
         if not fused:
             if signature:

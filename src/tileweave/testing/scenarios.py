@@ -476,3 +476,80 @@ def all_gather_only_check(rank: int, world: int, transport: str, iters: int, str
         fused_err = max(fused_err, _rel_err(out, ref))
     set_producer_delay(0.0)
     return {"exact": exact, "fused_err": fused_err}
+
+
+def capture_rules_check(rank: int, world: int) -> dict[str, str]:
+    """What each op does when called under CUDA-graph capture, with capture simulated (the emulated
+    ranks have no CUDA): the unfused path runs for a signature an eager call has agreed on; a first
+    call, or one that would take a fused path, raises. Returns each outcome: an error or the result's
+    error against float64."""
+    from tileweave.ops import _launch
+
+    real = _launch.capturing
+    shards = [_randn((8, 16), torch.float32, "cap-a", p) for p in range(world)]
+    a_all = [_randn((8 * world, 16), torch.float32, "cap-ra", p) for p in range(world)]
+    b = _randn((16, 12), torch.float32, "cap-b", rank)
+    b_all = [_randn((16, 12), torch.float32, "cap-rb", p) for p in range(world)]
+    bias = _randn((12,), torch.float32, "cap-bias")
+    ag_ref = torch.cat(shards).double() @ b.double()
+    rs_ref = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))[rank * 8:(rank + 1) * 8]
+    calls = {
+        "ag": lambda op: _rel_err(op(shards[rank], b), ag_ref),
+        "ag_bias": lambda op: _rel_err(op(shards[rank], b, bias=bias), ag_ref + bias.double()),
+        "rs": lambda op: _rel_err(op(a_all[rank], b_all[rank]), rs_ref),
+        "rs_bias": lambda op: _rel_err(op(a_all[rank], b_all[rank], bias=bias), rs_ref + bias.double()),
+    }
+    outcomes = {}
+
+    def attempt(name, call, op):
+        _launch.capturing = lambda t: True
+        try:
+            outcomes[name] = f"ok {call(op):.1e}"
+        except tileweave.TileweaveError as exc:
+            outcomes[name] = f"error: {exc}"
+        finally:
+            _launch.capturing = real
+
+    for policy in ("fallback", "fused"):
+        ops = {"ag": tileweave.AllGatherGemm(policy=policy), "rs": tileweave.GemmReduceScatter(policy=policy)}
+        for name, call in calls.items():
+            op = ops[name.split("_")[0]]
+            attempt(f"{policy} {name} before eager", call, op)
+            call(op)  # the eager call that agrees on the signature
+            attempt(f"{policy} {name} after eager", call, op)
+    return outcomes
+
+
+def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: int = 1024, n: int = 768) -> dict:
+    """Both ops on the unfused path captured in one CUDA graph after an eager warm-up, replayed on
+    fresh inputs copied into the captured buffers; each replay against float64."""
+    device = _device()
+    ag, rs = tileweave.AllGatherGemm(policy="fallback"), tileweave.GemmReduceScatter(policy="fallback")
+    x_ag = torch.empty((m_chunk, k), dtype=torch.bfloat16, device=device)
+    x_rs = torch.empty((m_chunk * world, k), dtype=torch.bfloat16, device=device)
+    w_ag = _randn((n, k), torch.bfloat16, "cg-w1", rank, device=device) / k ** 0.5
+    w_rs = _randn((n, k), torch.bfloat16, "cg-w2", rank, device=device) / k ** 0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the eager calls: agreement, NCCL communicators, cuBLAS handles
+        for _ in range(2):
+            ag(x_ag.normal_(), w_ag.t())
+            rs(x_rs.normal_(), w_rs.t())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = ag(x_ag, w_ag.t())
+        z = rs(x_rs, w_rs.t())
+    errors = []
+    for it in range(3):
+        shards = [_randn((m_chunk, k), torch.bfloat16, "cg-xa", it, p, device=device) for p in range(world)]
+        rows = [_randn((m_chunk * world, k), torch.bfloat16, "cg-xr", it, p, device=device) for p in range(world)]
+        weights = [_randn((n, k), torch.bfloat16, "cg-w2", p, device=device) / k ** 0.5 for p in range(world)]
+        x_ag.copy_(shards[rank])
+        x_rs.copy_(rows[rank])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_ag = torch.cat(shards).double() @ w_ag.double().t()
+        ref_rs = sum(x.double() @ w.double().t() for x, w in zip(rows, weights))
+        errors.append(max(_rel_err(y, ref_ag), _rel_err(z, ref_rs[rank * m_chunk:(rank + 1) * m_chunk])))
+    return {"err": max(errors), "paths": tileweave.last_path("all_gather_gemm") + "," + tileweave.last_path("gemm_reduce_scatter")}
