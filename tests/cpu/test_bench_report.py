@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -202,3 +203,20 @@ def test_a_transport_section_reads_like_its_op():
     assert "| layer | M | K | N | t_gemm | t_comm | ideal | t_base | t_torch | t_ours |" in text
     (s,) = summarize(rows)
     assert s.x_base == pytest.approx(0.19 / 0.12) and s.e == pytest.approx(1 - (0.12 - 0.10) / (0.19 - 0.10))
+
+
+def test_host_bound_variants_are_named_per_row():
+    import random
+
+    rng = random.Random()
+    rows = rows_for("llama3-8b o", 1024, {"gemm": 0.03, "comm": 0.03, "base": 0.06, "torch": 0.2, "ours": 0.14},
+                    op="rs") + rows_for("llama3-70b o", 8192, {"gemm": 0.8, "comm": 0.2, "base": 1.0, "torch": 0.9,
+                                                               "ours": 0.9}, op="rs")
+    paced = {("llama3-8b o", "ours"), ("llama3-8b o", "torch")}
+    # Random host times on either side of the threshold, by construction.
+    timed = [dataclasses.replace(r, host_ms=r.ms * (rng.uniform(report.HOST_BOUND, 1.2) if (r.layer, r.variant) in paced
+                                                    else rng.uniform(0.0, report.HOST_BOUND - 0.01))) for r in rows]
+    text = markdown("rs", timed, META)
+    assert "- ours: llama3-8b o M=1024\n" in text and "- torch: llama3-8b o M=1024\n" in text
+    assert "base:" not in text and "llama3-70b o M=8192" not in text.split("Host-bound")[1].split("Peak")[0]
+    assert "Host-bound" not in markdown("rs", rows, META)  # not measured (older results): no section

@@ -124,7 +124,7 @@ def test_measure_issues_the_agreed_number_of_calls(monkeypatch):
     # This rank's probe sees 1 ms per call, so it asks for warmup_s / 1 ms calls; the peer asks for more.
     agreed = plan_warmup_calls(1e-3, cfg=cfg) + 77
     fences = []
-    agree = PeerAgreement([[agreed], [0.0, -1500.0]])
+    agree = PeerAgreement([[agreed], [0.0, -1500.0, 0.5]])
     result = timing.measure(call, cfg=cfg, agree=agree, clocks=Clocks(), fence=lambda: fences.append(len(calls)),
                             clock=lambda: FakeEvent.now)
     assert len(calls) == 1 + cfg.probe_calls + agreed + cfg.reps * cfg.iters
@@ -133,6 +133,8 @@ def test_measure_issues_the_agreed_number_of_calls(monkeypatch):
     assert result.ms == pytest.approx(1.0)
     assert result.rep_ms[2] == pytest.approx(3.0)
     assert result.clock_mhz == 1480.0  # the lower of the two ranks' clocks
+    # Here the host's clock is the GPU's: issuing took as long as running (host-bound), median rep.
+    assert result.host_ms == pytest.approx(1.0)
     # Fences sit around the timed batches, never inside.
     assert fences == [1 + cfg.probe_calls + agreed, len(calls)]
 

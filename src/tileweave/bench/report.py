@@ -70,6 +70,8 @@ class Measurement:
     mem_other_mb: float | None = None
     path: str | None = None
     """What ``tileweave.last_path`` reported for ours (e.g. ``"fused"``, ``"fallback"``)."""
+    host_ms: float | None = None
+    """The host's time to issue one call, max over ranks (``Timing.host_ms``)."""
     note: str = ""
     """Why a variant is FAILED or n/a."""
 
@@ -272,6 +274,7 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
             f"E_torch {_num(median_or_none(s.e_torch for s in big), 2)}",
         ]
     variants = GEMM_VARIANTS if op == "gemm" else BLOCK_VARIANTS if op == "block" else ("base", "torch", "ours")
+    lines += _host_bound_lines(measurements, variants)
     mem = {(r.shape_key, r.variant): r for r in measurements}
     lines += ["", "Peak GPU memory per variant, MB (allocator peak + memory kept outside it), max over ranks:", ""]
     lines += _table(["layer", "M", *variants], (
@@ -280,6 +283,28 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
         for s in summaries
     ))
     return "\n".join(lines) + "\n"
+
+
+HOST_BOUND = 0.9
+"""A variant is host-bound on a row when issuing a call takes at least this share of the call's time."""
+
+
+def host_bound(r: Measurement) -> bool:
+    return r.status == "ok" and r.ms is not None and r.host_ms is not None and r.host_ms >= HOST_BOUND * r.ms
+
+
+def _host_bound_lines(measurements: Sequence[Measurement], variants: Sequence[str]) -> list[str]:
+    """Which variants the host paced, per row: their time says more about Python and the driver than
+    about the GPU."""
+    lines = []
+    for v in variants:
+        rows = [f"{r.layer} M={r.m}" for r in measurements if r.variant == v and host_bound(r)]
+        if rows:
+            lines.append(f"{v}: {', '.join(rows)}")
+    if not lines:
+        return []
+    return ["", f"Host-bound (issuing a call took >= {HOST_BOUND:.0%} of its time), per variant:", ""] + \
+        [f"- {line}" for line in lines]
 
 
 def _mem_cell(r: Measurement | None) -> str:

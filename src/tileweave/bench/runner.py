@@ -147,6 +147,7 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     return Measurement(
         **key, variant=v.name, status="ok", ms=t.ms, rel_err=err_out, warmup_calls=t.warmup_calls,
         clock_mhz=t.clock_mhz, mem_peak_mb=peak / 2**20, mem_other_mb=other / 2**20, path=path,
+        host_ms=t.host_ms,
     )
 
 

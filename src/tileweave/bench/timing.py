@@ -162,6 +162,9 @@ class Timing:
     """The agreed warm-up count."""
     clock_mhz: float | None
     """Lowest SM clock over ranks, read right after the timed batches; None if unreadable."""
+    host_ms: float | None = None
+    """The host's time to issue one call (median over reps, max over ranks). Close to ``ms``, the
+    host, not the GPU, set the pace."""
 
 
 class MemoryWatch:
@@ -255,22 +258,27 @@ def measure(
         fence()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
+    host_s = []
     for r in range(cfg.reps):
+        t0 = clock()
         starts[r].record()
         for _ in range(cfg.iters):
             call(i)
             i += 1
         ends[r].record()
+        host_s.append(clock() - t0)
     if fence is not None:
         fence()
     torch.cuda.synchronize()
-    clock = clocks.read(device)
+    mhz = clocks.read(device)
 
     rep_ms = tuple(s.elapsed_time(e) / cfg.iters for s, e in zip(starts, ends, strict=True))
-    ms, neg_clock = agree.max_floats([statistics.median(rep_ms), -clock if clock is not None else -math.inf])
+    ms, neg_mhz, host_ms = agree.max_floats([statistics.median(rep_ms), -mhz if mhz is not None else -math.inf,
+                                             statistics.median(host_s) / cfg.iters * 1e3])
     return Timing(
         ms=ms,
         rep_ms=rep_ms,
         warmup_calls=n_warm,
-        clock_mhz=-neg_clock if math.isfinite(neg_clock) else None,
+        clock_mhz=-neg_mhz if math.isfinite(neg_mhz) else None,
+        host_ms=host_ms,
     )
