@@ -1,6 +1,6 @@
 """Where the chunked reduce-scatter spends its time, on two GPUs: per shape, NCCL+cuBLAS, the blocked
-GEMMs alone (no communication), the chunked transport at several block sizes, the host's cost to
-issue one call, and a profile of the GPU work by kernel name.
+GEMMs alone (no communication), the chunked transport at several block sizes, and a profile of the
+GPU work by kernel name (the host's side: ``scripts/host_probe.py``).
 
     python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
 
@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,20 +26,6 @@ from tileweave.tune.autotune import time_ms  # noqa: E402
 
 SHAPES = [(4096, 2048, 4096), (8192, 2048, 4096), (8192, 4096, 8192), (8192, 7168, 4096)]
 BLOCK_ROWS = [1024, 2048, -1, 0]  # -1: one block per owner; 0: the library's choice (chunk_rows_for)
-
-
-def _host_us(fn, device, calls=20):
-    """Microseconds the host takes to issue one call while the GPU is kept busy (so no call waits)."""
-    fn()
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    torch.cuda._sleep(int(0.2 * 1.4e9))  # ~200 ms of GPU work ahead of the calls
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize(device)
-    return host
 
 
 def _profile(fn, device, calls=5):
@@ -83,8 +68,6 @@ def _rank(rank, world, shapes):
             dist.barrier()
             row[f"chunked_{rows}"] = time_ms(lambda: op(a, b), device, warmup=10, iters=20, reps=5)
             if rows == 0:
-                row["host_us_chunked"] = _host_us(lambda: op(a, b), device)
-                row["host_us_fallback"] = _host_us(lambda: fallback(a, b), device)
                 if rank == 0:
                     row["profile_chunked"] = _profile(lambda: op(a, b), device)
                 else:

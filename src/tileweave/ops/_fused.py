@@ -23,6 +23,7 @@ class FusedOp:
     """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, reused."""
 
     op_name = ""
+    transports: tuple[str, ...] = ()
     transport_env = ""
     """Environment variable that picks the transport of the ops the functional API shares."""
     default_transport = ""
@@ -41,10 +42,16 @@ class FusedOp:
             op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport))
         return op
 
-    def __init__(self, group: dist.ProcessGroup | None, *, policy: str, config: GemmConfig | None,
-                 max_spin: int | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
+                 transport: str | None = None, config: GemmConfig | None = None,
+                 max_spin: int | None = None) -> None:
+        """``transport``: one of the class's ``transports``, None for its ``default_transport``."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        transport = transport or self.default_transport
+        if transport not in self.transports:
+            raise ValueError(f"transport must be one of {self.transports}, got {transport!r}")
+        self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
         # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
         self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
@@ -59,6 +66,16 @@ class FusedOp:
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
         tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
+
+    def _unfused_route(self, a, b, bias, out) -> tuple[tuple | None, Backend | None]:
+        """``(signature, backend)`` for a call whose signature (shapes, dtypes, devices) an earlier call
+        decided for the unfused path, which a repeat takes at once; ``(signature, None)`` if not decided
+        yet; ``(None, None)`` for calls that always take the checked path (a bias, an ``out``, or
+        arguments that are not tensors)."""
+        if bias is not None or out is not None or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return None, None
+        signature = (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
+        return signature, self._unfused.get(signature)
 
     def _finish(self, backend: Backend, ws: Workspace) -> None:
         """After a fused launch: surface an expired in-kernel wait. In debug mode (and on the CPU) by

@@ -38,7 +38,6 @@ from tileweave.ops._fused import FusedOp
 from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
-from tileweave.tune.configs import GemmConfig
 
 _OP = "all_gather_gemm"
 TRANSPORTS = ("mesh", "ring", "chunked")
@@ -62,22 +61,15 @@ class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
-    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
+    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` (default) or ``"ring"`` (module docstring),
     or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
     rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
     """
 
     op_name = _OP
+    transports = TRANSPORTS
     transport_env = "TILEWEAVE_AG_TRANSPORT"
     default_transport = "mesh"
-
-    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
-                 transport: str = "mesh", config: GemmConfig | None = None,
-                 max_spin: int | None = None) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        super().__init__(group, policy=policy, config=config, max_spin=max_spin)
-        self.transport = transport
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -91,10 +83,7 @@ class AllGatherGemm(FusedOp):
                  out: torch.Tensor | None = None, return_gathered: bool = False):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
         the workspace, valid until the next call of this object."""
-        signature = ((a_shard.shape, b.shape, a_shard.dtype, b.dtype, a_shard.device, b.device)
-                     if bias is None and out is None and isinstance(a_shard, torch.Tensor)
-                     and isinstance(b, torch.Tensor) else None)
-        backend = self._unfused.get(signature) if signature else None
+        signature, backend = self._unfused_route(a_shard, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             out = a_shard.new_empty((a_shard.shape[0] * backend.world_size, b.shape[1]))
             return self._fallback(backend, a_shard, b, None, out, return_gathered)
@@ -122,7 +111,7 @@ class AllGatherGemm(FusedOp):
                                             heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
                                             _launch.capturing(a_shard))
         if not fused:
-            if signature:
+            if signature is not None:
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
 

@@ -84,33 +84,23 @@ class GemmReduceScatter(FusedOp):
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
     shape; ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"store"`` (the epilogue stores
     peer tiles into their owners' buffers over NVLink), ``"copy_engine"`` (local send buffer, copied
-    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (no fused
+    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (the default; no fused
     kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
     copy engines as soon as it is done; the own rows last, each block adding the arrived partials in
     its GEMM; memory ``2 (W-1)/W x [M, N]``: the receive slots and a send buffer).
     """
 
     op_name = _OP
+    transports = TRANSPORTS
     transport_env = "TILEWEAVE_RS_TRANSPORT"
     default_transport = "chunked"
     chunk_rows = 0
     """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
     same)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
-                 transport: str = "chunked", config: GemmConfig | None = None,
-                 max_spin: int | None = None) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        super().__init__(group, policy=policy, config=config, max_spin=max_spin)
-        self.transport = transport
-
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        signature = ((a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
-                     if bias is None and out is None and isinstance(a, torch.Tensor)
-                     and isinstance(b, torch.Tensor) else None)
-        backend = self._unfused.get(signature) if signature else None
+        signature, backend = self._unfused_route(a, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             return self._fallback(backend, a, b, None, a.new_empty((a.shape[0] // backend.world_size, b.shape[1])))
         _launch.check_matrix("a", a)
@@ -143,7 +133,7 @@ class GemmReduceScatter(FusedOp):
                                             (m, k, n), bias is not None, _launch.capturing(a),
                                             **overrides)
         if not fused:
-            if signature:
+            if signature is not None:
                 self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
 
