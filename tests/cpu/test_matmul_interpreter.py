@@ -97,3 +97,54 @@ def test_cached_launch_plans_stay_correct_when_tensors_change():
         out = tileweave.matmul(a, w.t(), bias=bias)
         assert _rel(out, a.double() @ w.double().t() + bias.double()) < 2e-3
     assert len(matmul_module._plans) == 2
+
+
+def _stream_k_config(programs):
+    return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4,
+                      flatten=False, programs=programs, stream_k=True)
+
+
+@pytest.mark.parametrize("m,n,k,programs", [
+    (70, 45, 200, 5),    # tiles shared by two programs
+    (129, 17, 640, 7),   # fewer K steps per program than per tile: three or more share a tile
+    (33, 96, 130, 16),   # more programs than tiles
+    (64, 64, 96, 3),     # programs that also own whole tiles
+    (40, 40, 300, 1),    # one program: every tile whole, nothing shared
+])
+@pytest.mark.parametrize("layout", ["kn", "weight"])
+def test_stream_k_matches_reference_and_repeats_bitwise(m, n, k, programs, layout):
+    from tileweave.ops import _launch
+
+    a = torch.randn(m, k, dtype=torch.float32)
+    b = torch.randn(n, k).t() if layout == "weight" else torch.randn(k, n)
+    bias = torch.randn(n)
+    config = _stream_k_config(programs)
+    outs = []
+    for _ in range(3):  # the arrival counts must be back at zero after each call
+        out = torch.full((m, n), float("nan"))
+        tileweave.matmul(a, b, bias=bias, out=out, config=config)
+        outs.append(out)
+    assert _rel(outs[0], a.double() @ b.double() + bias.double()) < 1e-5
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "stream-K sums must not depend on the call"
+    assert all(int(locks.count_nonzero()) == 0 for _, locks in _launch._stream_k_kept.values())
+
+
+def test_stream_k_workspace_grows_for_a_larger_grid():
+    from tileweave.ops import _launch
+
+    _launch._stream_k_kept.clear()
+    for m, n in [(40, 40), (160, 96), (40, 40)]:
+        a, b = torch.randn(m, 128, dtype=torch.float16), torch.randn(128, n, dtype=torch.float16)
+        out = tileweave.matmul(a, b, config=_stream_k_config(6))
+        assert _rel(out, a.double() @ b.double()) < 2e-3
+    (parts, locks), = _launch._stream_k_kept.values()
+    assert locks.numel() >= 5 * 3 and parts.numel() >= 2 * 6 * 32 * 32
+
+
+def test_stream_k_is_refused_by_the_fused_modes():
+    from tileweave.ops import _launch
+
+    a = torch.randn(32, 32)
+    with pytest.raises(ValueError, match="plain GEMM only"):
+        _launch.launch(mode=_launch.MODE_AG, a=a, b=a, c=a, bias=None, config=_stream_k_config(2),
+                       m_chunk=32, world=2, programs=2)

@@ -50,14 +50,14 @@ def _first_tile(pid, step, tiles_per_chunk, P):
 
 
 @triton.jit
-def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K,
+def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi,
               stride_am, stride_ak, stride_bk, stride_bn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    # K steps [k_lo, k_hi) of one tile (all of them, 0 to cdiv(K, BK), except under stream-K).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BK)
     if USE_TMA:
-        for ki in range(k_tiles):
+        for ki in range(k_lo, k_hi):
             a = a_src.load([row_a, ki * BK])
             if B_NK:
                 b = b_src.load([col_b, ki * BK])
@@ -72,7 +72,7 @@ def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K,
         offs_k = tl.arange(0, BK)
         mask_m = offs_m < rows_a
         mask_n = offs_n < N
-        for ki in range(k_tiles):
+        for ki in range(k_lo, k_hi):
             kk = ki * BK + offs_k
             mask_k = kk < K
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :] * stride_ak,
@@ -150,7 +150,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, pid_n * BN, N, K,
-                        stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+                        0, tl.cdiv(K, BK), stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
         if EPILOGUE == 0:
             acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
             _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_chunk, N,
@@ -262,6 +262,63 @@ def _sum_arrived_partials(acc, group, offs_m, offs_n, m_chunk, N, buf_ptr, flags
     return total
 
 
+@triton.jit
+def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr, M, N, K,
+              stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+              P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
+              C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """Plain GEMM with the K steps of all tiles dealt out evenly: program ``pid`` takes the steps
+    ``[pid * per, (pid + 1) * per)`` of the sequence tile 0 step 0, tile 0 step 1, ..., so that a grid of
+    few tiles still keeps every SM busy (stream-K, Osama et al., PPoPP 2023).
+
+    A tile covered by one program is stored at once. A tile shared by several programs is finished by
+    the last of them to arrive: each stores its fp32 partial in its slot of ``part_ptr`` (``[2 P, BM, BN]``:
+    a program's first segment, then its last), counts itself in ``locks_ptr[tile]`` (acquire-release), and
+    the program that brings the count to the number of sharers sums the partials in program order (so the
+    result does not depend on arrival order), stores the tile and resets the count to 0 for the next call.
+    No program ever waits for another.
+    """
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    total = num_pid_m * num_pid_n * k_tiles
+    per = tl.cdiv(total, P)
+    it = pid * per
+    end = tl.minimum(it + per, total)
+    slot_rows = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    while it < end:
+        t = it // k_tiles
+        k_lo = it - t * k_tiles
+        k_hi = tl.minimum(k_tiles, k_lo + end - it)
+        pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, pid_m * BM, M, pid_n * BN, N, K, k_lo, k_hi,
+                        stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        first = t * k_tiles // per
+        last = ((t + 1) * k_tiles - 1) // per
+        if first == last:
+            acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
+            _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
+        else:
+            # Slot 2p holds program p's first segment, 2p + 1 its later one (only its last can be partial).
+            slot = 2 * pid + (it != pid * per).to(tl.int32)
+            tl.store(part_ptr + slot.to(tl.int64) * (BM * BN) + slot_rows, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(locks_ptr + t, 1, sem="acq_rel", scope="gpu")
+            if arrived == last - first:
+                tl.debug_barrier()
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                for p in range(first, last + 1):
+                    other = 2 * p + (p * per < t * k_tiles).to(tl.int32)
+                    acc += tl.load(part_ptr + other.to(tl.int64) * (BM * BN) + slot_rows, cache_modifier=".cg")
+                acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
+                _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn,
+                            BM, BN, C_TMA)
+                tl.store(locks_ptr + t, 0)
+        it += k_hi - k_lo
+
+
 def _metadata(grid, kernel, args):
     mode = ("plain", "ag", "rs")[args["MODE"]]
     world = args["WORLD"]
@@ -281,7 +338,8 @@ def fused_gemm_kernel(
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
-        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr, CE_RELEASE: tl.constexpr):
+        LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr, CE_RELEASE: tl.constexpr,
+        STREAM_K: tl.constexpr):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
@@ -292,6 +350,8 @@ def fused_gemm_kernel(
     and wrapping, and ``epoch`` is the count at which this call's tiles are all in.
     RS with ``COPY_ENGINE``: ``buf_ptr`` holds W - 1 receive slots then W - 1 send slots of
     ``[Mc, N]``; ``flags_ptr`` is the flag block described at ``CE_GROUPS``; ``epoch`` is the epoch.
+    PLAIN with ``STREAM_K``: ``buf_ptr`` is the fp32 partial-tile workspace and ``flags_ptr`` the
+    per-tile arrival counts of ``_stream_k`` (zero between calls).
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
@@ -314,7 +374,11 @@ def fused_gemm_kernel(
     else:
         c_desc = c_ptr
 
-    if MODE == PLAIN:
+    if MODE == PLAIN and STREAM_K:
+        _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, buf_ptr, flags_ptr, m_chunk, N, K,
+                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION)
+    elif MODE == PLAIN:
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,

@@ -125,8 +125,8 @@ class FusedOp:
         """
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
                                                 interpreter=backend.interpreter)
-        if config_overrides:
-            proposal = dataclasses.replace(proposal, **config_overrides)
+        # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer).
+        proposal = dataclasses.replace(proposal, stream_k=False, **config_overrides)
         fused = self.policy == "fused" or (
             self.policy == "auto" and prefer_fused(m, n, k, backend.world_size, dtype,
                                                    interpreter=backend.interpreter))

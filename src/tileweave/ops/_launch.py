@@ -128,6 +128,9 @@ class PlainLaunch:
     programs: int
     b_copied: bool
     """``b`` had neither unit stride and was made contiguous: later calls must do the same."""
+    stream_k: tuple[int, int] | None = None
+    """Stream-K: (elements of the partial-tile workspace, number of tiles), the sizes of the buffers
+    ``stream_k_buffers`` hands out."""
     compiled: list = dataclasses.field(default_factory=list, compare=False)
     """The compiled kernel once known (CUDA): later calls launch it without building a cache key."""
 
@@ -142,6 +145,8 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     what a plain (``MODE_PLAIN``) launch can replay. ``compile_only`` compiles the kernel these
     arguments need (on a GPU) without launching it."""
     _install_allocator()
+    if config.stream_k and mode != MODE_PLAIN:
+        raise ValueError("GemmConfig.stream_k applies to the plain GEMM only")
     b_in = b
     b, b_nk = b_layout(b)
     k, n = b.shape
@@ -156,7 +161,15 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
         precision = None
     dummy = c
     tiles = tiles_per_chunk(m_chunk, n, config) * (world if mode != MODE_PLAIN else 1)
-    programs = max(1, min(programs, tiles))
+    stream_k = None
+    if config.stream_k:
+        # Programs share tiles by K steps: as many programs as steps at most, and a slot of partials for
+        # each program's first and last segment.
+        programs = max(1, min(programs, tiles * math.ceil(k / config.block_k)))
+        stream_k = (2 * programs * config.block_m * config.block_n, tiles)
+        buf, flags = stream_k_buffers(c.device, *stream_k)
+    else:
+        programs = max(1, min(programs, tiles))
     tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else dummy,
                peer_offsets if peer_offsets is not None else dummy,
                peer_flags if peer_flags is not None else dummy,
@@ -165,10 +178,12 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
-                  config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release))
+                  config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release),
+                  config.stream_k)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
-                       num_stages=config.num_stages, programs=programs, b_copied=b is not b_in)
+                       num_stages=config.num_stages, programs=programs, b_copied=b is not b_in,
+                       stream_k=stream_k)
 
 
 def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -178,7 +193,11 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     _install_allocator()
     if plan.b_copied:
         b = b.contiguous()
-    tensors = (a, a, b, c, bias if bias is not None else c, c, c, c, c)
+    if plan.stream_k:
+        parts, locks = stream_k_buffers(c.device, *plan.stream_k)
+        tensors = (a, parts, b, c, bias if bias is not None else c, c, c, locks, c)
+    else:
+        tensors = (a, a, b, c, bias if bias is not None else c, c, c, c, c)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, 0, 0, *plan.ints),
                          plan.constexprs)
@@ -190,7 +209,7 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
                     "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
-                    "COPY_ENGINE", "RING", "CE_RELEASE")
+                    "COPY_ENGINE", "RING", "CE_RELEASE", "STREAM_K")
 _compiled: dict[tuple, object] = {}
 _fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 
@@ -307,6 +326,30 @@ def _cached_scratch(launcher, device: int, stream: int, programs: int):
         buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=torch.device("cuda", device))
         entry = _scratch_buffers[(device, stream)] = (buffer.data_ptr(), buffer)
     return entry[0]
+
+
+_stream_k_kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def stream_k_buffers(device: torch.device, part_elems: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 partial-tile workspace and the per-tile arrival counts (zero between calls) of a
+    stream-K launch on the current stream of ``device``, grown on demand.
+
+    Kernels on one stream run one after another and each leaves its counts at zero, so one pair per
+    stream serves every launch on it. Under CUDA-graph capture each launch gets its own pair, zeroed by a
+    captured memset, since a replay may run next to launches on other streams.
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (torch.empty(part_elems, dtype=torch.float32, device=device),
+                torch.zeros(tiles, dtype=torch.int32, device=device))
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    kept = _stream_k_kept.get(key)
+    if kept is None or kept[0].numel() < part_elems or kept[1].numel() < tiles:
+        grown = (torch.empty(max(part_elems, kept[0].numel() if kept else 0), dtype=torch.float32, device=device),
+                 torch.zeros(max(tiles, kept[1].numel() if kept else 0), dtype=torch.int32, device=device))
+        kept = _stream_k_kept[key] = grown
+    return kept
 
 
 def _i32(value: int) -> int:

@@ -46,6 +46,10 @@ class GemmConfig:
     falls back to pointer stores elsewhere)."""
     programs: int = 0
     """Persistent programs; 0 means one per SM."""
+    stream_k: bool = False
+    """Plain GEMM only: deal the K steps of all tiles out evenly over the programs (tiles shared by
+    several programs are summed by the last to finish, in a fixed order). For grids of fewer tiles than
+    a few waves, where whole tiles per program would leave SMs idle."""
     lazy_wait: bool = False
     """Reduce-scatter (store transport): wait for the peers' partials inside each own tile (after its
     main loop) instead of once before the own chunk."""
@@ -74,7 +78,8 @@ class GemmConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
                 f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
-                f"_ce{int(self.copy_engine)}{'' if self.ce_release == 'tile' else '_' + self.ce_release}")
+                f"_ce{int(self.copy_engine)}{'' if self.ce_release == 'tile' else '_' + self.ce_release}"
+                f"{'_sk' if self.stream_k else ''}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "GemmConfig":
@@ -87,6 +92,19 @@ INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, n
                                 num_warps=4, flatten=False)
 
 
+STREAM_K_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, stream_k=True)
+"""What a grid of too few tiles runs instead (see ``choose_gemm_config``)."""
+STREAM_K_BELOW = 0.8
+"""Stream-K when whole tiles would keep the programs busy for less than this share of their last wave."""
+STREAM_K_MIN_K = 1024
+"""...and K gives each tile at least this many elements to share out (16 steps of 64)."""
+
+
+def wave_use(tiles: int, programs: int) -> float:
+    """Share of the program-slots of all waves that whole tiles fill: 1.0 for full waves."""
+    return tiles / (math.ceil(tiles / programs) * programs)
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
                        interpreter: bool = False) -> GemmConfig:
@@ -94,21 +112,25 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
 
     Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). When that
     leaves most SMs idle (fewer than about two waves), smaller tiles trade per-tile efficiency for
-    occupancy.
+    occupancy. When whole tiles still fill their waves badly (a 1024 x 768 output is 48 tiles of
+    128 x 128 for 132 SMs), the tiles' K steps are dealt out instead (stream-K).
     """
     if interpreter:
         return INTERPRETER_CONFIG
-    big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
     if dtype == torch.float32:
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
+    big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
+    mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
     if big_tiles >= 2 * num_sms:
-        return GemmConfig()
-    if n <= 1024:
+        config, tiles = GemmConfig(), big_tiles
+    elif n <= 1024 or mid_tiles >= num_sms:
         # Narrow outputs (TP=8 shards) with few large tiles: 128-wide tiles give twice as many. With
         # two waves of large tiles or more, the large tiles win even here (16384 x 768 x 4096 on an
         # H200: 0.97x cuBLAS against 0.88x with 128 x 128).
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
-    mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
-    if mid_tiles >= num_sms:
-        return GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
-    return GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
+        config, tiles = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8), mid_tiles
+    else:
+        config = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
+        tiles = math.ceil(m / 64) * math.ceil(n / 128)
+    if k >= STREAM_K_MIN_K and wave_use(tiles, num_sms) < STREAM_K_BELOW:
+        return STREAM_K_CONFIG
+    return config
