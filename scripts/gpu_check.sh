@@ -56,7 +56,7 @@ for op in $OPS; do
   if [ "$op" = block ]; then
     m="$BLOCK_M"
     policy="${BLOCK_POLICY:-auto}"
-    flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-mesh}" --rs-transport "${BLOCK_RS_TRANSPORT:-chunked}")
+    flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-auto}" --rs-transport "${BLOCK_RS_TRANSPORT:-chunked}")
   fi
   timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
     --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "$op" 2>&1 | grep -v -i warning | tail -60 || status=1

@@ -48,9 +48,9 @@ def test_block_section_filters():
 def test_transports_for_ours():
     o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "store"])
     assert (o.ag_transport, o.rs_transport) == ("chunked", "store")
-    assert (cli.parse_args([]).ag_transport, cli.parse_args([]).rs_transport) == ("mesh", "chunked")
+    assert (cli.parse_args([]).ag_transport, cli.parse_args([]).rs_transport) == ("auto", "chunked")
     several = cli.parse_args(["--rs-transport", "store,chunked,copy_engine"])
-    assert several.bench.transports == {"ag": ("mesh",), "rs": ("store", "chunked", "copy_engine")}
+    assert several.bench.transports == {"ag": ("auto",), "rs": ("store", "chunked", "copy_engine")}
     assert several.rs_transport == "store"  # the functional op's (and the block section's) transport
     for bad in (["--ag-transport", "store"], ["--rs-transport", "store,store"], ["--rs-transport", ","]):
         with pytest.raises(SystemExit):

@@ -46,3 +46,15 @@ def test_all_gather_fuses_from_its_row_or_work_threshold():
         if fused:  # more rows or more work never turns fusion off
             assert heuristics.prefer_fused_all_gather(2 * m, n, k, w, torch.bfloat16)
             assert heuristics.prefer_fused_all_gather(m, 2 * n, k, w, torch.bfloat16)
+
+
+def test_all_gather_transport_is_chunked_below_its_work_threshold():
+    rng = random.Random()
+    for _ in range(200):
+        w = rng.choice([2, 4, 8])
+        m, n, k = w * rng.randrange(1, 8192), rng.randrange(1, 30000), rng.randrange(1, 30000)
+        chosen = heuristics.all_gather_transport(m, n, k, w, torch.bfloat16)
+        assert chosen == ("chunked" if 2.0 * m * n * k < heuristics.CHUNKED_BELOW_GFLOP_AG * 1e9 else "mesh")
+        assert heuristics.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
+        if chosen == "mesh":  # more work never turns the kernel off
+            assert heuristics.all_gather_transport(2 * m, n, k, w, torch.bfloat16) == "mesh"

@@ -68,7 +68,7 @@ class CliOptions:
     rs_transport: str = "chunked"
     """GEMM+ReduceScatter transport for the functional op, the first of --rs-transport (exported as
     TILEWEAVE_RS_TRANSPORT; the block section uses it)."""
-    ag_transport: str = "mesh"
+    ag_transport: str = "auto"
     """AllGather+GEMM transport for the functional op, the first of --ag-transport (exported as
     TILEWEAVE_AG_TRANSPORT)."""
 
@@ -100,9 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
     p.add_argument("--policy", choices=("auto", "fused", "fallback"), default="auto",
                    help="tileweave's path choice for 'ours' (default auto: what users get)")
-    p.add_argument("--ag-transport", default="mesh",
-                   help="AllGather+GEMM transport(s) for 'ours', from mesh, ring, chunked; a comma list times "
-                        "each next to one set of baselines (default mesh)")
+    p.add_argument("--ag-transport", default="auto",
+                   help="AllGather+GEMM transport(s) for 'ours', from auto, mesh, ring, chunked; a comma list "
+                        "times each next to one set of baselines (default auto: chunked or mesh per shape)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
                         "list times each next to one set of baselines (default chunked)")

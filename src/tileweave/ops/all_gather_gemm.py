@@ -40,7 +40,7 @@ from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 
 _OP = "all_gather_gemm"
-TRANSPORTS = ("mesh", "ring", "chunked")
+TRANSPORTS = ("auto", "mesh", "ring", "chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +61,16 @@ class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
-    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` (default) or ``"ring"`` (module docstring),
+    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
     or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
     rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
+    ``"auto"`` (default): chunked or mesh per shape (``heuristics.all_gather_transport``).
     """
 
     op_name = _OP
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_AG_TRANSPORT"
-    default_transport = "mesh"
+    default_transport = "auto"
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -114,12 +115,15 @@ class AllGatherGemm(FusedOp):
             if signature is not None:
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered)
+        transport = self.transport
+        if transport == "auto":  # a function of the shapes, which every rank has just agreed on
+            transport = heuristics.all_gather_transport(m, n, k, w, a_shard.dtype, interpreter=backend.interpreter)
 
         self._check_previous()
         self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
         ws = self._ws
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
-        ring = self.transport == "ring"
+        ring = transport == "ring"
         plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
         ws.epoch += 1
         epoch = ws.epoch
@@ -127,7 +131,7 @@ class AllGatherGemm(FusedOp):
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-        if self.transport == "chunked":
+        if transport == "chunked":
             self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, epoch)
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
@@ -140,11 +144,11 @@ class AllGatherGemm(FusedOp):
         backend.comm_end()
         for address in plan.releases:
             backend.main_write(address, epoch)
-        if self.transport == "chunked":
+        if transport == "chunked":
             self._finish_without_kernel(backend)
         else:
             self._finish(backend, ws)
-        _launch.record_path(_OP, "chunked" if self.transport == "chunked" else "fused")
+        _launch.record_path(_OP, "chunked" if transport == "chunked" else "fused")
         return (out, gathered) if return_gathered else out
 
     @staticmethod

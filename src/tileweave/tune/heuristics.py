@@ -21,6 +21,13 @@ import torch
 MIN_FUSED_ROWS_AG = 2048
 MIN_FUSED_GFLOP_AG = 400.0
 
+# AllGather+GEMM transport under transport="auto": below CHUNKED_BELOW_GFLOP_AG of local GEMM work the
+# chunked transport (cuBLAS on the own rows while the shards travel, then on each peer's rows), else the
+# fused kernel. On 2x H200, M 2048-8192 (bench/results/2026-11-30_h200x2_run3/, ag-mesh and ag-chunked
+# in one run), chunked was faster on 4 of the 5 rows under 300 GFLOP (1.12-1.29x NCCL+cuBLAS against
+# 1.03-1.20x) and the fused kernel on 8 of the 10 above (1.03-1.18x against 0.99-1.08x).
+CHUNKED_BELOW_GFLOP_AG = 300.0
+
 # GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
 # transport overlaps a block's copy with the next block's GEMM: it wins when a block's GEMM outlasts its
@@ -40,6 +47,15 @@ def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: tor
                             interpreter: bool = False) -> bool:
     """``m``: gathered rows; ``n_local``: this rank's output columns."""
     return interpreter or m >= MIN_FUSED_ROWS_AG or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
+
+
+def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
+                         interpreter: bool = False) -> str:
+    """``"chunked"`` or ``"mesh"`` for a fused call of ``transport="auto"``; the interpreter runs the
+    kernel (``"mesh"``) so that tests exercise its protocol."""
+    if interpreter or _gflop(m, n_local, k) >= CHUNKED_BELOW_GFLOP_AG:
+        return "mesh"
+    return "chunked"
 
 
 def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *,
