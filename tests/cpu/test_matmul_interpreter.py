@@ -105,10 +105,10 @@ def _stream_k_config(programs):
 
 
 @pytest.mark.parametrize("m,n,k,programs", [
-    (70, 45, 200, 5),    # tiles shared by two programs
-    (129, 17, 640, 7),   # fewer K steps per program than per tile: three or more share a tile
-    (33, 96, 130, 16),   # more programs than tiles
-    (64, 64, 96, 3),     # programs that also own whole tiles
+    (70, 45, 200, 5),    # one full wave of whole tiles, then one tile shared by all five programs
+    (129, 17, 640, 7),   # fewer tiles than programs: every tile shared, three or more programs a tile
+    (33, 96, 130, 16),   # more programs than K steps of a tile
+    (64, 64, 96, 3),     # a wave of whole tiles, then a tile of three K steps over three programs
     (40, 40, 300, 1),    # one program: every tile whole, nothing shared
 ])
 @pytest.mark.parametrize("layout", ["kn", "weight"])

@@ -267,25 +267,37 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
               P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-              C_TMA: tl.constexpr, PRECISION: tl.constexpr):
-    """Plain GEMM with the K steps of all tiles dealt out evenly: program ``pid`` takes the steps
-    ``[pid * per, (pid + 1) * per)`` of the sequence tile 0 step 0, tile 0 step 1, ..., so that a grid of
-    few tiles still keeps every SM busy (stream-K, Osama et al., PPoPP 2023).
+              C_TMA: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr):
+    """Plain GEMM whose last, partial wave of tiles is shared out by K steps (data-parallel waves, then
+    stream-K: Osama et al., PPoPP 2023), so that a grid of, say, 1.2 waves takes about 1.2 tile times
+    instead of 2.
 
-    A tile covered by one program is stored at once. A tile shared by several programs is finished by
-    the last of them to arrive: each stores its fp32 partial in its slot of ``part_ptr`` (``[2 P, BM, BN]``:
-    a program's first segment, then its last), counts itself in ``locks_ptr[tile]`` (acquire-release), and
-    the program that brings the count to the number of sharers sums the partials in program order (so the
-    result does not depend on arrival order), stores the tile and resets the count to 0 for the next call.
-    No program ever waits for another.
+    The full waves run as in ``_chunk_loop``, whole tiles in grouped order, where programs running
+    together share their A and B tiles in L2. The K steps of the remaining tiles, tile 0 step 0, tile 0
+    step 1, ..., are dealt out evenly: program ``pid`` takes ``[pid * per, (pid + 1) * per)``. (Dealing
+    out every tile this way was 1.4-2.4x slower on an H200: programs at different K offsets of many
+    tiles share nothing in L2. NOTES.md, entry 23.) A tile that one program covers is stored at once.
+    A tile shared by several is finished by the last of them to arrive: each stores its fp32 partial in
+    its slot of ``part_ptr`` (``[2 P, BM, BN]``: a program's first segment, then its last), counts
+    itself in ``locks_ptr[tile]`` (acquire-release), and the program that brings the count to the
+    number of sharers sums the partials in program order (so the result does not depend on arrival
+    order), stores the tile and resets the count to 0 for the next call. No program waits for another.
     """
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    total = num_pid_m * num_pid_n * k_tiles
-    per = tl.cdiv(total, P)
-    it = pid * per
-    end = tl.minimum(it + per, total)
+    tiles = num_pid_m * num_pid_n
+    dp_tiles = (tiles // P) * P
+    for t in tl.range(pid, dp_tiles, P, flatten=FLATTEN):
+        pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, pid_m * BM, M, pid_n * BN, N, K, 0, k_tiles,
+                        stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        acc = _add_bias(acc, bias_ptr, pid_n * BN + tl.arange(0, BN), N, HAS_BIAS)
+        _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
+    base = dp_tiles * k_tiles
+    per = tl.maximum(tl.cdiv(tiles * k_tiles - base, P), 1)
+    it = base + pid * per
+    end = tl.minimum(it + per, tiles * k_tiles)
     slot_rows = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
     while it < end:
         t = it // k_tiles
@@ -295,14 +307,14 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
         offs_n = pid_n * BN + tl.arange(0, BN)
         acc = _mainloop(a_src, b_src, a_ptr, b_ptr, pid_m * BM, M, pid_n * BN, N, K, k_lo, k_hi,
                         stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
-        first = t * k_tiles // per
-        last = ((t + 1) * k_tiles - 1) // per
+        first = (t * k_tiles - base) // per
+        last = ((t + 1) * k_tiles - 1 - base) // per
         if first == last:
             acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
             _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
         else:
             # Slot 2p holds program p's first segment, 2p + 1 its later one (only its last can be partial).
-            slot = 2 * pid + (it != pid * per).to(tl.int32)
+            slot = 2 * pid + (it != base + pid * per).to(tl.int32)
             tl.store(part_ptr + slot.to(tl.int64) * (BM * BN) + slot_rows, acc)
             tl.debug_barrier()
             arrived = tl.atomic_add(locks_ptr + t, 1, sem="acq_rel", scope="gpu")
@@ -310,7 +322,7 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
                 tl.debug_barrier()
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
                 for p in range(first, last + 1):
-                    other = 2 * p + (p * per < t * k_tiles).to(tl.int32)
+                    other = 2 * p + (base + p * per < t * k_tiles).to(tl.int32)
                     acc += tl.load(part_ptr + other.to(tl.int64) * (BM * BN) + slot_rows, cache_modifier=".cg")
                 acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
                 _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn,
@@ -377,7 +389,7 @@ def fused_gemm_kernel(
     if MODE == PLAIN and STREAM_K:
         _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, buf_ptr, flags_ptr, m_chunk, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION)
+                  BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, FLATTEN, PRECISION)
     elif MODE == PLAIN:
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,

@@ -35,6 +35,8 @@ CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(block_n=128, num_stages=4),
     GemmConfig(block_n=128, num_stages=4, warp_specialize=True),
     GemmConfig(block_m=256, block_n=128),
+    GemmConfig(stream_k=True),
+    GemmConfig(block_n=128, num_stages=4, stream_k=True),
 )
 """The configurations tried per shape (see NOTES.md, experiment 3, for why these)."""
 

@@ -47,9 +47,9 @@ class GemmConfig:
     programs: int = 0
     """Persistent programs; 0 means one per SM."""
     stream_k: bool = False
-    """Plain GEMM only: deal the K steps of all tiles out evenly over the programs (tiles shared by
-    several programs are summed by the last to finish, in a fixed order). For grids of fewer tiles than
-    a few waves, where whole tiles per program would leave SMs idle."""
+    """Plain GEMM only: whole tiles for the full waves, then the K steps of the remaining tiles dealt out
+    evenly over the programs (a tile shared by several is summed by the last to finish, in a fixed
+    order). For grids whose last wave would leave SMs idle."""
     lazy_wait: bool = False
     """Reduce-scatter (store transport): wait for the peers' partials inside each own tile (after its
     main loop) instead of once before the own chunk."""
@@ -93,9 +93,9 @@ INTERPRETER_CONFIG = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, n
 
 
 STREAM_K_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, stream_k=True)
-"""What a grid of too few tiles runs instead (see ``choose_gemm_config``)."""
-STREAM_K_BELOW = 0.8
-"""Stream-K when whole tiles would keep the programs busy for less than this share of their last wave."""
+"""A stream-K configuration for tests and probes."""
+STREAM_K_BELOW = 0.9
+"""Stream-K when whole tiles would keep the programs busy for less than this share of their waves."""
 STREAM_K_MIN_K = 1024
 """...and K gives each tile at least this many elements to share out (16 steps of 64)."""
 
@@ -112,8 +112,8 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
 
     Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). When that
     leaves most SMs idle (fewer than about two waves), smaller tiles trade per-tile efficiency for
-    occupancy. When whole tiles still fill their waves badly (a 1024 x 768 output is 48 tiles of
-    128 x 128 for 132 SMs), the tiles' K steps are dealt out instead (stream-K).
+    occupancy. When whole tiles still fill their last wave badly (2048 x 1280 is 160 tiles of 128 x 128
+    for 132 SMs: 1.2 waves), the last wave's K steps are dealt out over all programs (stream-K).
     """
     if interpreter:
         return INTERPRETER_CONFIG
@@ -132,5 +132,5 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
         config = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
         tiles = math.ceil(m / 64) * math.ceil(n / 128)
     if k >= STREAM_K_MIN_K and wave_use(tiles, num_sms) < STREAM_K_BELOW:
-        return STREAM_K_CONFIG
+        return dataclasses.replace(config, stream_k=True)
     return config
