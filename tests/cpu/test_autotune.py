@@ -60,15 +60,18 @@ def test_grids_that_fill_their_waves_badly_share_out_k():
     from tileweave.tune.configs import STREAM_K_BELOW, STREAM_K_MIN_K, choose_gemm_config, wave_use
 
     assert wave_use(132, 132) == 1.0 and wave_use(133, 132) == 133 / 264
-    # 1024 x 768: 48 tiles of 128 x 128 for 132 SMs.
-    assert choose_gemm_config(1024, 768, 4096, torch.bfloat16, num_sms=132).stream_k
-    # Full waves, a K too short to share, fp32 and the interpreter keep whole tiles.
-    assert not choose_gemm_config(8192, 4096, 4096, torch.bfloat16, num_sms=132).stream_k
-    assert not choose_gemm_config(1024, 768, STREAM_K_MIN_K // 2, torch.bfloat16, num_sms=132).stream_k
-    assert not choose_gemm_config(1024, 768, 4096, torch.float32, num_sms=132).stream_k
-    assert not choose_gemm_config(1024, 768, 4096, torch.bfloat16, num_sms=132, interpreter=True).stream_k
-    for m, n, k in [(1024, 768, 4096), (2048, 1280, 8192), (8192, 4096, 4096), (333, 517, 2048)]:
+    # 2048 x 1280: 160 tiles of 128 x 128 for 132 SMs, 1.2 waves.
+    assert choose_gemm_config(2048, 1280, 8192, torch.bfloat16, num_sms=132).stream_k
+    # Full waves, fewer tiles than SMs, a short K, fp32 and the interpreter keep whole tiles.
+    assert not choose_gemm_config(8192, 4096, 8192, torch.bfloat16, num_sms=132).stream_k
+    assert not choose_gemm_config(1024, 768, 8192, torch.bfloat16, num_sms=132).stream_k
+    assert not choose_gemm_config(2048, 1280, STREAM_K_MIN_K // 2, torch.bfloat16, num_sms=132).stream_k
+    assert not choose_gemm_config(2048, 1280, 8192, torch.float32, num_sms=132).stream_k
+    assert not choose_gemm_config(2048, 1280, 8192, torch.bfloat16, num_sms=132, interpreter=True).stream_k
+    for m, n, k in [(1024, 768, 4096), (2048, 1280, 8192), (8192, 4096, 4096), (333, 517, 2048), (4096, 1280, 8192)]:
         config = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132)
-        if not config.stream_k and k >= STREAM_K_MIN_K:
-            tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        if config.stream_k:
+            assert k >= STREAM_K_MIN_K and tiles >= 132 and wave_use(tiles, 132) < STREAM_K_BELOW
+        elif k >= STREAM_K_MIN_K and tiles >= 132:
             assert wave_use(tiles, 132) >= STREAM_K_BELOW, (m, n, k, config)

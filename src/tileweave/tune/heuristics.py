@@ -6,27 +6,29 @@ problem size those costs exceed what the overlap saves. The thresholds are measu
 NOTES.md and bench/results/); the interpreter always fuses so that tests exercise the protocol.
 
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
-GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), AllGather+GEMM the fused
-kernel (8192 gathered rows).
+GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank). llama3-8b qkv at M=4096 is a
+``4096 x 3072 x 4096`` local GEMM (103 GFLOP): AllGather+GEMM takes NCCL + cuBLAS there; at M=8192
+(206 GFLOP) its chunked transport.
 """
 
 from __future__ import annotations
 
 import torch
 
-# AllGather+GEMM is fused from MIN_FUSED_ROWS_AG gathered rows, or from MIN_FUSED_GFLOP_AG (2*M*N*K of
-# the local GEMM) below that. On 2x H200 the fused kernel was faster than NCCL+cuBLAS on all 25 rows of
-# M 2048-16384 (1.01-1.34x); at M=1024 it was 0.63-0.98x on the three rows under 130 GFLOP and
-# 1.03-1.04x on the two over 480 (bench/results/2026-11-30_h200x2_run3/).
-MIN_FUSED_ROWS_AG = 2048
-MIN_FUSED_GFLOP_AG = 400.0
+# AllGather+GEMM is fused (by the transport below) from MIN_FUSED_GFLOP_AG of local GEMM work (2*M*N_loc*K,
+# M the gathered rows). Under that, a fused call's fixed costs, mostly the host's time to issue its
+# copies, stream waits and flag writes (~100-250 us a call on the benchmark hosts), exceed what the
+# overlap saves: on 2x H200 the fused paths ran at 0.53-0.82x NCCL+cuBLAS on the three suite rows under
+# 200 GFLOP and at 1.03-1.42x on the 22 above (bench/results/2026-11-30_h200x2_run4/, ag-mesh/ag-chunked).
+MIN_FUSED_GFLOP_AG = 200.0
 
 # AllGather+GEMM transport under transport="auto": below CHUNKED_BELOW_GFLOP_AG of local GEMM work the
 # chunked transport (cuBLAS on the own rows while the shards travel, then on each peer's rows), else the
-# fused kernel. On 2x H200, M 2048-8192 (bench/results/2026-11-30_h200x2_run3/, ag-mesh and ag-chunked
-# in one run), chunked was faster on 4 of the 5 rows under 300 GFLOP (1.12-1.29x NCCL+cuBLAS against
-# 1.03-1.20x) and the fused kernel on 8 of the 10 above (1.03-1.18x against 0.99-1.08x).
-CHUNKED_BELOW_GFLOP_AG = 300.0
+# fused kernel. On 2x H200 over M 1024-16384 (bench/results/2026-11-30_h200x2_run4/, ag-mesh and
+# ag-chunked in one run), chunked was faster on 10 of the 12 rows from 200 to 1000 GFLOP (1.03-1.34x
+# NCCL+cuBLAS) and the fused kernel on 7 of the 13 above, the others within 1% but one (0.99-1.05x
+# against 0.94-1.05x).
+CHUNKED_BELOW_GFLOP_AG = 1000.0
 
 # GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
@@ -46,7 +48,7 @@ def _gflop(m: int, n: int, k: int) -> float:
 def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
                             interpreter: bool = False) -> bool:
     """``m``: gathered rows; ``n_local``: this rank's output columns."""
-    return interpreter or m >= MIN_FUSED_ROWS_AG or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
+    return interpreter or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
 
 
 def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
