@@ -7,8 +7,8 @@ NOTES.md and bench/results/); the interpreter always fuses so that tests exercis
 
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
 GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank). llama3-8b qkv at M=4096 is a
-``4096 x 3072 x 4096`` local GEMM (103 GFLOP): AllGather+GEMM takes NCCL + cuBLAS there; at M=8192
-(206 GFLOP) its chunked transport.
+``4096 x 3072 x 4096`` local GEMM (103 GFLOP): AllGather+GEMM takes its chunked transport there; at
+M=2048 (52 GFLOP) NCCL + cuBLAS.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import torch
 # M the gathered rows). Under that, a fused call's fixed costs, mostly the host's time to issue its
 # copies, stream waits and flag writes (~100-250 us a call on the benchmark hosts), exceed what the
 # overlap saves: on 2x H200 the fused paths ran at 0.53-0.82x NCCL+cuBLAS on the three suite rows under
-# 200 GFLOP and at 1.03-1.42x on the 22 above (bench/results/2026-11-30_h200x2_run4/, ag-mesh/ag-chunked).
-MIN_FUSED_GFLOP_AG = 200.0
+# 100 GFLOP and at 1.02-1.42x (the better transport) on the 22 above
+# (bench/results/2026-11-30_h200x2_run4/, ag-mesh and ag-chunked in one run).
+MIN_FUSED_GFLOP_AG = 100.0
 
 # AllGather+GEMM transport under transport="auto": below CHUNKED_BELOW_GFLOP_AG of local GEMM work the
 # chunked transport (cuBLAS on the own rows while the shards travel, then on each peer's rows), else the
-# fused kernel. On 2x H200 over M 1024-16384 (bench/results/2026-11-30_h200x2_run4/, ag-mesh and
-# ag-chunked in one run), chunked was faster on 10 of the 12 rows from 200 to 1000 GFLOP (1.03-1.34x
-# NCCL+cuBLAS) and the fused kernel on 7 of the 13 above, the others within 1% but one (0.99-1.05x
-# against 0.94-1.05x).
-CHUNKED_BELOW_GFLOP_AG = 1000.0
+# fused kernel. Same run: chunked was faster on 8 of the 9 rows from 100 to 500 GFLOP (1.03-1.32x
+# NCCL+cuBLAS against 0.94-1.26x), the fused kernel faster or within 1% on 12 of the 13 above.
+CHUNKED_BELOW_GFLOP_AG = 500.0
 
 # GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
