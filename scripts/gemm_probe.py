@@ -4,7 +4,8 @@ default choice, whole tiles of two sizes and stream-K of two sizes. For choosing
 
     python3 scripts/gemm_probe.py [--out DIR] [--m 1024,2048,...] [--below 0.95]
 
-``--below`` keeps the shapes whose default ran under that ratio to cuBLAS in the last ``gemm`` section
+``--shapes 1024x768x4096,...`` times those instead; ``--narrow`` adds small-tile and warp-specialised
+variants. ``--below`` keeps the shapes whose default ran under that ratio to cuBLAS in the last ``gemm`` section
 given with ``--previous`` (all shapes without it). Prints one line per shape, writes JSON to ``--out``.
 """
 
@@ -31,6 +32,13 @@ VARIANTS = {
     "sk128x128": GemmConfig(block_n=128, num_stages=4, stream_k=True),
     "sk128x256": GemmConfig(stream_k=True),
 }
+NARROW_VARIANTS = {
+    "dp64x128": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4),
+    "dp128x64": GemmConfig(block_n=64, num_stages=4, num_warps=4),
+    "dp64x64": GemmConfig(block_m=64, block_n=64, num_stages=4, num_warps=4),
+    "ws128x128": GemmConfig(block_n=128, num_stages=4, warp_specialize=True),
+    "sk64x128": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, stream_k=True),
+}
 
 
 def _host_us(fn, calls=50) -> float:
@@ -51,10 +59,17 @@ def main() -> int:
     parser.add_argument("--m", default="1024,2048,4096,8192,16384")
     parser.add_argument("--previous", default=None, help="a gemm section JSON to select shapes from")
     parser.add_argument("--below", type=float, default=2.0)
+    parser.add_argument("--shapes", default=None, help="MxNxK comma list instead of the suite's")
+    parser.add_argument("--narrow", action="store_true", help="also small-tile and warp-specialised variants")
     args = parser.parse_args()
+    variants = {**VARIANTS, **(NARROW_VARIANTS if args.narrow else {})}
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     shapes = gemm_shapes(m_values=parse_ints(args.m, name="--m"))
+    if args.shapes:
+        from tileweave.bench.suite import GemmShape
+
+        shapes = [GemmShape(*map(int, t.split("x")), sources=("given",)) for t in args.shapes.split(",")]
     if args.previous:
         prev = {(s["m"], s["n"], s["k"]): s.get("x_cublas") for s in json.load(open(args.previous))["shapes"]}
         shapes = [s for s in shapes if (prev.get((s.m, s.n, s.k)) or 0) < args.below]
@@ -67,7 +82,7 @@ def main() -> int:
         row = {"m": s.m, "n": s.n, "k": s.k, "layer": s.sources[0],
                "default": choose_gemm_config(s.m, s.n, s.k, torch.bfloat16, num_sms=sms).key()}
         row["cublas"] = time_ms(lambda: torch.matmul(a, w.t()), device, warmup=10, iters=20, reps=7)
-        for name, config in [("default", None), *VARIANTS.items()]:
+        for name, config in [("default", None), *variants.items()]:
             try:
                 out = tileweave.matmul(a, w.t(), config=config)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -82,7 +97,7 @@ def main() -> int:
                 row[name] = f"error: {type(e).__name__}: {str(e)[:80]}"
         rows.append(row)
         ratios = " ".join(f"{n}={row['cublas'] / row[n]:.2f}" if isinstance(row[n], float) else f"{n}={row[n]}"
-                          for n in ["default", *VARIANTS])
+                          for n in ["default", *variants])
         print(f"{s.m:6d}x{s.n:6d}x{s.k:6d} cublas {row['cublas'] * 1e3:8.1f} us host {row.get('host_us', 0):5.1f} us "
               f"{ratios}", flush=True)
     with open(os.path.join(args.out, "gemm_probe.json"), "w") as f:
