@@ -69,7 +69,8 @@ def main() -> int:
     if args.shapes:
         from tileweave.bench.suite import GemmShape
 
-        shapes = [GemmShape(*map(int, t.split("x")), sources=("given",)) for t in args.shapes.split(",")]
+        shapes = [GemmShape(**dict(zip("mnk", map(int, t.split("x")))), sources=("given",))
+                  for t in args.shapes.split(",")]
     if args.previous:
         prev = {(s["m"], s["n"], s["k"]): s.get("x_cublas") for s in json.load(open(args.previous))["shapes"]}
         shapes = [s for s in shapes if (prev.get((s.m, s.n, s.k)) or 0) < args.below]
