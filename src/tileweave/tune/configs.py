@@ -49,7 +49,8 @@ class GemmConfig:
     stream_k: bool = False
     """Plain GEMM only: whole tiles for the full waves, then the K steps of the remaining tiles dealt out
     evenly over the programs (a tile shared by several is summed by the last to finish, in a fixed
-    order). For grids whose last wave would leave SMs idle."""
+    order). For grids whose last wave would leave SMs idle. Keeps a workspace of two fp32 tiles per
+    program on each stream that runs it (17 MB for 128 x 128 tiles on 132 SMs)."""
     lazy_wait: bool = False
     """Reduce-scatter (store transport): wait for the peers' partials inside each own tile (after its
     main loop) instead of once before the own chunk."""
