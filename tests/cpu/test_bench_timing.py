@@ -104,7 +104,8 @@ class FakeEvent:
 
 
 def test_measure_issues_the_agreed_number_of_calls(monkeypatch):
-    """No wall-time-bounded loop: calls = 1 + probe + agreed warm-up + reps * iters, on every rank."""
+    """No wall-time-bounded loop: calls = 1 + probe + agreed warm-up + reps * iters + one batch of iters
+    for the host's time, on every rank."""
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -127,15 +128,16 @@ def test_measure_issues_the_agreed_number_of_calls(monkeypatch):
     agree = PeerAgreement([[agreed], [0.0, -1500.0, 0.5]])
     result = timing.measure(call, cfg=cfg, agree=agree, clocks=Clocks(), fence=lambda: fences.append(len(calls)),
                             clock=lambda: FakeEvent.now)
-    assert len(calls) == 1 + cfg.probe_calls + agreed + cfg.reps * cfg.iters
+    assert len(calls) == 1 + cfg.probe_calls + agreed + (cfg.reps + 1) * cfg.iters
     assert calls == list(range(len(calls)))  # every call gets a fresh rotation index
     assert result.warmup_calls == agreed
     assert result.ms == pytest.approx(1.0)
     assert result.rep_ms[2] == pytest.approx(3.0)
     assert result.clock_mhz == 1480.0  # the lower of the two ranks' clocks
-    # Here the host's clock is the GPU's: issuing took as long as running (host-bound), median rep.
+    # Here the host's clock is the GPU's: issuing took as long as running (host-bound), in the batch
+    # after the timed ones.
     assert result.host_ms == pytest.approx(1.0)
-    # Fences sit around the timed batches, never inside.
+    # Fences sit around the timed batches and the host batch, never inside.
     assert fences == [1 + cfg.probe_calls + agreed, len(calls)]
 
 

@@ -163,8 +163,8 @@ class Timing:
     clock_mhz: float | None
     """Lowest SM clock over ranks, read right after the timed batches; None if unreadable."""
     host_ms: float | None = None
-    """The host's time to issue one call (median over reps, max over ranks). Close to ``ms``, the
-    host, not the GPU, set the pace."""
+    """The host's time to issue one call onto an idle GPU (a batch of ``iters`` after the timed ones,
+    max over ranks). Close to ``ms``: the host, not the GPU, set the pace."""
 
 
 class MemoryWatch:
@@ -258,23 +258,29 @@ def measure(
         fence()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
-    host_s = []
     for r in range(cfg.reps):
-        t0 = clock()
         starts[r].record()
         for _ in range(cfg.iters):
             call(i)
             i += 1
         ends[r].record()
-        host_s.append(clock() - t0)
-    if fence is not None:
-        fence()
     torch.cuda.synchronize()
     mhz = clocks.read(device)
+    # The host's own cost per call: one more batch, issued onto an idle GPU. During the timed batches the
+    # warm-up's backlog keeps the launch queue full, so the host waits on it and its time there is the
+    # GPU's whatever its own cost (every variant then looked host-bound: NOTES.md, entry 25).
+    t0 = clock()
+    for _ in range(cfg.iters):
+        call(i)
+        i += 1
+    host_s = clock() - t0
+    torch.cuda.synchronize()
+    if fence is not None:
+        fence()
 
     rep_ms = tuple(s.elapsed_time(e) / cfg.iters for s, e in zip(starts, ends, strict=True))
     ms, neg_mhz, host_ms = agree.max_floats([statistics.median(rep_ms), -mhz if mhz is not None else -math.inf,
-                                             statistics.median(host_s) / cfg.iters * 1e3])
+                                             host_s / cfg.iters * 1e3])
     return Timing(
         ms=ms,
         rep_ms=rep_ms,
