@@ -40,6 +40,18 @@ def test_all_gather_gemm_chunked(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_transport_switches_per_shape(world):
+    # transport="auto" chooses per shape: calls alternate between the chunked transport (n < 48) and the
+    # kernel on one workspace, a straggler included.
+    cases = [C(m_chunk=24, k=32, n=40, bias=True), C(m_chunk=40, k=48, n=56, straggler=world - 1, delay_s=0.2)]
+    rows = run_ranks(world, scenarios.all_gather_auto_transport_check, cases, 3, 48)
+    for per_rank in rows:
+        assert [r["path"] for r in per_rank] == ["chunked", "fused"] * 3
+        for r in per_rank:
+            assert r["err"] < TOL[r["case"]["dtype"]] and r["gathered_exact"], r
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_all_gather_gemm_ring(world):
     # Each chunk is forwarded hop by hop; a late rank delays every chunk that passes through it.

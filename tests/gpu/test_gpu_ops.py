@@ -87,6 +87,19 @@ def test_all_gather_gemm_gpu(transport):
 
 
 @needs_two
+def test_all_gather_transport_switches_per_shape_gpu():
+    # transport="auto" with the choice made by output width: consecutive calls alternate between the
+    # chunked transport and the kernel on one workspace, back to back, a straggler included.
+    cases = [C(m_chunk=1024, k=4096, n=1536, dtype="bfloat16", bias=True),
+             C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", straggler=1, delay_s=0.05)]
+    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_auto_transport_check, cases, 4, 2048,
+                               gpus=True):
+        assert [r["path"] for r in rank_rows] == ["chunked", "fused"] * 4
+        for row in rank_rows:
+            assert row["err"] < TOL[torch.bfloat16] and row["gathered_exact"], row
+
+
+@needs_two
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_gemm_reduce_scatter_gpu(transport):
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport),

@@ -67,33 +67,51 @@ def _device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
 
 
+def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str) -> dict:
+    """One call of ``op`` on fresh inputs of ``case`` (output and gather buffer poisoned first), checked."""
+    dtype = getattr(torch, case.dtype)
+    set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
+    m = case.m_chunk * world
+    seed = (case.seed, case.m_chunk, case.k, case.n, it)
+    shards = [_randn((case.m_chunk, case.k), dtype, *seed, "a", p, device=device) for p in range(world)]
+    b = _b(case, case.k, case.n, dtype, *seed, "b", rank, device=device)
+    bias = _randn((case.n,), dtype, *seed, "bias", rank, device=device) if case.bias else None
+    out = torch.full((m, case.n), float("nan"), dtype=dtype, device=device)
+    # Poison the gather buffer too: a consumer that does not wait for a shard reads NaN.
+    op.gather_buffer(m, case.k, dtype, torch.device(device)).fill_(float("nan"))
+    dist.barrier()
+    out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
+    full_a = torch.cat(shards).double()
+    ref = full_a @ b.double() + (bias.double() if bias is not None else 0)
+    result = {"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
+              "err": _rel_err(out, ref), "gathered_exact": bool(torch.equal(gathered.double(), full_a))}
+    dist.barrier()
+    set_producer_delay(0.0)
+    return result
+
+
 def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
     """Run each case ``iters`` times through one ``AllGatherGemm``; return the errors per call."""
     device = _device()
     ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
-    results = []
-    for case in cases:
-        op = ops[case.ag_transport]
-        dtype = getattr(torch, case.dtype)
-        set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
-        m = case.m_chunk * world
-        for it in range(case.iters):
-            seed = (case.seed, case.m_chunk, case.k, case.n, it)
-            shards = [_randn((case.m_chunk, case.k), dtype, *seed, "a", p, device=device) for p in range(world)]
-            b = _b(case, case.k, case.n, dtype, *seed, "b", rank, device=device)
-            bias = _randn((case.n,), dtype, *seed, "bias", rank, device=device) if case.bias else None
-            out = torch.full((m, case.n), float("nan"), dtype=dtype, device=device)
-            # Poison the gather buffer too: a consumer that does not wait for a shard reads NaN.
-            op.gather_buffer(m, case.k, dtype, torch.device(device)).fill_(float("nan"))
-            dist.barrier()
-            out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
-            full_a = torch.cat(shards).double()
-            ref = full_a @ b.double() + (bias.double() if bias is not None else 0)
-            results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
-                            "err": _rel_err(out, ref), "gathered_exact": bool(torch.equal(gathered.double(), full_a))})
-            dist.barrier()
-    set_producer_delay(0.0)
-    return results
+    return [_all_gather_call(ops[case.ag_transport], case, it, rank, world, device)
+            for case in cases for it in range(case.iters)]
+
+
+def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], rounds: int,
+                                    chunked_below_n: int) -> list[dict]:
+    """One ``AllGatherGemm(transport="auto")`` called on the cases in turn, ``rounds`` times, with the
+    per-shape choice replaced by "chunked below ``chunked_below_n`` output columns, else the kernel", so
+    that consecutive calls switch transport and must share the workspace's epochs and release flags."""
+    from tileweave.tune import heuristics
+
+    def by_width(m, n_local, k, world, dtype, *, interpreter=False):
+        return "chunked" if n_local < chunked_below_n else "mesh"
+
+    heuristics.all_gather_transport = by_width
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused")
+    return [_all_gather_call(op, case, it, rank, world, device) for it in range(rounds) for case in cases]
 
 
 def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
