@@ -8,6 +8,14 @@ from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, chunk_row
 from tileweave.tune import heuristics
 
 
+def _random_shapes(max_rows_per_rank, count=200):
+    """``(world, m, n, k)`` with m a multiple of the world size, fresh each run."""
+    rng = random.Random()
+    for _ in range(count):
+        w = rng.choice([2, 4, 8])
+        yield w, w * rng.randrange(1, max_rows_per_rank), rng.randrange(1, 30000), rng.randrange(1, 30000)
+
+
 def test_chunk_rows_reach_the_block_work_or_the_owner_rows():
     rng = random.Random()
     for _ in range(200):
@@ -23,10 +31,7 @@ def test_chunk_rows_reach_the_block_work_or_the_owner_rows():
 
 
 def test_reduce_scatter_transports_by_default():
-    rng = random.Random()
-    for _ in range(200):
-        w = rng.choice([2, 4, 8])
-        m, n, k = w * rng.randrange(1, 8192), rng.randrange(1, 30000), rng.randrange(1, 30000)
+    for w, m, n, k in _random_shapes(8192):
         chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport="chunked")
         # The chunked transport needs a block's GEMM to outlast its copy and two blocks per owner.
         assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and m // w >= heuristics.MIN_CHUNKED_ROWS_PER_RANK)
@@ -37,10 +42,7 @@ def test_reduce_scatter_transports_by_default():
 
 
 def test_all_gather_fuses_from_its_work_threshold():
-    rng = random.Random()
-    for _ in range(200):
-        w = rng.choice([2, 4, 8])
-        m, n, k = w * rng.randrange(1, 4096), rng.randrange(1, 30000), rng.randrange(1, 30000)
+    for w, m, n, k in _random_shapes(4096):
         fused = heuristics.prefer_fused_all_gather(m, n, k, w, torch.bfloat16)
         assert fused == (2.0 * m * n * k >= heuristics.MIN_FUSED_GFLOP_AG * 1e9)
         if fused:  # more rows or more work never turns fusion off
@@ -49,10 +51,7 @@ def test_all_gather_fuses_from_its_work_threshold():
 
 
 def test_all_gather_transport_is_chunked_below_its_work_threshold():
-    rng = random.Random()
-    for _ in range(200):
-        w = rng.choice([2, 4, 8])
-        m, n, k = w * rng.randrange(1, 8192), rng.randrange(1, 30000), rng.randrange(1, 30000)
+    for w, m, n, k in _random_shapes(8192):
         chosen = heuristics.all_gather_transport(m, n, k, w, torch.bfloat16)
         assert chosen == ("chunked" if 2.0 * m * n * k < heuristics.CHUNKED_BELOW_GFLOP_AG * 1e9 else "mesh")
         assert heuristics.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
