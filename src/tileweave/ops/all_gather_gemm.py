@@ -119,19 +119,12 @@ class AllGatherGemm(FusedOp):
         if transport == "auto":  # a function of the shapes, which every rank has just agreed on
             transport = heuristics.all_gather_transport(m, n, k, w, a_shard.dtype, interpreter=backend.interpreter)
 
-        self._check_previous()
-        self._ws = ensure_workspace(self._ws, backend, m * k * a_shard.element_size())
-        ws = self._ws
-        a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
-        ring = transport == "ring"
-        plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
-        ws.epoch += 1
-        epoch = ws.epoch
-        self._push(backend, plan, a_shard, epoch)
+        chunked, ring = transport == "chunked", transport == "ring"
+        ws, plan, a_shard, epoch = self._start(backend, a_shard, ring)
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-        if transport == "chunked":
+        if chunked:
             self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, epoch)
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
@@ -144,11 +137,11 @@ class AllGatherGemm(FusedOp):
         backend.comm_end()
         for address in plan.releases:
             backend.main_write(address, epoch)
-        if transport == "chunked":
+        if chunked:
             self._finish_without_kernel(backend)
         else:
             self._finish(backend, ws)
-        _launch.record_path(_OP, "chunked" if transport == "chunked" else "fused")
+        _launch.record_path(_OP, "chunked" if chunked else "fused")
         return (out, gathered) if return_gathered else out
 
     @staticmethod
@@ -187,18 +180,24 @@ class AllGatherGemm(FusedOp):
             return PendingGather(backend, gathered, ())
         _launch.check_not_capturing(_OP, a_shard)
         agree(backend, self._agreed, self.op_name, ("all_gather", mc, k, str(a_shard.dtype)), None)
-        self._check_previous()
-        self._ws = ensure_workspace(self._ws, backend, mc * w * k * a_shard.element_size())
-        ws = self._ws
-        a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
-        plan = self._plan(ws, backend, mc, k, a_shard.dtype, self.transport == "ring")
-        ws.epoch += 1
-        epoch = ws.epoch
-        self._push(backend, plan, a_shard, epoch)
+        ws, plan, a_shard, epoch = self._start(backend, a_shard, self.transport == "ring")
         if plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
         arrivals = tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank)
         return PendingGather(backend, plan.gathered, plan.releases, epoch=epoch, arrivals=arrivals)
+
+    def _start(self, backend: Backend, a_shard: torch.Tensor, ring: bool) -> tuple:
+        """``(workspace, plan, a_shard, epoch)`` of a new call, its copies queued: the part a call of
+        the op and a gather alone share."""
+        self._check_previous()
+        mc, k = a_shard.shape
+        self._ws = ensure_workspace(self._ws, backend, mc * backend.world_size * k * a_shard.element_size())
+        ws = self._ws
+        a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
+        plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
+        ws.epoch += 1
+        self._push(backend, plan, a_shard, ws.epoch)
+        return ws, plan, a_shard, ws.epoch
 
     @staticmethod
     def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, epoch: int) -> None:
