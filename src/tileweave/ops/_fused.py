@@ -60,8 +60,8 @@ class FusedOp:
         self._ws: Workspace | None = None
         self._agreed: dict[tuple, object] = {}
         self._backend: Backend | None = None
-        self._err_host: torch.Tensor | None = None
-        self._err_event = None
+        self._err_mirror = None
+        self._decisions: dict[tuple, tuple[bool, GemmConfig]] = {}
         self._unfused: dict[tuple, Backend] = {}
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
@@ -86,11 +86,9 @@ class FusedOp:
             backend.synchronize()
             _launch.raise_on_timeout(ws.err, self.op_name, backend.rank)
             return
-        if self._err_host is None:
-            self._err_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._err_event = torch.cuda.Event()
-        self._err_host.copy_(ws.err, non_blocking=True)
-        self._err_event.record()
+        if self._err_mirror is None:
+            self._err_mirror = backend.host_mirror()
+        self._err_mirror.refresh(ws.err)
 
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:
@@ -100,9 +98,9 @@ class FusedOp:
             backend.synchronize()
 
     def _check_previous(self) -> None:
-        if self._err_event is not None and self._err_event.query() and int(self._err_host[0]) != 0:
-            code = int(self._err_host[0])
-            self._err_host.zero_()
+        code = self._err_mirror.read() if self._err_mirror is not None else 0
+        if code:
+            self._err_mirror.clear()
             self._ws.err.zero_()
             _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name,
                                      self._backend.rank if self._backend else -1)
@@ -121,8 +119,16 @@ class FusedOp:
         ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks. Under CUDA-graph
         capture only the unfused path runs (NCCL and cuBLAS capture; the fused paths' host-side epochs
         would not advance on replay), and only for a signature already agreed on by an eager call (the
-        agreement is a collective of Python objects, which a graph cannot hold).
+        agreement is a collective of Python objects, which a graph cannot hold). A repeat of a
+        decided call is one dictionary lookup.
         """
+        memo = (m, n, k, dtype, device, shape, has_bias, self.policy, self.config,
+                tuple(sorted(config_overrides.items())))
+        decided = self._decisions.get(memo)
+        if decided is not None:
+            if capturing and decided[0]:
+                raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
+            return decided[0], decided[1], False
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
                                                 interpreter=backend.interpreter)
         # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer).
@@ -139,7 +145,9 @@ class FusedOp:
                                  "ranks (a collective that a CUDA graph cannot hold): call it once with "
                                  "these shapes before capturing")
         config = agree(backend, self._agreed, self.op_name, signature, proposal)
-        return fused and m > 0 and n > 0 and k > 0, config, first
+        fused = fused and m > 0 and n > 0 and k > 0
+        self._decisions[memo] = (fused, config)
+        return fused, config, first
 
     @staticmethod
     def _launch_kernel(backend: Backend, first: bool, **launch_args) -> None:
