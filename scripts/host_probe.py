@@ -1,8 +1,16 @@
-"""Host time of one reduce-scatter call, split by what the host does, on two GPUs: each backend verb
-and each torch call inside the op is wrapped with a timer, and calls are issued while the GPU is kept
-busy, so that no call waits for the GPU and the times are the host's alone.
+"""Host time of one call, split by what the host does, on two GPUs.
 
-    python3 scripts/host_probe.py [--out DIR]
+Each backend verb, driver call and torch call inside an op is wrapped with a timer, and the calls are
+issued while the GPU is kept busy, so that no call waits for the GPU and the times are the host's
+alone. Next to each op: the same work written out by hand with NCCL and cuBLAS.
+
+    python3 scripts/host_probe.py --op ag [--shape MxKxN] [--out DIR]   # AllGather+GEMM, both transports
+    python3 scripts/host_probe.py --op rs [--shape MxK_locxN]           # GEMM+ReduceScatter
+    python3 scripts/host_probe.py --op matmul [--shapes MxNxK,...]      # plain GEMM: host and graph-replay
+    python3 scripts/host_probe.py --profile MxK_locxN                   # cProfile of the functional RS op
+
+For ``--op matmul`` the "graph" column is the GPU's time per call with the host out of the way (20 calls
+captured once in a CUDA graph and replayed), so host-bound and kernel-bound shapes can be told apart.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import tileweave  # noqa: E402
+from tileweave.ops import _launch  # noqa: E402
+from tileweave.ops import matmul as matmul_module  # noqa: E402
 from tileweave.runtime import driver  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
 
-SHAPE = (4096, 2048, 4096)  # M x K_local x N: the suite's llama3-8b o-proj at M=4096
 CALLS = 40
+VERBS = ("comm_begin", "comm_end", "comm_copy", "comm_wait", "comm_write", "main_wait", "main_write")
 
 
 def _timed(table, name, fn):
@@ -40,54 +50,131 @@ def _timed(table, name, fn):
     return wrapper
 
 
-def _issue(op, a, b, device, table):
-    op(a, b)
+def _issue(fn, device, table, calls=CALLS):
+    """Host microseconds per call of ``fn``, issued behind 0.3 s of GPU work."""
+    fn()
     torch.cuda.synchronize(device)
     dist.barrier()
-    torch.cuda._sleep(int(0.3 * 1.4e9))  # GPU work ahead of the calls, so none waits for the GPU
+    torch.cuda._sleep(int(0.3 * 1.4e9))
     table.clear()
     start = time.perf_counter_ns()
-    for _ in range(CALLS):
-        op(a, b)
-    total = (time.perf_counter_ns() - start) / CALLS / 1e3
+    for _ in range(calls):
+        fn()
+    total = (time.perf_counter_ns() - start) / calls / 1e3
     torch.cuda.synchronize(device)
     dist.barrier()
     return total
 
 
-def _rank(rank, world):
+def _patch(table, targets):
+    """Wrap ``(owner, name)`` attributes with timers; returns what to restore."""
+    saved = []
+    for owner, name in targets:
+        fn = getattr(owner, name, None)
+        if fn is None:  # an older tree without this function
+            continue
+        saved.append((owner, name, fn))
+        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        setattr(owner, name, _timed(table, label, fn))
+    return saved
+
+
+def _restore(saved):
+    for owner, name, fn in reversed(saved):
+        setattr(owner, name, fn)
+
+
+def _parts(table):
+    return {key: [v[0] / CALLS / 1e3, v[1] / CALLS] for key, v in table.items()}
+
+
+def _fused_rank(rank, world, op_name, shape):
     device = torch.device("cuda", rank)
-    m, k, n = SHAPE
-    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    b = (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5).t()
+    m, k, n = shape
     table = collections.defaultdict(lambda: [0, 0])
-    saved = {}
-    for mod, names in ((driver, ("memcpy_async", "stream_wait_u32", "stream_write_u32")),
-                       (torch, ("matmul", "addmm"))):
-        for name in names:
-            saved[(mod, name)] = getattr(mod, name)
-            setattr(mod, name, _timed(table, f"{mod.__name__}.{name}", getattr(mod, name)))
+    group = dist.group.WORLD
+    if op_name == "ag":
+        a = torch.randn(m // world, k, device=device, dtype=torch.bfloat16)
+        variants = [(t, tileweave.AllGatherGemm(policy="fused", transport=t)) for t in ("chunked", "mesh")]
+
+        def by_hand():
+            gathered = torch.empty((m, k), dtype=a.dtype, device=device)
+            dist.all_gather_into_tensor(gathered, a, group=group)
+            torch.matmul(gathered, b)
+    else:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        variants = [(t, tileweave.GemmReduceScatter(policy="fused", transport=t)) for t in ("chunked", "store")]
+
+        def by_hand():
+            out = torch.empty((m // world, n), dtype=a.dtype, device=device)
+            dist.reduce_scatter_tensor(out, torch.matmul(a, b), group=group)
+    b = (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5).t()
     results = {}
-    for transport in ("chunked", "store"):
-        op = tileweave.GemmReduceScatter(policy="fused", transport=transport)
+    for transport, op in variants:
         op(a, b)
         backend = op._backend
-        for name in ("comm_begin", "comm_end", "comm_copy", "comm_wait", "comm_write", "main_wait",
-                     "main_write"):
+        saved = _patch(table, [(driver, name) for name in ("memcpy_async", "stream_wait_u32", "stream_write_u32",
+                                                           "event_record", "stream_wait_event")]
+                       + [(torch, "matmul"), (torch, "addmm"), (torch, "empty"), (_launch, "launch")])
+        for name in VERBS:
             setattr(backend, name, _timed(table, f"backend.{name}", getattr(type(backend), name).__get__(backend)))
-        for name in ("_finish", "_check_previous", "_chunked", "_decide"):
+        for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_gemms",
+                     "_decide", "_start", "_push"):
             if hasattr(op, name):
                 setattr(op, name, _timed(table, f"op.{name}", getattr(type(op), name).__get__(op)))
-        total = _issue(op, a, b, device, table)
-        results[transport] = {"us_per_call": total,
-                              "parts_us_per_call": {key: [v[0] / CALLS / 1e3, v[1] / CALLS] for key, v in table.items()}}
-        for name in ("comm_begin", "comm_end", "comm_copy", "comm_wait", "comm_write", "main_wait", "main_write"):
+        total = _issue(lambda: op(a, b), device, table)
+        results[transport] = {"us_per_call": total, "path": _launch.last_path(op.op_name), "parts": _parts(table)}
+        for name in VERBS:
             delattr(backend, name)
-    fallback = tileweave.GemmReduceScatter(policy="fallback")
-    results["fallback"] = {"us_per_call": _issue(fallback, a, b, device, table)}
-    results["torch_matmul_only"] = {"us_per_call": _issue(lambda x, y: torch.matmul(x, y), a, b, device, table)}
-    for (mod, name), fn in saved.items():
-        setattr(mod, name, fn)
+        _restore(saved)
+    results["by_hand"] = {"us_per_call": _issue(by_hand, device, table)}
+    results["torch_matmul_only"] = {"us_per_call": _issue(lambda: torch.matmul(a, b), device, table)}
+    return results
+
+
+def _graph_us(fn, device, calls=20, replays=10):
+    """GPU microseconds per call with the host out of the way: ``calls`` calls captured in one graph."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # outside the graph: first-use allocations
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize(device)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / (calls * replays))
+    return sorted(samples)[len(samples) // 2]
+
+
+def _matmul_rank(rank, world, shapes):
+    device = torch.device("cuda", rank)
+    table = collections.defaultdict(lambda: [0, 0])
+    results = {}
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5).t()
+        row = {}
+        for name, fn in (("torch", lambda: torch.matmul(a, b)), ("ours", lambda: tileweave.matmul(a, b))):
+            row[name] = {"issue_us": _issue(fn, device, table, calls=200), "graph_us": _graph_us(fn, device)}
+        saved = _patch(table, [(torch, "empty"), (matmul_module, "_plan_key"), (_launch, "relaunch"),
+                               (_launch, "_launch_compiled"), (_launch, "_cached_scratch")])
+        _issue(lambda: tileweave.matmul(a, b), device, table)
+        row["ours"]["parts"] = _parts(table)
+        _restore(saved)
+        results[f"{m}x{n}x{k}"] = row
     return results
 
 
@@ -111,7 +198,7 @@ def _profile_rank(rank, world, m, k, n):
 
     results = {}
     for name, fn in (("by_hand", by_hand), ("ours", ours)):
-        results[name] = {"us_per_call": _issue(lambda x, y: fn(), a, b, device, collections.defaultdict(list))}
+        results[name] = {"us_per_call": _issue(fn, device, collections.defaultdict(list))}
         prof = cProfile.Profile()
         torch.cuda._sleep(int(0.3 * 1.4e9))
         prof.enable()
@@ -126,10 +213,20 @@ def _profile_rank(rank, world, m, k, n):
     return results
 
 
+def _print_parts(prefix, parts):
+    for part, (us, count) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        print(f"{prefix}     {part:34s} {us:8.1f} us  x{count:g}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--profile", default="", help="MxK_locxN: cProfile the functional op (auto policy)")
+    parser.add_argument("--op", choices=("ag", "rs", "matmul"), default="rs")
+    parser.add_argument("--shape", default="", help="MxKxN of the op (ag: gathered M, K, N_loc; rs: M, K_loc, N)")
+    parser.add_argument("--shapes", default="1024x768x4096,2048x768x4096,4096x768x4096,1024x1280x8192,"
+                        "1024x3072x4096,1024x4096x512", help="matmul: MxNxK,...")
+    parser.add_argument("--profile", default="", help="MxK_locxN: cProfile the functional RS op (auto policy)")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
     if args.profile:
         m, k, n = (int(x) for x in args.profile.split("x"))
@@ -138,14 +235,27 @@ def main():
             print(f"[r0] {name}: {r['us_per_call']:.1f} us/call")
             print(r["profile"][-3200:])
         return
-    ranks = run_ranks(2, _rank, gpus=True, timeout_s=200)
-    with open(os.path.join(args.out, "host_probe.json"), "w") as f:
+    if args.op == "matmul":
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        ranks = run_ranks(2, _matmul_rank, shapes, gpus=True, timeout_s=300)
+    else:
+        default = {"ag": "4096x4096x3072", "rs": "4096x2048x4096"}[args.op]
+        shape = tuple(int(x) for x in (args.shape or default).split("x"))
+        ranks = run_ranks(2, _fused_rank, args.op, shape, gpus=True, timeout_s=300)
+    name = f"host_probe_{args.op}{'_' + args.tag if args.tag else ''}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(ranks, f, indent=1)
     for rank, res in enumerate(ranks):
-        for name, r in res.items():
-            print(f"[r{rank}] {name:18s} {r['us_per_call']:8.1f} us/call")
-            for part, (us, count) in sorted(r.get("parts_us_per_call", {}).items(), key=lambda kv: -kv[1][0]):
-                print(f"[r{rank}]     {part:28s} {us:8.1f} us  x{count:g}")
+        for key, r in res.items():
+            if args.op == "matmul":
+                t, o = r["torch"], r["ours"]
+                print(f"[r{rank}] {key:18s} issue torch {t['issue_us']:6.1f} ours {o['issue_us']:6.1f} us | "
+                      f"graph torch {t['graph_us']:6.1f} ours {o['graph_us']:6.1f} us "
+                      f"({t['graph_us'] / o['graph_us']:.2f}x)")
+                _print_parts(f"[r{rank}]", o.get("parts", {}))
+            else:
+                print(f"[r{rank}] {key:18s} {r['us_per_call']:8.1f} us/call {r.get('path') or ''}")
+                _print_parts(f"[r{rank}]", r.get("parts", {}))
 
 
 if __name__ == "__main__":

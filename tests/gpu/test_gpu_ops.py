@@ -100,6 +100,16 @@ def test_all_gather_transport_switches_per_shape_gpu():
 
 
 @needs_two
+def test_missing_peer_reported_by_the_next_call_gpu():
+    # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
+    # as an error in the third, from the error word mirrored to the host.
+    outcomes = run_ranks(torch.cuda.device_count(), scenarios.missing_peer_check, 1 << 16, gpus=True,
+                         timeout_s=300)
+    assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]
+    assert "rank 1" in outcomes[0]["message"], outcomes[0]
+
+
+@needs_two
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
 def test_gemm_reduce_scatter_gpu(transport):
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport),

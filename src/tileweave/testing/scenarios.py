@@ -157,22 +157,32 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
 
 
 def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
-    """Rank 0 calls the fused all-gather GEMM, the others never do: rank 0 must get a clear error."""
-    op = tileweave.AllGatherGemm(policy="fused", max_spin=max_spin)
-    a = _randn((8, 32), torch.float16, "missing", rank)
-    b = _randn((32, 16), torch.float16, "missing-b", rank)
-    outcome = {"raised": False, "message": ""}
+    """Rank 0 calls the fused all-gather GEMM, the others never do: rank 0 must get a clear error.
+
+    On the CPU (and in debug mode) the call that misses its data raises. On GPUs a call does not wait
+    for its kernel: the kernel's bounded wait expires, and the next call raises, once the GPU is done
+    (here after a synchronize), from the error word mirrored to the host."""
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused", transport="mesh", max_spin=max_spin)
+    a = _randn((8, 32), torch.float16, "missing", rank, device=device)
+    b = _randn((32, 16), torch.float16, "missing-b", rank, device=device)
+    outcome = {"raised": False, "message": "", "calls": 0}
+    # Agree on shapes first (the op's first call does this collectively), so that only the data of
+    # the second call is missing.
+    op(a, b)
     if rank == 0:
-        # Agree on shapes first (the op's first call does this collectively), so that only the data
-        # of the second call is missing.
-        op(a, b)
-    else:
-        op(a, b)
-        return outcome
-    try:
-        op(a, b)
-    except tileweave.CollectiveTimeout as exc:
-        outcome = {"raised": True, "message": str(exc)}
+        try:
+            for _ in range(2):
+                op(a, b)
+                outcome["calls"] += 1
+                if device != "cpu":
+                    torch.cuda.synchronize()
+        except tileweave.CollectiveTimeout as exc:
+            outcome.update(raised=True, message=str(exc))
+    if device != "cpu":
+        # The peers stay until rank 0 is done: its copies write into their memory.
+        torch.cuda.synchronize()
+        dist.barrier()
     return outcome
 
 
