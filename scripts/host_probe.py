@@ -6,7 +6,8 @@ alone. Next to each op: the same work written out by hand with NCCL and cuBLAS.
 
     python3 scripts/host_probe.py --op ag [--shape MxKxN] [--out DIR]   # AllGather+GEMM, both transports
     python3 scripts/host_probe.py --op rs [--shape MxK_locxN]           # GEMM+ReduceScatter
-    python3 scripts/host_probe.py --op matmul [--shapes MxNxK,...]      # plain GEMM: host and graph-replay
+    python3 scripts/host_probe.py --op matmul [--shapes MxNxK,...] [--configs dp128x128,...]
+                                                                        # plain GEMM: host and graph-replay
     python3 scripts/host_probe.py --profile MxK_locxN                   # cProfile of the functional RS op
 
 For ``--op matmul`` the "graph" column is the GPU's time per call with the host out of the way (20 calls
@@ -33,6 +34,7 @@ from tileweave.ops import _launch  # noqa: E402
 from tileweave.ops import matmul as matmul_module  # noqa: E402
 from tileweave.runtime import driver  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
+from tileweave.tune.configs import GemmConfig  # noqa: E402
 
 CALLS = 40
 VERBS = ("comm_begin", "comm_end", "comm_copy", "comm_wait", "comm_write", "main_wait", "main_write")
@@ -116,16 +118,20 @@ def _fused_rank(rank, world, op_name, shape):
         saved = _patch(table, [(driver, name) for name in ("memcpy_async", "stream_wait_u32", "stream_write_u32",
                                                            "event_record", "stream_wait_event")]
                        + [(torch, "matmul"), (torch, "addmm"), (torch, "empty"), (_launch, "launch")])
+        # Instance attributes shadow the class's: bound methods and static methods alike.
         for name in VERBS:
-            setattr(backend, name, _timed(table, f"backend.{name}", getattr(type(backend), name).__get__(backend)))
+            setattr(backend, name, _timed(table, f"backend.{name}", getattr(backend, name)))
         for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_gemms",
                      "_decide", "_start", "_push"):
             if hasattr(op, name):
-                setattr(op, name, _timed(table, f"op.{name}", getattr(type(op), name).__get__(op)))
+                setattr(op, name, _timed(table, f"op.{name}", getattr(op, name)))
         total = _issue(lambda: op(a, b), device, table)
         results[transport] = {"us_per_call": total, "path": _launch.last_path(op.op_name), "parts": _parts(table)}
         for name in VERBS:
             delattr(backend, name)
+        for name in list(vars(op)):
+            if name.startswith("_") and callable(vars(op)[name]) and hasattr(type(op), name):
+                delattr(op, name)
         _restore(saved)
     results["by_hand"] = {"us_per_call": _issue(by_hand, device, table)}
     results["torch_matmul_only"] = {"us_per_call": _issue(lambda: torch.matmul(a, b), device, table)}
@@ -159,7 +165,19 @@ def _graph_us(fn, device, calls=20, replays=10):
     return sorted(samples)[len(samples) // 2]
 
 
-def _matmul_rank(rank, world, shapes):
+CONFIGS = {
+    "dp128x128": GemmConfig(block_n=128, num_stages=4),
+    "dp128x128w4": GemmConfig(block_n=128, num_stages=4, num_warps=4),
+    "dp128x128k128": GemmConfig(block_n=128, block_k=128, num_stages=2),
+    "dp128x256": GemmConfig(),
+    "sk128x128": GemmConfig(block_n=128, num_stages=4, stream_k=True),
+    "sk128x128k128": GemmConfig(block_n=128, block_k=128, num_stages=2, stream_k=True),
+    "sk128x256": GemmConfig(stream_k=True),
+    "sk64x128": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, stream_k=True),
+}
+
+
+def _matmul_rank(rank, world, shapes, configs):
     device = torch.device("cuda", rank)
     table = collections.defaultdict(lambda: [0, 0])
     results = {}
@@ -169,6 +187,15 @@ def _matmul_rank(rank, world, shapes):
         row = {}
         for name, fn in (("torch", lambda: torch.matmul(a, b)), ("ours", lambda: tileweave.matmul(a, b))):
             row[name] = {"issue_us": _issue(fn, device, table, calls=200), "graph_us": _graph_us(fn, device)}
+        for name in configs:
+            config = CONFIGS[name]
+            try:
+                out = tileweave.matmul(a, b, config=config)
+                err = ((out.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm()).item()
+                row[name] = {"graph_us": _graph_us(lambda: tileweave.matmul(a, b, config=config), device),
+                             "rel_err": err}
+            except Exception as exc:  # noqa: BLE001 - a config the shape or the GPU cannot run
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         saved = _patch(table, [(torch, "empty"), (matmul_module, "_plan_key"), (_launch, "relaunch"),
                                (_launch, "_launch_compiled"), (_launch, "_cached_scratch")])
         _issue(lambda: tileweave.matmul(a, b), device, table)
@@ -225,6 +252,7 @@ def main():
     parser.add_argument("--shape", default="", help="MxKxN of the op (ag: gathered M, K, N_loc; rs: M, K_loc, N)")
     parser.add_argument("--shapes", default="1024x768x4096,2048x768x4096,4096x768x4096,1024x1280x8192,"
                         "1024x3072x4096,1024x4096x512", help="matmul: MxNxK,...")
+    parser.add_argument("--configs", default="", help=f"matmul: also time these in graph mode: {','.join(CONFIGS)}")
     parser.add_argument("--profile", default="", help="MxK_locxN: cProfile the functional RS op (auto policy)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -237,7 +265,8 @@ def main():
         return
     if args.op == "matmul":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        ranks = run_ranks(2, _matmul_rank, shapes, gpus=True, timeout_s=300)
+        configs = [c for c in args.configs.split(",") if c]
+        ranks = run_ranks(2, _matmul_rank, shapes, configs, gpus=True, timeout_s=500)
     else:
         default = {"ag": "4096x4096x3072", "rs": "4096x2048x4096"}[args.op]
         shape = tuple(int(x) for x in (args.shape or default).split("x"))
@@ -253,6 +282,10 @@ def main():
                       f"graph torch {t['graph_us']:6.1f} ours {o['graph_us']:6.1f} us "
                       f"({t['graph_us'] / o['graph_us']:.2f}x)")
                 _print_parts(f"[r{rank}]", o.get("parts", {}))
+                for name, v in r.items():
+                    if name not in ("torch", "ours"):
+                        print(f"[r{rank}]     {name:16s} " + (f"graph {v['graph_us']:6.1f} us ({t['graph_us'] / v['graph_us']:.2f}x)"
+                                                         f" err {v['rel_err']:.1e}" if "graph_us" in v else v["error"]))
             else:
                 print(f"[r{rank}] {key:18s} {r['us_per_call']:8.1f} us/call {r.get('path') or ''}")
                 _print_parts(f"[r{rank}]", r.get("parts", {}))
