@@ -98,6 +98,7 @@ def _fused_rank(rank, world, op_name, shape):
     if op_name == "ag":
         a = torch.randn(m // world, k, device=device, dtype=torch.bfloat16)
         variants = [(t, tileweave.AllGatherGemm(policy="fused", transport=t)) for t in ("chunked", "mesh")]
+        variants.append(("fallback", tileweave.AllGatherGemm(policy="fallback")))
 
         def by_hand():
             gathered = torch.empty((m, k), dtype=a.dtype, device=device)
@@ -106,6 +107,7 @@ def _fused_rank(rank, world, op_name, shape):
     else:
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         variants = [(t, tileweave.GemmReduceScatter(policy="fused", transport=t)) for t in ("chunked", "store")]
+        variants.append(("fallback", tileweave.GemmReduceScatter(policy="fallback")))
 
         def by_hand():
             out = torch.empty((m // world, n), dtype=a.dtype, device=device)
@@ -117,12 +119,13 @@ def _fused_rank(rank, world, op_name, shape):
         backend = op._backend
         saved = _patch(table, [(driver, name) for name in ("memcpy_async", "stream_wait_u32", "stream_write_u32",
                                                            "event_record", "stream_wait_event")]
-                       + [(torch, "matmul"), (torch, "addmm"), (torch, "empty"), (_launch, "launch")])
+                       + [(torch, "matmul"), (torch, "addmm"), (torch, "empty"), (_launch, "launch"),
+                          (dist, "all_gather_into_tensor"), (dist, "reduce_scatter_tensor")])
         # Instance attributes shadow the class's: bound methods and static methods alike.
         for name in VERBS:
             setattr(backend, name, _timed(table, f"backend.{name}", getattr(backend, name)))
         for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_gemms",
-                     "_decide", "_start", "_push"):
+                     "_decide", "_start", "_push", "_fallback", "_unfused_route"):
             if hasattr(op, name):
                 setattr(op, name, _timed(table, f"op.{name}", getattr(op, name)))
         total = _issue(lambda: op(a, b), device, table)
