@@ -1,5 +1,6 @@
 """The first launch of a fused signature on GPUs: every rank compiles without launching, meets the
-others, then launches; later calls launch at once. Checked with the launcher and the barrier recorded."""
+others, then launches; later calls launch at once. Checked with the launcher and the barrier recorded
+(the compile goes through ``launch(compile_only=True)``, launches through ``launch_cached``)."""
 
 import types
 
@@ -9,6 +10,7 @@ from tileweave.ops import _fused
 def _record(monkeypatch):
     calls = []
     monkeypatch.setattr(_fused._launch, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
+    monkeypatch.setattr(_fused._launch, "launch_cached", lambda **kw: calls.append(("launch", False)))
     monkeypatch.setattr(_fused.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     return calls
 
@@ -32,6 +34,7 @@ def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
             raise RuntimeError("compile failed")
 
     monkeypatch.setattr(_fused._launch, "launch", launch)
+    monkeypatch.setattr(_fused._launch, "launch_cached", launch)
     monkeypatch.setattr(_fused.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     gpu = types.SimpleNamespace(interpreter=False, group="tp", device=types.SimpleNamespace(index=0))
     _fused.FusedOp._launch_kernel(gpu, True, mode=2)

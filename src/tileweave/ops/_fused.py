@@ -160,4 +160,4 @@ class FusedOp:
             except Exception:  # noqa: BLE001 - the launch below compiles again and raises the error itself
                 pass
             dist.barrier(group=backend.group, device_ids=[backend.device.index])
-        _launch.launch(**launch_args)
+        _launch.launch_cached(**launch_args)

@@ -187,24 +187,73 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
 
 
 def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-             bias: torch.Tensor | None) -> None:
-    """A plain GEMM launch again, for tensors that match the ones ``plan`` was made from in shape,
-    strides, dtype, device and 16-byte alignment (the caller's cache key guarantees it)."""
+             bias: torch.Tensor | None, *, buf: torch.Tensor | None = None,
+             peer_offsets: torch.Tensor | None = None, peer_flags: torch.Tensor | None = None,
+             flags: torch.Tensor | None = None, err: torch.Tensor | None = None, epoch: int = 0,
+             max_spin: int = 0) -> None:
+    """A launch again, for tensors that match the ones ``plan`` was made from in shape, strides, dtype,
+    device and 16-byte alignment, and the same workspace buffers (the caller's cache key guarantees
+    it); ``epoch`` and ``max_spin`` may change."""
     _install_allocator()
     if plan.b_copied:
         b = b.contiguous()
     if plan.stream_k:
-        parts, locks = stream_k_buffers(c.device, *plan.stream_k)
-        tensors = (a, parts, b, c, bias if bias is not None else c, c, c, locks, c)
-    else:
-        tensors = (a, a, b, c, bias if bias is not None else c, c, c, c, c)
+        buf, flags = stream_k_buffers(c.device, *plan.stream_k)
+    tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else c,
+               peer_offsets if peer_offsets is not None else c, peer_flags if peer_flags is not None else c,
+               flags if flags is not None else c, err if err is not None else c)
+    unspecialized = (_i32(epoch), max_spin)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
-        _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, 0, 0, *plan.ints),
+        _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, *unspecialized, *plan.ints),
                          plan.constexprs)
         return
-    kernel = _run(tensors, (0, 0), plan.ints, plan.constexprs, plan.num_warps, plan.num_stages, plan.programs)
+    kernel = _run(tensors, unspecialized, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages,
+                  plan.programs)
     if kernel is not None:
         plan.compiled.append(kernel)
+
+
+def launch_cached(**launch_args) -> None:
+    """``launch`` for the fused modes, replayed from a plan when this call's arguments match an earlier
+    call's in everything the launch derives from them (shapes, strides, dtypes, 16-byte alignment, the
+    workspace's buffers, the config): about 60 us of host time a call less on the GPU hosts we measured
+    (NOTES.md), which small fused calls cannot hide."""
+    a = launch_args["a"]
+    if launch_args.get("compile_only"):
+        launch(**launch_args)
+        return
+    key = _fused_key(**launch_args)
+    plan = _fused_plans.get(key)
+    if plan is None:
+        if len(_fused_plans) >= 1024:
+            _fused_plans.clear()
+        _fused_plans[key] = launch(**launch_args)
+        return
+    get = launch_args.get
+    relaunch(plan, a, launch_args["b"], launch_args["c"], get("bias"), buf=get("buf"), peer_offsets=get("peer_offsets"),
+             peer_flags=get("peer_flags"), flags=get("flags"), err=get("err"), epoch=get("epoch", 0),
+             max_spin=get("max_spin", 0))
+
+
+_fused_plans: dict[tuple, PlainLaunch] = {}
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+
+
+def _fixed(t: torch.Tensor | None) -> tuple | None:
+    # A workspace buffer: its address stands for its alignment, and its row stride for what TMA needs.
+    return None if t is None else (t.data_ptr(), t.dtype, t.stride())
+
+
+def _fused_key(*, mode, a, b, c, bias=None, config, m_chunk, rank=0, world=1, programs, buf=None,
+               peer_offsets=None, peer_flags=None, flags=None, err=None, epoch=0, max_spin=0, ring=False,
+               compile_only=False) -> tuple:
+    return (mode, config, m_chunk, rank, world, programs, ring, a.device, -(1 << 31) <= max_spin < (1 << 31),
+            _layout(a), _layout(b), _layout(c), _layout(bias),
+            _fixed(buf), _fixed(peer_offsets), _fixed(peer_flags), _fixed(flags), _fixed(err),
+            a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
