@@ -107,16 +107,22 @@ def wave_use(tiles: int, programs: int) -> float:
     return tiles / (math.ceil(tiles / programs) * programs)
 
 
+BIG_TILE_COST = 1.8
+"""Time of a 128 x 256 tile over a 128 x 128 one at the same K on an H200: 0.67 against 0.375 us a K
+step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work per SM-second."""
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
                        interpreter: bool = False) -> GemmConfig:
     """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
 
-    Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). When that
-    leaves most SMs idle (fewer than about two waves), smaller tiles trade per-tile efficiency for
-    occupancy. When whole tiles still fill their last wave badly (2048 x 1280 is 160 tiles of 128 x 128
-    for 132 SMs: 1.2 waves) and K is long, the last wave's K steps are dealt out over all programs
-    (stream-K).
+    Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). Under two waves
+    of them, the tile size whose waves take less time: ``waves(128 x 256) * BIG_TILE_COST`` against
+    ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
+    (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against 1.0): 128 x 128. When the
+    chosen tiles still fill their last wave badly and K is long, the last wave's K steps are dealt out
+    over all programs (stream-K).
     """
     if interpreter:
         return INTERPRETER_CONFIG
@@ -124,16 +130,15 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
     mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
-    if big_tiles >= 2 * num_sms:
+    # Measured on an H200 in graph replay (NOTES.md, entry 27), the wave count picks the faster tile on
+    # all ten shapes probed: 128 x 256 on 4096 x 768 x 4096 (44.6 against 49.8 us), 1024 x 3072 x 4096,
+    # 2048 x 4096 x 2048 and 2048 x 1280 x 8192; 128 x 128 on 1024 x 768 x 4096 (24.3 against 42.8 us),
+    # 2048 x 768 x 4096, 1024 x 1280 x 8192 and 4096 x 1280 x 8192. (64 x 128 tiles, the earlier choice
+    # for small grids, were slower than 128 x 128 wherever tried.)
+    if big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms):
         config, tiles = GemmConfig(), big_tiles
-    elif n <= 1024 or mid_tiles >= num_sms:
-        # Narrow outputs (TP=8 shards) with few large tiles: 128-wide tiles give twice as many. With
-        # two waves of large tiles or more, the large tiles win even here (16384 x 768 x 4096 on an
-        # H200: 0.97x cuBLAS against 0.88x with 128 x 128).
-        config, tiles = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8), mid_tiles
     else:
-        config = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)
-        tiles = math.ceil(m / 64) * math.ceil(n / 128)
+        config, tiles = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8), mid_tiles
     # Only behind at least one full wave: with fewer tiles than programs every tile would be shared out
     # (1024 x 1280 x 8192: 0.70x cuBLAS against 0.79x with whole tiles).
     if k >= STREAM_K_MIN_K and tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW:
