@@ -52,6 +52,41 @@ def test_all_gather_transport_switches_per_shape(world):
             assert r["err"] < TOL[r["case"]["dtype"]] and r["gathered_exact"], r
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_gather_gemm_graphable(world):
+    # Constant-valued flags (what a CUDA-graph replay repeats), eager here: fresh inputs call after
+    # call, both transports, a late producer.
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, graphable=True),
+        C(m_chunk=32, k=64, n=32, iters=3, straggler=world - 1, delay_s=0.3, graphable=True),
+        C(m_chunk=17, k=24, n=40, dtype="float32", iters=3, ag_transport="chunked", graphable=True),
+        C(m_chunk=32, k=64, n=32, iters=3, straggler=0, delay_s=0.3, ag_transport="chunked", graphable=True),
+    ]
+    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+
+
+def test_graphable_transport_switches_and_gathers_alone():
+    # One graphable op whose calls alternate between the chunked transport and the kernel, then its
+    # gather alone interleaved with calls: one set of 0/1 flags throughout.
+    cases = [C(m_chunk=24, k=32, n=40, bias=True), C(m_chunk=40, k=48, n=56, straggler=2, delay_s=0.2)]
+    rows = run_ranks(3, scenarios.all_gather_auto_transport_check, cases, 3, 48, True)
+    for per_rank in rows:
+        assert [r["path"] for r in per_rank] == ["chunked", "fused"] * 3
+        for r in per_rank:
+            assert r["err"] < TOL[r["case"]["dtype"]] and r["gathered_exact"], r
+    for result in run_ranks(2, scenarios.all_gather_only_check, "mesh", 3, 1, True):
+        assert result["exact"] and result["fused_err"] < TOL["float16"], result
+
+
+def test_graphable_needs_a_replayable_transport():
+    import tileweave
+
+    with pytest.raises(ValueError, match="ring"):
+        tileweave.AllGatherGemm(transport="ring", graphable=True)
+    with pytest.raises(ValueError, match="GemmReduceScatter"):
+        tileweave.GemmReduceScatter(graphable=True)
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_all_gather_gemm_ring(world):
     # Each chunk is forwarded hop by hop; a late rank delays every chunk that passes through it.
@@ -164,11 +199,15 @@ def test_a_group_without_this_rank_is_refused():
     assert "not a member of the group" in results[1], results
 
 
-def test_cuda_graph_capture_takes_the_unfused_path_only():
+def test_cuda_graph_capture_rules():
+    # Under capture: the unfused path for a signature an eager call agreed on; the fused paths only on
+    # graphable ops; a first call never.
     for outcomes in run_ranks(2, scenarios.capture_rules_check):
         for name, outcome in outcomes.items():
             policy, call, when = name.split(" ", 2)
-            if policy == "fused":
+            if policy == "graphable" and when == "after eager":  # constant flags: the fused paths capture
+                assert outcome.startswith("ok") and float(outcome.split()[1]) < 1e-5, (name, outcome)
+            elif policy == "fused":
                 assert outcome.startswith("error") and "cannot be captured" in outcome, (name, outcome)
             elif when == "before eager":  # the agreement is a collective: never under capture
                 assert outcome.startswith("error") and "before capturing" in outcome, (name, outcome)

@@ -27,6 +27,8 @@ class FusedOp:
     transport_env = ""
     """Environment variable that picks the transport of the ops the functional API shares."""
     default_transport = ""
+    graphable_transports: tuple[str, ...] = ()
+    """Transports that have the constant-valued (CUDA-graph replayable) protocol; none: not offered."""
     _shared: dict[tuple, "FusedOp"]
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -44,13 +46,20 @@ class FusedOp:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str | None = None, config: GemmConfig | None = None,
-                 max_spin: int | None = None) -> None:
-        """``transport``: one of the class's ``transports``, None for its ``default_transport``."""
+                 max_spin: int | None = None, graphable: bool = False) -> None:
+        """``transport``: one of the class's ``transports``, None for its ``default_transport``.
+        ``graphable``: run the fused paths on flags whose values are the same in every call, so that
+        the calls can be captured in a CUDA graph and replayed (see the subclass)."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         transport = transport or self.default_transport
         if transport not in self.transports:
             raise ValueError(f"transport must be one of {self.transports}, got {transport!r}")
+        if graphable and transport not in self.graphable_transports:
+            offered = ", ".join(self.graphable_transports) or "none"
+            raise ValueError(f"{type(self).__name__}(graphable=True) needs a transport with replayable flags "
+                             f"({offered}), got {transport!r}")
+        self.graphable = graphable
         self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
         # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
@@ -81,7 +90,11 @@ class FusedOp:
         """After a fused launch: surface an expired in-kernel wait. In debug mode (and on the CPU) by
         synchronising now; otherwise without a sync, from a copy of the error word that the next call
         reads once the GPU has written it, so a lost peer is reported one call late but never silently
-        (the outputs of a call whose wait expired are wrong)."""
+        (the outputs of a call whose wait expired are wrong). Under CUDA-graph capture (graphable ops)
+        neither: the host cannot wait inside a capture, and a captured copy would be read without an
+        event to say it landed; the kernel's waits stay bounded and record their error word on the GPU."""
+        if _launch.capturing(ws.err):
+            return
         if backend.interpreter or _launch.debug_mode():
             backend.synchronize()
             _launch.raise_on_timeout(ws.err, self.op_name, backend.rank)
@@ -93,12 +106,14 @@ class FusedOp:
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:
         """After a call that launched no fused kernel (the chunked transports): there is no error word
-        to read, and its stream waits are bounded on the host, in debug mode (and on the CPU)."""
-        if backend.interpreter or _launch.debug_mode():
+        to read, and its stream waits are bounded on the host, in debug mode (and on the CPU); not under
+        CUDA-graph capture, where the host cannot wait."""
+        if backend.interpreter or (_launch.debug_mode() and not torch.cuda.is_current_stream_capturing()):
             backend.synchronize()
 
-    def _check_previous(self) -> None:
-        code = self._err_mirror.read() if self._err_mirror is not None else 0
+    def _check_previous(self, capturing: bool = False) -> None:
+        # Not while capturing: an event query there could invalidate the capture.
+        code = self._err_mirror.read() if self._err_mirror is not None and not capturing else 0
         if code:
             self._err_mirror.clear()
             self._ws.err.zero_()
@@ -118,7 +133,8 @@ class FusedOp:
 
         ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks. Under CUDA-graph
         capture only the unfused path runs (NCCL and cuBLAS capture; the fused paths' host-side epochs
-        would not advance on replay), and only for a signature already agreed on by an eager call (the
+        would not advance on replay) unless the op is graphable (constant-valued flags), and only for a
+        signature already agreed on by an eager call (the
         agreement is a collective of Python objects, which a graph cannot hold). A repeat of a
         decided call is one dictionary lookup.
         """
@@ -126,7 +142,7 @@ class FusedOp:
                 tuple(sorted(config_overrides.items())))
         decided = self._decisions.get(memo)
         if decided is not None:
-            if capturing and decided[0]:
+            if capturing and decided[0] and not self.graphable:
                 raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
             return decided[0], decided[1], False
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
@@ -138,7 +154,7 @@ class FusedOp:
                                                    interpreter=backend.interpreter))
         signature = (self.op_name, *shape, str(dtype), has_bias, fused)
         first = signature not in self._agreed
-        if capturing and fused:
+        if capturing and fused and not self.graphable:
             raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
         if capturing and first:
             raise TileweaveError(f"{self.op_name}: the first call of each shape checks it with the other "

@@ -431,9 +431,10 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph yet (its flags carry host-side epochs "
-                 "that a replay would not advance); capture it with policy='fallback', or at shapes where "
-                 "policy='auto' takes the unfused path (tileweave.last_path says which)")
+CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph with this op object: its flags carry "
+                 "host-side epochs that a replay would not advance. Construct AllGatherGemm(graphable=True) "
+                 "(constant-valued flags, replayable), capture with policy='fallback', or capture at shapes "
+                 "where policy='auto' takes the unfused path (tileweave.last_path says which)")
 
 
 def check_not_capturing(op: str, t: torch.Tensor) -> None:

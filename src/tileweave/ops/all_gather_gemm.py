@@ -22,6 +22,14 @@ call's epoch. After the GEMM each rank tells every peer that its gather buffer m
 (``released``), and a producer waits for that before pushing the next call's shard, so no barrier is
 needed between calls.
 
+Capture in a CUDA graph (``graphable=True``, mesh and chunked transports): a replay repeats the flag
+values written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a
+producer waits until its RELEASED word for a consumer is 1, sets it to 0, pushes, and sets the
+consumer's READY word for it to 1; the consumer's kernel (or stream) waits for READY == 1, and after
+the GEMM the consumer sets its READY words back to 0 and then each producer's RELEASED word to 1 (the
+same stream, fenced writes: a reset always lands before the release that lets the next push in).
+RELEASED words start at 1. Eager calls of a graphable op run the same protocol.
+
 Concurrency: all ranks must call the op the same number of times in the same order. Do not launch
 two calls on one workspace concurrently from different streams.
 """
@@ -55,6 +63,8 @@ class _Plan:
     None for our shard, else our slot of the forwarded chunk)."""
     releases: tuple
     """Each peer's RELEASED flag for us."""
+    arrivals: tuple
+    """Our READY flags, one per peer."""
 
 
 class AllGatherGemm(FusedOp):
@@ -65,20 +75,27 @@ class AllGatherGemm(FusedOp):
     or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
     rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
     ``"auto"`` (default): chunked or mesh per shape (``heuristics.all_gather_transport``).
+    ``graphable=True``: constant-valued flags (module docstring), so that calls on the fused paths can
+    be captured in a CUDA graph; not with ``"ring"``.
     """
 
     op_name = _OP
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_AG_TRANSPORT"
     default_transport = "auto"
+    graphable_transports = ("auto", "mesh", "chunked")
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
         ``[r*M/W, (r+1)*M/W)`` of it and passes that view as ``a_shard`` saves the copy that
         ``return_gathered`` otherwise makes."""
         backend = self._get_backend(device)
-        self._ws = ensure_workspace(self._ws, backend, m * k * _itemsize(dtype))
-        return self._ws.data.view(backend.rank, dtype, (m, k))
+        return self._workspace(backend, m * k * _itemsize(dtype)).data.view(backend.rank, dtype, (m, k))
+
+    def _workspace(self, backend: Backend, nbytes: int) -> Workspace:
+        # A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0.
+        self._ws = ensure_workspace(self._ws, backend, nbytes, released=1 if self.graphable else 0)
+        return self._ws
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, return_gathered: bool = False):
@@ -124,18 +141,17 @@ class AllGatherGemm(FusedOp):
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
         if chunked:
-            self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, epoch)
+            self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, 1 if self.graphable else epoch)
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
                                 bias=bias, config=config, m_chunk=mc, rank=rank, world=w,
                                 programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
-                                flags=ws.flag_slice(READY), err=ws.err, epoch=epoch,
+                                flags=ws.flag_slice(READY), err=ws.err, epoch=1 if self.graphable else epoch,
                                 max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and
         # a peer must not refill it while a forward still reads it.
         backend.comm_end()
-        for address in plan.releases:
-            backend.main_write(address, epoch)
+        _release(backend, plan.arrivals, plan.releases, epoch, self.graphable)
         if chunked:
             self._finish_without_kernel(backend)
         else:
@@ -144,16 +160,16 @@ class AllGatherGemm(FusedOp):
         return (out, gathered) if return_gathered else out
 
     @staticmethod
-    def _chunked_gemms(backend: Backend, ws: Workspace, a_shard, gathered, b, bias, out, epoch: int) -> None:
+    def _chunked_gemms(backend: Backend, ws: Workspace, a_shard, gathered, b, bias, out, ready: int) -> None:
         """cuBLAS in the fused kernel's order: the own rows from the caller's shard, then each peer's
-        rows once the caller's stream has waited for that peer's flag."""
+        rows once the caller's stream has waited for that peer's flag to reach ``ready``."""
         w, rank = backend.world_size, backend.rank
         mc = a_shard.shape[0]
         for step in range(w):
             src = (rank + step) % w
             rows = slice(src * mc, (src + 1) * mc)
             if step:
-                backend.main_wait(ws.flag_address(rank, READY, src), epoch)
+                backend.main_wait(ws.flag_address(rank, READY, src), ready)
             lhs = a_shard if step == 0 else gathered[rows]
             if bias is not None:
                 torch.addmm(bias, lhs, b, out=out[rows])
@@ -169,7 +185,7 @@ class AllGatherGemm(FusedOp):
         between the start and ``release()``."""
         _launch.check_matrix("a_shard", a_shard)
         backend = self._get_backend(a_shard.device)
-        w, rank = backend.world_size, backend.rank
+        w = backend.world_size
         mc, k = a_shard.shape
         if w == 1:
             return PendingGather(backend, a_shard, ())
@@ -177,41 +193,46 @@ class AllGatherGemm(FusedOp):
             gathered = a_shard.new_empty((mc * w, k))
             dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
             return PendingGather(backend, gathered, ())
-        _launch.check_not_capturing(_OP, a_shard)
+        if not self.graphable:
+            _launch.check_not_capturing(_OP, a_shard)
         agree(backend, self._agreed, self.op_name, ("all_gather", mc, k, str(a_shard.dtype)), None)
         ws, plan, a_shard, epoch = self._start(backend, a_shard, self.transport == "ring")
         if plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-        arrivals = tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank)
-        return PendingGather(backend, plan.gathered, plan.releases, epoch=epoch, arrivals=arrivals)
+        return PendingGather(backend, plan.gathered, plan.releases, epoch=epoch, arrivals=plan.arrivals,
+                             constant=self.graphable)
 
     def _start(self, backend: Backend, a_shard: torch.Tensor, ring: bool) -> tuple:
         """``(workspace, plan, a_shard, epoch)`` of a new call, its copies queued: the part a call of
         the op and a gather alone share."""
-        self._check_previous()
+        self._check_previous(_launch.capturing(a_shard))
         mc, k = a_shard.shape
-        self._ws = ensure_workspace(self._ws, backend, mc * backend.world_size * k * a_shard.element_size())
-        ws = self._ws
+        ws = self._workspace(backend, mc * backend.world_size * k * a_shard.element_size())
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
         plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
         ws.epoch += 1
-        self._push(backend, plan, a_shard, ws.epoch)
+        self._push(backend, plan, a_shard, ws.epoch, self.graphable)
         return ws, plan, a_shard, ws.epoch
 
     @staticmethod
-    def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, epoch: int) -> None:
+    def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, epoch: int, constant: bool) -> None:
         """Queue this call's copies on the copy stream. Mesh: our shard to every peer, nearest consumer
         first (rank r - i computes our rows at its step i). Ring: our shard, then each chunk from rank-1
         as it arrives, all to rank+1. Each copy waits until its destination was released for this
-        epoch, and is followed by the destination's ready flag."""
+        epoch, and is followed by the destination's ready flag. ``constant``: the graphable protocol
+        (module docstring): wait for RELEASED == 1 and take it (0), then READY = 1."""
         backend.comm_begin()
         for slot, released, ready, arrived, source in plan.pushes:
-            if released is not None:
-                backend.comm_wait(released, epoch - 1)
-            if arrived is not None:
-                backend.comm_wait(arrived, epoch)
+            if constant:
+                backend.comm_wait(released, 1)
+                backend.comm_write(released, 0)
+            else:
+                if released is not None:
+                    backend.comm_wait(released, epoch - 1)
+                if arrived is not None:
+                    backend.comm_wait(arrived, epoch)
             backend.comm_copy(slot, a_shard if source is None else source)
-            backend.comm_write(ready, epoch)
+            backend.comm_write(ready, 1 if constant else epoch)
 
     @staticmethod
     def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> "_Plan":
@@ -240,7 +261,9 @@ class AllGatherGemm(FusedOp):
                                    None, None))
             plan = ws.plans[key] = _Plan(gathered=gathered, own_slot=gathered[rows(rank)], pushes=tuple(pushes),
                                          releases=tuple(ws.flag_address(p, RELEASED, rank)
-                                                        for p in range(w) if p != rank))
+                                                        for p in range(w) if p != rank),
+                                         arrivals=tuple(ws.flag_address(rank, READY, src)
+                                                        for src in range(w) if src != rank))
         return plan
 
     def _fallback(self, backend: Backend, a_shard, b, bias, out, return_gathered):
@@ -272,24 +295,33 @@ class PendingGather:
     """An all-gather in flight on the copy engines (``AllGatherGemm.all_gather``)."""
 
     def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *, epoch: int = 0,
-                 arrivals: tuple = ()) -> None:
+                 arrivals: tuple = (), constant: bool = False) -> None:
         self._backend, self._gathered, self._releases = backend, gathered, releases
-        self._epoch, self._arrivals = epoch, arrivals
+        self._epoch, self._arrivals, self._constant = epoch, arrivals, constant
 
     def wait(self) -> torch.Tensor:
         """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
         for address in self._arrivals:
-            self._backend.main_wait(address, self._epoch)
+            self._backend.main_wait(address, 1 if self._constant else self._epoch)
         self._backend.comm_end()  # our own rows, copied on the copy stream
-        if _launch.debug_mode():
+        if _launch.debug_mode() and not _launch.capturing(self._gathered):
             self._backend.synchronize()  # bounded: a lost peer raises here instead of hanging
         return self._gathered
 
     def release(self) -> None:
         """Let the peers fill the buffer for the next call (after the kernels that read it)."""
-        for address in self._releases:
-            self._backend.main_write(address, self._epoch)
-        self._releases = ()
+        _release(self._backend, self._arrivals, self._releases, self._epoch, self._constant)
+        self._releases = self._arrivals = ()
+
+
+def _release(backend: Backend, arrivals: tuple, releases: tuple, epoch: int, constant: bool) -> None:
+    """After the kernels that read the gather buffer: each producer's RELEASED word for us to this
+    call's epoch; with constant-valued flags our READY words back to 0 first, then RELEASED to 1."""
+    if constant:
+        for address in arrivals:
+            backend.main_write(address, 0)
+    for address in releases:
+        backend.main_write(address, 1 if constant else epoch)
 
 
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:

@@ -22,13 +22,19 @@ CE_COUNTERS, CE_ARRIVAL, CE_SENT = 0, 1, 2
 class Workspace:
     """One op's memory on every rank of its group. Allocated collectively, grown on demand, reused."""
 
-    def __init__(self, backend: Backend, data_bytes: int) -> None:
+    def __init__(self, backend: Backend, data_bytes: int, *, released: int = 0) -> None:
+        """``released``: the start value of this rank's RELEASED words (1 for the constant-valued
+        protocol of graphable ops, where 1 means "free"; epochs start at 0)."""
         self.backend = backend
         w = backend.world_size
         self.data = backend.allocate(max(data_bytes, 256))
         self.flags = backend.allocate(4 * (3 * w + 1))
         self.local_flags = self.flags.view(backend.rank, torch.int32, (3 * w + 1,))
         self.err = self.local_flags[3 * w:]
+        if released:
+            # Only this rank's producer reads these words before its first push, after this fill in
+            # stream order; a peer writes them only after a call that needed that push.
+            self.flag_slice(RELEASED).fill_(released)
         self.epoch = 0
         self.count_expected = 0
         self.ce_flags = None
@@ -92,17 +98,23 @@ class Workspace:
         return table
 
 
-def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: int) -> Workspace:
+def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: int, *,
+                     released: int = 0) -> Workspace:
     """``current`` if it is large enough, else a new one. Replacing is collective and waits for every
-    rank's earlier calls to finish, because peers may still be writing into the old buffers."""
+    rank's earlier calls to finish, because peers may still be writing into the old buffers. Neither can
+    happen under CUDA-graph capture."""
     if current is not None and current.data.nbytes >= data_bytes:
         return current
+    if backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise TileweaveError(f"the op's workspace must grow to {data_bytes} bytes, a collective allocation "
+                             "that a CUDA graph cannot hold: call the op eagerly with the largest shapes "
+                             "first, then capture")
     if current is not None:
         backend.synchronize()
         dist.barrier(group=backend.group)
         # Grow geometrically so that a slowly growing M does not reallocate on every call.
         data_bytes = max(data_bytes, 2 * current.data.nbytes)
-    return Workspace(backend, data_bytes)
+    return Workspace(backend, data_bytes, released=released)
 
 
 def agree(backend: Backend, cache: dict, op: str, signature: tuple, proposal: object) -> object:

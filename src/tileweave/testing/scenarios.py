@@ -42,6 +42,8 @@ class Case:
     """Copy-engine reduce-scatter: ``GemmConfig.ce_release`` (a case with another value gets its own op)."""
     chunk_rows: int = 0
     """Chunked reduce-scatter: rows per block (0: the op's default)."""
+    graphable: bool = False
+    """All-gather: the op with constant-valued (CUDA-graph replayable) flags."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -93,13 +95,15 @@ def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str
 def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict]:
     """Run each case ``iters`` times through one ``AllGatherGemm``; return the errors per call."""
     device = _device()
-    ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
-    return [_all_gather_call(ops[case.ag_transport], case, it, rank, world, device)
+    ops = {(t, False): tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
+    ops.update({(t, True): tileweave.AllGatherGemm(policy="fused", transport=t, graphable=True)
+                for t in ("mesh", "chunked")})
+    return [_all_gather_call(ops[case.ag_transport, case.graphable], case, it, rank, world, device)
             for case in cases for it in range(case.iters)]
 
 
 def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], rounds: int,
-                                    chunked_below_n: int) -> list[dict]:
+                                    chunked_below_n: int, graphable: bool = False) -> list[dict]:
     """One ``AllGatherGemm(transport="auto")`` called on the cases in turn, ``rounds`` times, with the
     per-shape choice replaced by "chunked below ``chunked_below_n`` output columns, else the kernel", so
     that consecutive calls switch transport and must share the workspace's epochs and release flags."""
@@ -110,7 +114,7 @@ def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], ro
 
     heuristics.all_gather_transport = by_width
     device = _device()
-    op = tileweave.AllGatherGemm(policy="fused")
+    op = tileweave.AllGatherGemm(policy="fused", graphable=graphable)
     return [_all_gather_call(op, case, it, rank, world, device) for it in range(rounds) for case in cases]
 
 
@@ -485,11 +489,12 @@ def block_bench_gpu_check(rank: int, world: int, m: int) -> dict:
     return out
 
 
-def all_gather_only_check(rank: int, world: int, transport: str, iters: int, straggler: int) -> dict:
+def all_gather_only_check(rank: int, world: int, transport: str, iters: int, straggler: int,
+                          graphable: bool = False) -> dict:
     """``AllGatherGemm.all_gather`` alone and interleaved with fused calls on the same op: every
     gathered tensor equals the concatenated shards, bitwise, call after call with fresh inputs."""
     device = _device()
-    op = tileweave.AllGatherGemm(policy="fused", transport=transport)
+    op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=graphable)
     set_producer_delay(0.2 if rank == straggler else 0.0)
     exact, fused_err = True, 0.0
     for it in range(iters):
@@ -545,6 +550,11 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
             attempt(f"{policy} {name} before eager", call, op)
             call(op)  # the eager call that agrees on the signature
             attempt(f"{policy} {name} after eager", call, op)
+    for transport in ("mesh", "chunked"):  # the fused paths of a graphable op
+        op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=True)
+        attempt(f"graphable ag-{transport} before eager", calls["ag"], op)
+        calls["ag"](op)
+        attempt(f"graphable ag-{transport} after eager", calls["ag"], op)
     return outcomes
 
 
@@ -581,3 +591,54 @@ def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: i
         ref_rs = sum(x.double() @ w.double().t() for x, w in zip(rows, weights))
         errors.append(max(_rel_err(y, ref_ag), _rel_err(z, ref_rs[rank * m_chunk:(rank + 1) * m_chunk])))
     return {"err": max(errors), "paths": tileweave.last_path("all_gather_gemm") + "," + tileweave.last_path("gemm_reduce_scatter")}
+
+
+def cuda_graph_fused_gpu_check(rank: int, world: int, transport: str, m_chunk: int = 1024, k: int = 2048,
+                               n: int = 1536) -> dict:
+    """A graphable ``AllGatherGemm`` on its fused path (``transport``: "mesh" or "chunked") captured in a
+    CUDA graph after eager warm-up calls, replayed on fresh inputs copied into the captured buffer:
+    checked after each replay, after replays back to back without a host sync, and in an eager call on
+    the same op after them (the 0/1 flags must be back where every call starts)."""
+    device = _device()
+    dtype = torch.bfloat16
+    op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=True)
+    x = torch.empty((m_chunk, k), dtype=dtype, device=device)
+    w = _randn((n, k), dtype, "gf-w", rank, device=device) / k ** 0.5
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # agreement, compilation and the workspace happen in eager calls
+        for _ in range(2):
+            op(x.normal_(), w.t())
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = op(x, w.t())
+    path = tileweave.last_path("all_gather_gemm")
+
+    def shards(it):
+        return [_randn((m_chunk, k), dtype, "gf-x", it, p, device=device) for p in range(world)]
+
+    def ref(parts):
+        return torch.cat(parts).double() @ w.double().t()
+
+    errors = []
+    for it in range(3):
+        parts = shards(it)
+        x.copy_(parts[rank])
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errors.append(_rel_err(y, ref(parts)))
+    parts = shards(99)
+    x.copy_(parts[rank])
+    for _ in range(6):  # back to back: each replay waits on the flags the previous one left
+        graph.replay()
+    torch.cuda.synchronize()
+    errors.append(_rel_err(y, ref(parts)))
+    parts = shards(100)
+    eager = op(parts[rank], w.t())
+    torch.cuda.synchronize()
+    errors.append(_rel_err(eager, ref(parts)))
+    dist.barrier()
+    return {"err": max(errors), "errors": errors, "path": path}
