@@ -100,6 +100,15 @@ def test_all_gather_transport_switches_per_shape_gpu():
 
 
 @needs_two
+@pytest.mark.parametrize("transport", ["mesh", "chunked"])
+def test_graphable_all_gather_gemm_in_a_cuda_graph_gpu(transport):
+    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_fused_gpu_check, transport, gpus=True,
+                            timeout_s=300):
+        assert result["path"] == ("chunked" if transport == "chunked" else "fused"), result
+        assert result["err"] < TOL[torch.bfloat16], result
+
+
+@needs_two
 def test_missing_peer_reported_by_the_next_call_gpu():
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
     # as an error in the third, from the error word mirrored to the host.
