@@ -84,7 +84,19 @@ def test_graphable_needs_a_replayable_transport():
     with pytest.raises(ValueError, match="ring"):
         tileweave.AllGatherGemm(transport="ring", graphable=True)
     with pytest.raises(ValueError, match="GemmReduceScatter"):
-        tileweave.GemmReduceScatter(graphable=True)
+        tileweave.GemmReduceScatter(transport="store", graphable=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gemm_reduce_scatter_graphable(world):
+    # The chunked transport on constant-valued flags: several blocks per owner, fresh inputs each call,
+    # a late producer; still bitwise repeatable.
+    cases = [
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport="chunked", graphable=True),
+        C(m_chunk=150, k=32, n=24, iters=3, transport="chunked", chunk_rows=32, straggler=world - 1,
+          delay_s=0.2, graphable=True),
+    ]
+    _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -20,3 +20,12 @@ def test_mlp_under_autocast_keeps_fp32_parameter_gradients():
         assert result["grad_dtypes"] == "torch.float32,torch.float32", result
         for key in ("y", "dx", "d_up_w", "d_down_w"):
             assert result[key] < 5e-3, (key, result)
+
+
+def test_mlp_on_graphable_ops():
+    # TILEWEAVE_GRAPHABLE=1: the ops the layers share run the constant-valued flags (forward, backward,
+    # and the gather alone that re-gathers the input for the weight gradient).
+    for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, False, env={"TILEWEAVE_GRAPHABLE": "1"}):
+        for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
+            assert result[key] < 1e-5, (key, result)
+        assert result["graphable"], result

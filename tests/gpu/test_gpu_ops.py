@@ -100,11 +100,11 @@ def test_all_gather_transport_switches_per_shape_gpu():
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["mesh", "chunked"])
-def test_graphable_all_gather_gemm_in_a_cuda_graph_gpu(transport):
-    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_fused_gpu_check, transport, gpus=True,
+@pytest.mark.parametrize("kind", ["ag-mesh", "ag-chunked", "rs-chunked"])
+def test_graphable_ops_in_a_cuda_graph_gpu(kind):
+    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_fused_gpu_check, kind, gpus=True,
                             timeout_s=300):
-        assert result["path"] == ("chunked" if transport == "chunked" else "fused"), result
+        assert result["path"] == ("chunked" if kind.endswith("chunked") else "fused"), result
         assert result["err"] < TOL[torch.bfloat16], result
 
 

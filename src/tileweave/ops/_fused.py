@@ -37,11 +37,14 @@ class FusedOp:
 
     @classmethod
     def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "FusedOp":
-        """The op shared by every functional call on ``group`` and ``device``."""
+        """The op shared by every functional call on ``group`` and ``device`` (and so by the TP layers).
+        ``TILEWEAVE_GRAPHABLE=1`` makes it graphable, so that a model's TP layers can be captured in a
+        CUDA graph on the fused paths."""
         key = (id(group), device)  # the op holds the group, so its id is not reused while cached
         op = cls._shared.get(key)
         if op is None:
-            op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport))
+            op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport),
+                                        graphable=os.environ.get("TILEWEAVE_GRAPHABLE", "0") not in ("", "0"))
         return op
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",

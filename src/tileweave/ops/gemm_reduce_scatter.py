@@ -28,6 +28,12 @@ Memory: one receive buffer of ``[W, M/W, N]`` in the output dtype per op, and 3W
 Before writing into a peer's receive buffer for the next call, a rank's stream waits until that peer
 has released it (a stream memory op, no barrier, no SM).
 
+Capture in a CUDA graph (``graphable=True``, chunked transport): as for AllGather+GEMM, the flags
+hold 0 or 1 so that a replay writes what the capture wrote. A producer waits until its RELEASED word
+for an owner is 1, sets it to 0, and after each block's copy sets the owner's arrival word for it to
+1; the owner waits for arrival == 1, adds the block, and once all are in sets its arrival words back
+to 0 and then each producer's RELEASED word to 1. RELEASED words start at 1.
+
 Concurrency: all ranks must call the op the same number of times in the same order.
 """
 
@@ -94,6 +100,7 @@ class GemmReduceScatter(FusedOp):
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_RS_TRANSPORT"
     default_transport = "chunked"
+    graphable_transports = ("chunked",)
     chunk_rows = 0
     """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
     same)."""
@@ -137,7 +144,7 @@ class GemmReduceScatter(FusedOp):
                 self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
 
-        self._check_previous()
+        self._check_previous(_launch.capturing(a))
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if self.transport == "chunked":
@@ -230,7 +237,8 @@ class GemmReduceScatter(FusedOp):
         the copy stream; the call ends by joining that stream, so the next call may overwrite it."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
-        self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size())
+        self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size(),
+                                    released=1 if self.graphable else 0)
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
         ws.ensure_local((w - 1) * mc * n * a.element_size())  # the send buffer, before the plans
@@ -243,26 +251,33 @@ class GemmReduceScatter(FusedOp):
         sends, owns, releases = plan
         ws.epoch += 1
         epoch = ws.epoch
+        constant = self.graphable  # 0/1 flags (module docstring), else epochs
         for released, per_block in sends:
             for j, (a_rows, part, dst, arrival) in enumerate(per_block):
                 torch.matmul(a[a_rows], b, out=part)
                 backend.comm_begin()  # the copy stream waits for this block's GEMM
                 if j == 0:
-                    backend.comm_wait(released, epoch - 1)
+                    backend.comm_wait(released, 1 if constant else epoch - 1)
+                    if constant:
+                        backend.comm_write(released, 0)
                 backend.comm_copy(dst, part)
-                backend.comm_write(arrival, epoch)
+                backend.comm_write(arrival, 1 if constant else epoch)
         own = a[rank * mc:(rank + 1) * mc]
         for rows, arrivals, slots in owns:
             for address in arrivals:
-                backend.main_wait(address, epoch)
+                backend.main_wait(address, 1 if constant else epoch)
             if len(slots) == 1 and bias is None:
                 partials = slots[0]
             else:  # in rank order: the sum is deterministic
                 total = sum(slot.float() for slot in slots)
                 partials = (total + bias.float() if bias is not None else total).to(a.dtype)
             torch.addmm(partials, own[rows], b, out=out[rows])
+        if constant:  # our arrival words back to 0 before the producers may send again
+            for _, arrivals, _ in owns:
+                for address in arrivals:
+                    backend.main_write(address, 0)
         for address in releases:
-            backend.main_write(address, epoch)
+            backend.main_write(address, 1 if constant else epoch)
         backend.comm_end()
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")

@@ -49,6 +49,10 @@ class Workspace:
         data buffer: one for every shape, not one per shape. Growing it drops the plans, whose views
         may point into the old one (they are rebuilt on their next call)."""
         if self.local is None or self.local.numel() < nbytes:
+            if self.backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise TileweaveError(f"the op's send buffer must grow to {nbytes} bytes, which a CUDA graph "
+                                     "must not do: call the op eagerly with the largest shapes first, then "
+                                     "capture")
             if self.local is not None:
                 nbytes = max(nbytes, 2 * self.local.numel())
             self.local = torch.empty(nbytes, dtype=torch.uint8, device=self.backend.device)

@@ -43,7 +43,8 @@ class Case:
     chunk_rows: int = 0
     """Chunked reduce-scatter: rows per block (0: the op's default)."""
     graphable: bool = False
-    """All-gather: the op with constant-valued (CUDA-graph replayable) flags."""
+    """The op with constant-valued (CUDA-graph replayable) flags (all-gather: mesh or chunked;
+    reduce-scatter: chunked)."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -123,10 +124,11 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     check that the output is bitwise the same."""
     device = _device()
     ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine", "chunked")}
+    graphable = tileweave.GemmReduceScatter(policy="fused", transport="chunked", graphable=True)
     results = []
     for case in cases:
         dtype = getattr(torch, case.dtype)
-        op = ops[case.transport]
+        op = graphable if case.graphable else ops[case.transport]
         if case.chunk_rows:
             op.chunk_rows = case.chunk_rows
         if case.ce_release != "tile":
@@ -352,6 +354,8 @@ def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save
         "grad_dtypes": str(up.weight.grad.dtype) + "," + str(down.weight.grad.dtype),
         "round_trip": bool(torch.equal(saved["up"]["weight"], full_up["weight"])
                            and torch.equal(saved["down"]["weight"], full_down["weight"])),
+        "graphable": all(op.graphable for cls in (tileweave.AllGatherGemm, tileweave.GemmReduceScatter)
+                         for op in cls._shared.values()) and bool(tileweave.AllGatherGemm._shared),
     }
 
 
@@ -593,17 +597,21 @@ def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: i
     return {"err": max(errors), "paths": tileweave.last_path("all_gather_gemm") + "," + tileweave.last_path("gemm_reduce_scatter")}
 
 
-def cuda_graph_fused_gpu_check(rank: int, world: int, transport: str, m_chunk: int = 1024, k: int = 2048,
+def cuda_graph_fused_gpu_check(rank: int, world: int, kind: str, m_chunk: int = 1024, k: int = 2048,
                                n: int = 1536) -> dict:
-    """A graphable ``AllGatherGemm`` on its fused path (``transport``: "mesh" or "chunked") captured in a
+    """A graphable op on its fused path (``kind``: "ag-mesh", "ag-chunked" or "rs-chunked") captured in a
     CUDA graph after eager warm-up calls, replayed on fresh inputs copied into the captured buffer:
     checked after each replay, after replays back to back without a host sync, and in an eager call on
     the same op after them (the 0/1 flags must be back where every call starts)."""
     device = _device()
     dtype = torch.bfloat16
-    op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=True)
-    x = torch.empty((m_chunk, k), dtype=dtype, device=device)
-    w = _randn((n, k), dtype, "gf-w", rank, device=device) / k ** 0.5
+    op_name, transport = kind.split("-")
+    rows = m_chunk if op_name == "ag" else m_chunk * world
+    cls = tileweave.AllGatherGemm if op_name == "ag" else tileweave.GemmReduceScatter
+    op = cls(policy="fused", transport=transport, graphable=True)
+    weights = [_randn((n, k), dtype, "gf-w", p, device=device) / k ** 0.5 for p in range(world)]
+    w = weights[rank]
+    x = torch.empty((rows, k), dtype=dtype, device=device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # agreement, compilation and the workspace happen in eager calls
@@ -614,29 +622,32 @@ def cuda_graph_fused_gpu_check(rank: int, world: int, transport: str, m_chunk: i
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = op(x, w.t())
-    path = tileweave.last_path("all_gather_gemm")
+    path = tileweave.last_path(op.op_name)
 
-    def shards(it):
-        return [_randn((m_chunk, k), dtype, "gf-x", it, p, device=device) for p in range(world)]
+    def inputs(it):
+        return [_randn((rows, k), dtype, "gf-x", it, p, device=device) for p in range(world)]
 
     def ref(parts):
-        return torch.cat(parts).double() @ w.double().t()
+        if op_name == "ag":
+            return torch.cat(parts).double() @ w.double().t()
+        total = sum(part.double() @ wp.double().t() for part, wp in zip(parts, weights))
+        return total[rank * m_chunk:(rank + 1) * m_chunk]
 
     errors = []
     for it in range(3):
-        parts = shards(it)
+        parts = inputs(it)
         x.copy_(parts[rank])
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         errors.append(_rel_err(y, ref(parts)))
-    parts = shards(99)
+    parts = inputs(99)
     x.copy_(parts[rank])
     for _ in range(6):  # back to back: each replay waits on the flags the previous one left
         graph.replay()
     torch.cuda.synchronize()
     errors.append(_rel_err(y, ref(parts)))
-    parts = shards(100)
+    parts = inputs(100)
     eager = op(parts[rank], w.t())
     torch.cuda.synchronize()
     errors.append(_rel_err(eager, ref(parts)))
