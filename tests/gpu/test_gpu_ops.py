@@ -100,7 +100,7 @@ def test_all_gather_transport_switches_per_shape_gpu():
 
 
 @needs_two
-@pytest.mark.parametrize("kind", ["ag-mesh", "ag-chunked", "rs-chunked"])
+@pytest.mark.parametrize("kind", ["ag-mesh", "ag-ring", "ag-chunked", "rs-chunked"])
 def test_graphable_ops_in_a_cuda_graph_gpu(kind):
     for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_fused_gpu_check, kind, gpus=True,
                             timeout_s=300):

@@ -22,13 +22,15 @@ call's epoch. After the GEMM each rank tells every peer that its gather buffer m
 (``released``), and a producer waits for that before pushing the next call's shard, so no barrier is
 needed between calls.
 
-Capture in a CUDA graph (``graphable=True``, mesh and chunked transports): a replay repeats the flag
+Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag
 values written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a
 producer waits until its RELEASED word for a consumer is 1, sets it to 0, pushes, and sets the
 consumer's READY word for it to 1; the consumer's kernel (or stream) waits for READY == 1, and after
 the GEMM the consumer sets its READY words back to 0 and then each producer's RELEASED word to 1 (the
 same stream, fenced writes: a reset always lands before the release that lets the next push in).
-RELEASED words start at 1. Eager calls of a graphable op run the same protocol.
+RELEASED words start at 1. A ring's forward waits for its own READY word == 1, and the reset comes
+after the copy stream is joined, so no forward reads a reset word. Eager calls of a graphable op run
+the same protocol.
 
 Concurrency: all ranks must call the op the same number of times in the same order. Do not launch
 two calls on one workspace concurrently from different streams.
@@ -76,14 +78,14 @@ class AllGatherGemm(FusedOp):
     rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
     ``"auto"`` (default): chunked or mesh per shape (``heuristics.all_gather_transport``).
     ``graphable=True``: constant-valued flags (module docstring), so that calls on the fused paths can
-    be captured in a CUDA graph; not with ``"ring"``.
+    be captured in a CUDA graph.
     """
 
     op_name = _OP
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_AG_TRANSPORT"
     default_transport = "auto"
-    graphable_transports = ("auto", "mesh", "chunked")
+    graphable_transports = TRANSPORTS
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -223,14 +225,12 @@ class AllGatherGemm(FusedOp):
         (module docstring): wait for RELEASED == 1 and take it (0), then READY = 1."""
         backend.comm_begin()
         for slot, released, ready, arrived, source in plan.pushes:
-            if constant:
-                backend.comm_wait(released, 1)
-                backend.comm_write(released, 0)
-            else:
-                if released is not None:
-                    backend.comm_wait(released, epoch - 1)
-                if arrived is not None:
-                    backend.comm_wait(arrived, epoch)
+            if released is not None:
+                backend.comm_wait(released, 1 if constant else epoch - 1)
+                if constant:
+                    backend.comm_write(released, 0)
+            if arrived is not None:  # a ring forwards a chunk once it has it
+                backend.comm_wait(arrived, 1 if constant else epoch)
             backend.comm_copy(slot, a_shard if source is None else source)
             backend.comm_write(ready, 1 if constant else epoch)
 

@@ -43,7 +43,7 @@ class Case:
     chunk_rows: int = 0
     """Chunked reduce-scatter: rows per block (0: the op's default)."""
     graphable: bool = False
-    """The op with constant-valued (CUDA-graph replayable) flags (all-gather: mesh or chunked;
+    """The op with constant-valued (CUDA-graph replayable) flags (all-gather: every transport;
     reduce-scatter: chunked)."""
 
 
@@ -98,7 +98,7 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
     device = _device()
     ops = {(t, False): tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
     ops.update({(t, True): tileweave.AllGatherGemm(policy="fused", transport=t, graphable=True)
-                for t in ("mesh", "chunked")})
+                for t in ("mesh", "ring", "chunked")})
     return [_all_gather_call(ops[case.ag_transport, case.graphable], case, it, rank, world, device)
             for case in cases for it in range(case.iters)]
 
@@ -599,10 +599,10 @@ def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: i
 
 def cuda_graph_fused_gpu_check(rank: int, world: int, kind: str, m_chunk: int = 1024, k: int = 2048,
                                n: int = 1536) -> dict:
-    """A graphable op on its fused path (``kind``: "ag-mesh", "ag-chunked" or "rs-chunked") captured in a
-    CUDA graph after eager warm-up calls, replayed on fresh inputs copied into the captured buffer:
-    checked after each replay, after replays back to back without a host sync, and in an eager call on
-    the same op after them (the 0/1 flags must be back where every call starts)."""
+    """A graphable op on its fused path (``kind``: "ag-mesh", "ag-ring", "ag-chunked" or "rs-chunked")
+    captured in a CUDA graph after eager warm-up calls, replayed on fresh inputs copied into the captured
+    buffer: checked after each replay, after replays back to back without a host sync, and in an eager
+    call on the same op after them (the 0/1 flags must be back where every call starts)."""
     device = _device()
     dtype = torch.bfloat16
     op_name, transport = kind.split("-")
