@@ -46,3 +46,18 @@ def test_replays_use_this_calls_tensors_and_new_layouts_get_new_plans():
     a2 = torch.randn(m + 8, k, generator=g)
     torch.testing.assert_close(_call(a2, b, torch.empty(m + 8, n)).double(), _ref(a2, b), rtol=1e-4, atol=1e-4)
     assert len(_launch._fused_plans) == 5
+
+
+def test_direct_launch_passes_every_kernel_constexpr_in_order():
+    # Triton's launcher takes one argument per kernel parameter, constexprs (and their defaults)
+    # included: the direct launch must give all of them, in the kernel's order.
+    import inspect
+
+    from tileweave.kernels.gemm import fused_gemm_kernel
+
+    params = list(inspect.signature(fused_gemm_kernel.fn).parameters)
+    assert tuple(params[params.index("BM"):]) == _launch._CONSTEXPR_NAMES
+    a, b = torch.randn(24, 16), torch.randn(16, 40)
+    plan = _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=torch.empty(24, 40), bias=None,
+                          config=INTERPRETER_CONFIG, m_chunk=24, programs=2)
+    assert len(plan.constexprs) == len(_launch._CONSTEXPR_NAMES)

@@ -264,11 +264,31 @@ def _sum_arrived_partials(acc, group, offs_m, offs_n, m_chunk, N, buf_ptr, flags
 
 
 @triton.jit
+def _now():
+    # The GPU's global nanosecond timer (for TIMELINE probes only).
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _stamp(timeline_ptr, pid, slot, TIMELINE: tl.constexpr):
+    # With TIMELINE, program pid records the time at ``slot`` of its row of TIMELINE_SLOTS int64 words.
+    if TIMELINE:
+        tl.store(timeline_ptr + pid * TIMELINE_SLOTS + slot, _now())
+
+
+TIMELINE_SLOTS = tl.constexpr(16)
+"""Words per program of a TIMELINE probe's record: 0 start, 1 whole-tile waves done, then per stream-K
+segment (at most 4): its start, its main loop done, its end (store or partial and fix-up); 14 end."""
+
+
+@triton.jit
 def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr, M, N, K,
               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
               P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-              C_TMA: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr):
+              C_TMA: tl.constexpr, FLATTEN: tl.constexpr, PRECISION: tl.constexpr, timeline_ptr,
+              TIMELINE: tl.constexpr):
     """Plain GEMM whose last, partial wave of tiles is shared out by K steps (data-parallel waves, then
     stream-K: Osama et al., PPoPP 2023), so that a grid of, say, 1.2 waves takes about 1.2 tile times
     instead of 2.
@@ -283,7 +303,9 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
     itself in ``locks_ptr[tile]`` (acquire-release), and the program that brings the count to the
     number of sharers sums the partials in program order (so the result does not depend on arrival
     order), stores the tile and resets the count to 0 for the next call. No program waits for another.
+    With ``TIMELINE`` (probes only) each program records when it reaches each phase (``TIMELINE_SLOTS``).
     """
+    _stamp(timeline_ptr, pid, 0, TIMELINE)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -295,19 +317,23 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
                         stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
         acc = _add_bias(acc, bias_ptr, pid_n * BN + tl.arange(0, BN), N, HAS_BIAS)
         _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
+    _stamp(timeline_ptr, pid, 1, TIMELINE)
     base = dp_tiles * k_tiles
     per = tl.maximum(tl.cdiv(tiles * k_tiles - base, P), 1)
     it = base + pid * per
     end = tl.minimum(it + per, tiles * k_tiles)
     slot_rows = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    first_t = (base + pid * per) // k_tiles
     while it < end:
         t = it // k_tiles
+        _stamp(timeline_ptr, pid, 2 + 3 * tl.minimum(t - first_t, 3), TIMELINE)
         k_lo = it - t * k_tiles
         k_hi = tl.minimum(k_tiles, k_lo + end - it)
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         offs_n = pid_n * BN + tl.arange(0, BN)
         acc = _mainloop(a_src, b_src, a_ptr, b_ptr, pid_m * BM, M, pid_n * BN, N, K, k_lo, k_hi,
                         stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        _stamp(timeline_ptr, pid, 3 + 3 * tl.minimum(t - first_t, 3), TIMELINE)
         first = (t * k_tiles - base) // per
         last = ((t + 1) * k_tiles - 1 - base) // per
         if first == last:
@@ -329,7 +355,9 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
                 _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn,
                             BM, BN, C_TMA)
                 tl.store(locks_ptr + t, 0)
+        _stamp(timeline_ptr, pid, 4 + 3 * tl.minimum(t - first_t, 3), TIMELINE)
         it += k_hi - k_lo
+    _stamp(timeline_ptr, pid, 14, TIMELINE)
 
 
 def _metadata(grid, kernel, args):
@@ -352,7 +380,7 @@ def fused_gemm_kernel(
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
         LAZY_WAIT: tl.constexpr, COPY_ENGINE: tl.constexpr, RING: tl.constexpr, CE_RELEASE: tl.constexpr,
-        STREAM_K: tl.constexpr):
+        STREAM_K: tl.constexpr, TIMELINE: tl.constexpr = False):
     """See the module docstring. Shapes: ``m_chunk`` rows per rank (all of M in PLAIN mode).
 
     AG: ``buf_ptr`` is the gather buffer ``[W * Mc, K]``; ``flags_ptr[src]`` is the epoch at which
@@ -364,7 +392,9 @@ def fused_gemm_kernel(
     RS with ``COPY_ENGINE``: ``buf_ptr`` holds W - 1 receive slots then W - 1 send slots of
     ``[Mc, N]``; ``flags_ptr`` is the flag block described at ``CE_GROUPS``; ``epoch`` is the epoch.
     PLAIN with ``STREAM_K``: ``buf_ptr`` is the fp32 partial-tile workspace and ``flags_ptr`` the
-    per-tile arrival counts of ``_stream_k`` (zero between calls).
+    per-tile arrival counts of ``_stream_k`` (zero between calls). ``TIMELINE`` (probes only, PLAIN with
+    ``STREAM_K``): ``err_ptr`` is an int64 ``[P, TIMELINE_SLOTS]`` record of when each program reached
+    each phase (``scripts/host_probe.py --timeline``).
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
@@ -390,7 +420,7 @@ def fused_gemm_kernel(
     if MODE == PLAIN and STREAM_K:
         _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, buf_ptr, flags_ptr, m_chunk, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, FLATTEN, PRECISION)
+                  BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, FLATTEN, PRECISION, err_ptr, TIMELINE)
     elif MODE == PLAIN:
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,

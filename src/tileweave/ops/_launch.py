@@ -179,7 +179,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release),
-                  config.stream_k)
+                  config.stream_k, False)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
                        num_stages=config.num_stages, programs=programs, b_copied=b is not b_in,
@@ -258,7 +258,9 @@ def _fused_key(*, mode, a, b, c, bias=None, config, m_chunk, rank=0, world=1, pr
 
 _CONSTEXPR_NAMES = ("BM", "BN", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
                     "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
-                    "COPY_ENGINE", "RING", "CE_RELEASE", "STREAM_K")
+                    "COPY_ENGINE", "RING", "CE_RELEASE", "STREAM_K", "TIMELINE")
+"""Every constexpr of ``fused_gemm_kernel``, in order: the direct launch passes them all by position
+(Triton's launcher takes one argument per kernel parameter, constexprs included)."""
 _compiled: dict[tuple, object] = {}
 _fast_launch = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 
