@@ -109,6 +109,16 @@ def test_graphable_ops_in_a_cuda_graph_gpu(kind):
 
 
 @needs_two
+def test_tp_mlp_forward_in_a_cuda_graph_gpu():
+    # TILEWEAVE_GRAPHABLE=1: the TP layers' shared ops take their fused (chunked) paths inside the graph.
+    # Two ranks: the sizes are chosen so that "auto" takes both chunked transports at TP=2.
+    for result in run_ranks(2, scenarios.tp_mlp_graph_gpu_check, gpus=True, timeout_s=300,
+                            env={"TILEWEAVE_GRAPHABLE": "1"}):
+        assert result["graphable"] and result["paths"] == "chunked,chunked", result
+        assert result["err"] < 2e-2, result
+
+
+@needs_two
 def test_missing_peer_reported_by_the_next_call_gpu():
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
     # as an error in the third, from the error word mirrored to the host.
