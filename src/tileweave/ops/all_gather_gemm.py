@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import READY, RELEASED, Workspace, agree, ensure_workspace
+from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace, released_start
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 
@@ -96,7 +96,7 @@ class AllGatherGemm(FusedOp):
 
     def _workspace(self, backend: Backend, nbytes: int) -> Workspace:
         # A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0.
-        self._ws = ensure_workspace(self._ws, backend, nbytes, released=1 if self.graphable else 0)
+        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
         return self._ws
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
@@ -138,22 +138,22 @@ class AllGatherGemm(FusedOp):
             transport = heuristics.all_gather_transport(m, n, k, w, a_shard.dtype, interpreter=backend.interpreter)
 
         chunked, ring = transport == "chunked", transport == "ring"
-        ws, plan, a_shard, epoch = self._start(backend, a_shard, ring)
+        ws, plan, a_shard, values = self._start(backend, a_shard, ring)
         gathered = plan.gathered
         if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
         if chunked:
-            self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, 1 if self.graphable else epoch)
+            self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, values.ready)
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
                                 bias=bias, config=config, m_chunk=mc, rank=rank, world=w,
                                 programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
-                                flags=ws.flag_slice(READY), err=ws.err, epoch=1 if self.graphable else epoch,
+                                flags=ws.flag_slice(READY), err=ws.err, epoch=values.ready,
                                 max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and
         # a peer must not refill it while a forward still reads it.
         backend.comm_end()
-        _release(backend, plan.arrivals, plan.releases, epoch, self.graphable)
+        values.release(backend, plan.arrivals, plan.releases)
         if chunked:
             self._finish_without_kernel(backend)
         else:
@@ -198,41 +198,38 @@ class AllGatherGemm(FusedOp):
         if not self.graphable:
             _launch.check_not_capturing(_OP, a_shard)
         agree(backend, self._agreed, self.op_name, ("all_gather", mc, k, str(a_shard.dtype)), None)
-        ws, plan, a_shard, epoch = self._start(backend, a_shard, self.transport == "ring")
+        ws, plan, a_shard, values = self._start(backend, a_shard, self.transport == "ring")
         if plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-        return PendingGather(backend, plan.gathered, plan.releases, epoch=epoch, arrivals=plan.arrivals,
-                             constant=self.graphable)
+        return PendingGather(backend, plan.gathered, plan.releases, values=values, arrivals=plan.arrivals)
 
     def _start(self, backend: Backend, a_shard: torch.Tensor, ring: bool) -> tuple:
-        """``(workspace, plan, a_shard, epoch)`` of a new call, its copies queued: the part a call of
-        the op and a gather alone share."""
+        """``(workspace, plan, a_shard, flag values)`` of a new call, its copies queued: the part a call
+        of the op and a gather alone share."""
         self._check_previous(_launch.capturing(a_shard))
         mc, k = a_shard.shape
         ws = self._workspace(backend, mc * backend.world_size * k * a_shard.element_size())
         a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
         plan = self._plan(ws, backend, mc, k, a_shard.dtype, ring)
         ws.epoch += 1
-        self._push(backend, plan, a_shard, ws.epoch, self.graphable)
-        return ws, plan, a_shard, ws.epoch
+        values = FlagValues(ws.epoch, self.graphable)
+        self._push(backend, plan, a_shard, values)
+        return ws, plan, a_shard, values
 
     @staticmethod
-    def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, epoch: int, constant: bool) -> None:
+    def _push(backend: Backend, plan: "_Plan", a_shard: torch.Tensor, values: FlagValues) -> None:
         """Queue this call's copies on the copy stream. Mesh: our shard to every peer, nearest consumer
         first (rank r - i computes our rows at its step i). Ring: our shard, then each chunk from rank-1
         as it arrives, all to rank+1. Each copy waits until its destination was released for this
-        epoch, and is followed by the destination's ready flag. ``constant``: the graphable protocol
-        (module docstring): wait for RELEASED == 1 and take it (0), then READY = 1."""
+        call (``FlagValues.claim``), and is followed by the destination's ready flag."""
         backend.comm_begin()
         for slot, released, ready, arrived, source in plan.pushes:
             if released is not None:
-                backend.comm_wait(released, 1 if constant else epoch - 1)
-                if constant:
-                    backend.comm_write(released, 0)
+                values.claim(backend, released)
             if arrived is not None:  # a ring forwards a chunk once it has it
-                backend.comm_wait(arrived, 1 if constant else epoch)
+                backend.comm_wait(arrived, values.ready)
             backend.comm_copy(slot, a_shard if source is None else source)
-            backend.comm_write(ready, 1 if constant else epoch)
+            backend.comm_write(ready, values.ready)
 
     @staticmethod
     def _plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> "_Plan":
@@ -294,15 +291,15 @@ class AllGatherGemm(FusedOp):
 class PendingGather:
     """An all-gather in flight on the copy engines (``AllGatherGemm.all_gather``)."""
 
-    def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *, epoch: int = 0,
-                 arrivals: tuple = (), constant: bool = False) -> None:
+    def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *,
+                 values: FlagValues | None = None, arrivals: tuple = ()) -> None:
         self._backend, self._gathered, self._releases = backend, gathered, releases
-        self._epoch, self._arrivals, self._constant = epoch, arrivals, constant
+        self._values, self._arrivals = values, arrivals
 
     def wait(self) -> torch.Tensor:
         """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
         for address in self._arrivals:
-            self._backend.main_wait(address, 1 if self._constant else self._epoch)
+            self._backend.main_wait(address, self._values.ready)
         self._backend.comm_end()  # our own rows, copied on the copy stream
         if _launch.debug_mode() and not _launch.capturing(self._gathered):
             self._backend.synchronize()  # bounded: a lost peer raises here instead of hanging
@@ -310,18 +307,9 @@ class PendingGather:
 
     def release(self) -> None:
         """Let the peers fill the buffer for the next call (after the kernels that read it)."""
-        _release(self._backend, self._arrivals, self._releases, self._epoch, self._constant)
+        if self._values is not None:
+            self._values.release(self._backend, self._arrivals, self._releases)
         self._releases = self._arrivals = ()
-
-
-def _release(backend: Backend, arrivals: tuple, releases: tuple, epoch: int, constant: bool) -> None:
-    """After the kernels that read the gather buffer: each producer's RELEASED word for us to this
-    call's epoch; with constant-valued flags our READY words back to 0 first, then RELEASED to 1."""
-    if constant:
-        for address in arrivals:
-            backend.main_write(address, 0)
-    for address in releases:
-        backend.main_write(address, 1 if constant else epoch)
 
 
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> AllGatherGemm:

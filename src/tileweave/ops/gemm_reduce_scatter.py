@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, Workspace, ensure_workspace
+from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, FlagValues, Workspace,
+                                     ensure_workspace, released_start)
 from tileweave.runtime.backend import Backend, TileweaveError
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
@@ -238,7 +239,7 @@ class GemmReduceScatter(FusedOp):
         w, rank = backend.world_size, backend.rank
         mc = m // w
         self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size(),
-                                    released=1 if self.graphable else 0)
+                                    released=released_start(self.graphable))
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
         ws.ensure_local((w - 1) * mc * n * a.element_size())  # the send buffer, before the plans
@@ -248,36 +249,28 @@ class GemmReduceScatter(FusedOp):
         plan = ws.plans.get(key)
         if plan is None:
             plan = ws.plans[key] = self._chunked_plan(ws, backend, mc, n, a.dtype, blocks)
-        sends, owns, releases = plan
+        sends, owns, arrivals, releases = plan
         ws.epoch += 1
-        epoch = ws.epoch
-        constant = self.graphable  # 0/1 flags (module docstring), else epochs
+        values = FlagValues(ws.epoch, self.graphable)
         for released, per_block in sends:
             for j, (a_rows, part, dst, arrival) in enumerate(per_block):
                 torch.matmul(a[a_rows], b, out=part)
                 backend.comm_begin()  # the copy stream waits for this block's GEMM
                 if j == 0:
-                    backend.comm_wait(released, 1 if constant else epoch - 1)
-                    if constant:
-                        backend.comm_write(released, 0)
+                    values.claim(backend, released)
                 backend.comm_copy(dst, part)
-                backend.comm_write(arrival, 1 if constant else epoch)
+                backend.comm_write(arrival, values.ready)
         own = a[rank * mc:(rank + 1) * mc]
-        for rows, arrivals, slots in owns:
-            for address in arrivals:
-                backend.main_wait(address, 1 if constant else epoch)
+        for rows, block_arrivals, slots in owns:
+            for address in block_arrivals:
+                backend.main_wait(address, values.ready)
             if len(slots) == 1 and bias is None:
                 partials = slots[0]
             else:  # in rank order: the sum is deterministic
                 total = sum(slot.float() for slot in slots)
                 partials = (total + bias.float() if bias is not None else total).to(a.dtype)
             torch.addmm(partials, own[rows], b, out=out[rows])
-        if constant:  # our arrival words back to 0 before the producers may send again
-            for _, arrivals, _ in owns:
-                for address in arrivals:
-                    backend.main_write(address, 0)
-        for address in releases:
-            backend.main_write(address, 1 if constant else epoch)
+        values.release(backend, arrivals, releases)
         backend.comm_end()
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
@@ -287,7 +280,7 @@ class GemmReduceScatter(FusedOp):
         """Views, buffers and flag addresses of the chunked transport for one shape: per owner (its
         RELEASED flag for us, per block: our rows of ``a``, our send slot, its receive rows for us, its
         arrival flag), per own block (rows, arrival flags and receive rows of each source in rank
-        order), the releases."""
+        order), all our arrival flags, the releases."""
         w, rank = backend.world_size, backend.rank
         bounds = [mc * j // blocks for j in range(blocks + 1)]
         block_rows = [slice(bounds[j], bounds[j + 1]) for j in range(blocks)]
@@ -306,7 +299,7 @@ class GemmReduceScatter(FusedOp):
                       tuple(slots[(src - rank - 1) % w, r] for src in sources))
                      for j, r in enumerate(block_rows))
         releases = tuple(ws.flag_address(p, RELEASED, rank) for p in sources)
-        return tuple(sends), owns, releases
+        return tuple(sends), owns, tuple(address for _, own, _ in owns for address in own), releases
 
     @staticmethod
     def _copy_engine_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype,

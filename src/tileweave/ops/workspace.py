@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -100,6 +102,42 @@ class Workspace:
             table = torch.tensor(values, dtype=torch.int64, device=self.backend.device)
             self._ptr_tables[key] = table
         return table
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagValues:
+    """The values one call writes to its flags and waits for: its epoch, or, for graphable ops
+    (``constant``), 0 and 1 in every call, reset by the reader, so that a CUDA-graph replay repeats what
+    the capture wrote. RELEASED words start at 1 under the constant protocol (``released_start``)."""
+
+    epoch: int
+    constant: bool
+
+    @property
+    def ready(self) -> int:
+        """What a producer writes once the data is in, and its reader waits for."""
+        return 1 if self.constant else self.epoch
+
+    def claim(self, backend: Backend, released: int) -> None:
+        """On the copy stream, before writing into a peer's buffer: wait until the peer released it for
+        this call, and with constant flags take the release (set it back to 0)."""
+        backend.comm_wait(released, 1 if self.constant else self.epoch - 1)
+        if self.constant:
+            backend.comm_write(released, 0)
+
+    def release(self, backend: Backend, arrivals: tuple, releases: tuple) -> None:
+        """On the caller's stream, after the work that read our buffer: each producer's RELEASED word
+        for us; with constant flags our arrival words back to 0 first (the same stream and fenced
+        writes: the reset lands before the release that lets the next write in)."""
+        if self.constant:
+            for address in arrivals:
+                backend.main_write(address, 0)
+        for address in releases:
+            backend.main_write(address, self.ready)
+
+
+def released_start(constant: bool) -> int:
+    return 1 if constant else 0
 
 
 def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: int, *,
