@@ -394,7 +394,7 @@ def fused_gemm_kernel(
     PLAIN with ``STREAM_K``: ``buf_ptr`` is the fp32 partial-tile workspace and ``flags_ptr`` the
     per-tile arrival counts of ``_stream_k`` (zero between calls). ``TIMELINE`` (probes only, PLAIN with
     ``STREAM_K``): ``err_ptr`` is an int64 ``[P, TIMELINE_SLOTS]`` record of when each program reached
-    each phase (``scripts/host_probe.py --timeline``).
+    each phase (``scripts/gemm_probe.py --timeline``).
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk

@@ -216,8 +216,8 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 def launch_cached(**launch_args) -> None:
     """``launch`` for the fused modes, replayed from a plan when this call's arguments match an earlier
     call's in everything the launch derives from them (shapes, strides, dtypes, 16-byte alignment, the
-    workspace's buffers, the config): about 60 us of host time a call less on the GPU hosts we measured
-    (NOTES.md), which small fused calls cannot hide."""
+    workspace's buffers, the config): AllGather+GEMM's fused call went from 230 to 90 us of host time
+    on the GPU hosts (NOTES.md, entry 28), which small fused calls cannot hide."""
     a = launch_args["a"]
     if launch_args.get("compile_only"):
         launch(**launch_args)
@@ -238,8 +238,10 @@ def launch_cached(**launch_args) -> None:
 _fused_plans: dict[tuple, PlainLaunch] = {}
 
 
-def _layout(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+def layout(t: torch.Tensor | None) -> tuple | None:
+    """What a launch derives from a tensor argument: shape, strides, dtype, device, 16-byte alignment
+    (the key of a replayable launch plan)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
 def _fixed(t: torch.Tensor | None) -> tuple | None:
@@ -250,8 +252,8 @@ def _fixed(t: torch.Tensor | None) -> tuple | None:
 def _fused_key(*, mode, a, b, c, bias=None, config, m_chunk, rank=0, world=1, programs, buf=None,
                peer_offsets=None, peer_flags=None, flags=None, err=None, epoch=0, max_spin=0, ring=False,
                compile_only=False) -> tuple:
-    return (mode, config, m_chunk, rank, world, programs, ring, a.device, -(1 << 31) <= max_spin < (1 << 31),
-            _layout(a), _layout(b), _layout(c), _layout(bias),
+    return (mode, config, m_chunk, rank, world, programs, ring, -(1 << 31) <= max_spin < (1 << 31),
+            layout(a), layout(b), layout(c), layout(bias),
             _fixed(buf), _fixed(peer_offsets), _fixed(peer_flags), _fixed(flags), _fixed(err),
             a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
@@ -434,9 +436,10 @@ def capturing(t: torch.Tensor) -> bool:
 
 
 CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph with this op object: its flags carry "
-                 "host-side epochs that a replay would not advance. Construct AllGatherGemm(graphable=True) "
-                 "(constant-valued flags, replayable), capture with policy='fallback', or capture at shapes "
-                 "where policy='auto' takes the unfused path (tileweave.last_path says which)")
+                 "host-side epochs that a replay would not advance. Construct it with graphable=True "
+                 "(constant-valued flags, replayable: AllGatherGemm with any transport, GemmReduceScatter "
+                 "with transport='chunked'), capture with policy='fallback', or capture at shapes where "
+                 "policy='auto' takes the unfused path (tileweave.last_path says which)")
 
 
 def check_not_capturing(op: str, t: torch.Tensor) -> None:

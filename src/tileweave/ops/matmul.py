@@ -88,11 +88,8 @@ def _plan_key(a, b, bias, out, config) -> tuple | None:
         return None
     if bias is not None and type(bias) is not torch.Tensor or out is not None and type(out) is not torch.Tensor:
         return None
-    return (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0,
-            b.shape, b.stride(), b.dtype, b.device, b.data_ptr() % 16 == 0,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() % 16 == 0),
-            None if out is None else (out.shape, out.stride(), out.dtype, out.device, out.data_ptr() % 16 == 0),
-            config, _launch.interpreting(),
+    layout = _launch.layout
+    return (layout(a), layout(b), layout(bias), layout(out), config, _launch.interpreting(),
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 

@@ -3,9 +3,9 @@ stream, copies, and the events that order two streams.
 
 They run on the GPU's front end, not on an SM, so a flag written this way can never be starved by
 spinning programs (the deadlock recorded in DESIGN.md), and a stream can wait on a peer's flag without
-a kernel. We call the driver through ctypes so that nothing needs compiling; a call costs about a
-microsecond of host time, a few times less than the same work through torch's Python objects (the host
-time of a fused op's call is what small shapes are bound by).
+a kernel. We call the driver through ctypes so that nothing needs compiling; a call cost 4-8 us of host
+time on the GPU hosts we measured, less than the same work through torch's Python objects (NOTES.md,
+entry 26): the host time of a fused op's call is what small shapes are bound by.
 """
 
 from __future__ import annotations

@@ -354,8 +354,7 @@ def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save
         "grad_dtypes": str(up.weight.grad.dtype) + "," + str(down.weight.grad.dtype),
         "round_trip": bool(torch.equal(saved["up"]["weight"], full_up["weight"])
                            and torch.equal(saved["down"]["weight"], full_down["weight"])),
-        "graphable": all(op.graphable for cls in (tileweave.AllGatherGemm, tileweave.GemmReduceScatter)
-                         for op in cls._shared.values()) and bool(tileweave.AllGatherGemm._shared),
+        "graphable": _shared_ops_graphable(),
     }
 
 
@@ -562,6 +561,30 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
     return outcomes
 
 
+def _captured(call, refill):
+    """``(graph, what call returned)``: two eager calls on a side stream first, each after ``refill()``
+    of its inputs (a shape's first call agrees on it with the other ranks, compiles kernels and sizes
+    workspaces, none of which a graph can hold), then ``call`` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            refill()
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = call()
+    return graph, result
+
+
+def _shared_ops_graphable() -> bool:
+    """Whether the ops that the functional API and the TP layers share were made graphable (and exist)."""
+    ops = [op for cls in (tileweave.AllGatherGemm, tileweave.GemmReduceScatter) for op in cls._shared.values()]
+    return bool(ops) and all(op.graphable for op in ops)
+
+
 def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: int = 1024, n: int = 768) -> dict:
     """Both ops on the unfused path captured in one CUDA graph after an eager warm-up, replayed on
     fresh inputs copied into the captured buffers; each replay against float64."""
@@ -571,17 +594,8 @@ def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: i
     x_rs = torch.empty((m_chunk * world, k), dtype=torch.bfloat16, device=device)
     w_ag = _randn((n, k), torch.bfloat16, "cg-w1", rank, device=device) / k ** 0.5
     w_rs = _randn((n, k), torch.bfloat16, "cg-w2", rank, device=device) / k ** 0.5
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the eager calls: agreement, NCCL communicators, cuBLAS handles
-        for _ in range(2):
-            ag(x_ag.normal_(), w_ag.t())
-            rs(x_rs.normal_(), w_rs.t())
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = ag(x_ag, w_ag.t())
-        z = rs(x_rs, w_rs.t())
+    graph, (y, z) = _captured(lambda: (ag(x_ag, w_ag.t()), rs(x_rs, w_rs.t())),
+                              lambda: (x_ag.normal_(), x_rs.normal_()))
     errors = []
     for it in range(3):
         shards = [_randn((m_chunk, k), torch.bfloat16, "cg-xa", it, p, device=device) for p in range(world)]
@@ -612,16 +626,7 @@ def cuda_graph_fused_gpu_check(rank: int, world: int, kind: str, m_chunk: int = 
     weights = [_randn((n, k), dtype, "gf-w", p, device=device) / k ** 0.5 for p in range(world)]
     w = weights[rank]
     x = torch.empty((rows, k), dtype=dtype, device=device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # agreement, compilation and the workspace happen in eager calls
-        for _ in range(2):
-            op(x.normal_(), w.t())
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = op(x, w.t())
+    graph, y = _captured(lambda: op(x, w.t()), x.normal_)
     path = tileweave.last_path(op.op_name)
 
     def inputs(it):
@@ -685,17 +690,7 @@ def tp_mlp_graph_gpu_check(rank: int, world: int, tokens: int = 4096, hidden: in
         return (torch.nn.functional.silu(x_full.double() @ wu.t() + bu) @ wd.t() + bd)[rows]
 
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                x.normal_()
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = forward()
+        graph, y = _captured(forward, x.normal_)
         paths = tileweave.last_path("all_gather_gemm") + "," + tileweave.last_path("gemm_reduce_scatter")
         errors = []
         for it in range(3):
@@ -705,6 +700,4 @@ def tp_mlp_graph_gpu_check(rank: int, world: int, tokens: int = 4096, hidden: in
             torch.cuda.synchronize()
             errors.append(_rel_err(y, reference(x_full)))
     dist.barrier()
-    return {"err": max(errors), "paths": paths,
-            "graphable": all(op.graphable for cls in (tileweave.AllGatherGemm, tileweave.GemmReduceScatter)
-                             for op in cls._shared.values())}
+    return {"err": max(errors), "paths": paths, "graphable": _shared_ops_graphable()}
