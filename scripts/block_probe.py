@@ -1,0 +1,154 @@
+"""Where a TP block step spends its GPU time, per variant, on two GPUs: the step time (steady state, as
+the ``block`` bench section), then a profile of a few steps summed by kernel class (GEMM, NCCL, peer
+copies, attention, elementwise and the rest) and the largest kernels, so that two variants' steps can
+be compared kernel by kernel.
+
+    python3 scripts/block_probe.py [--out DIR] [--rows llama3-8b:8192,...] [--variants ours,torch,floor]
+
+``--env KEY=VALUE,...`` sets tileweave options for the ``ours`` variants (for example
+``TILEWEAVE_RS_TRANSPORT=chunked``). The variant ``ours+`` is ours with ``--patch
+module.NAME=VALUE,...`` applied (module constants such as
+``tileweave.tune.heuristics.MIN_CHUNKED_K_LOCAL=2048``), on fresh shared ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from tileweave.bench.block import BlockRow, block_variant, make_block_inputs  # noqa: E402
+from tileweave.testing.emulated import run_ranks  # noqa: E402
+from tileweave.tune.autotune import time_ms  # noqa: E402
+
+CLASSES = (("nccl", ("nccl",)), ("copy", ("memcpy", "memset")), ("attention", ("flash", "fmha", "attention", "sdpa")),
+           ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "xmma", "matmul")),
+           ("elementwise", ("elementwise", "vectorized", "reduce", "copy_kernel", "cat", "index")))
+
+
+def _class(name: str) -> str:
+    low = name.lower()
+    for label, keys in CLASSES:
+        if any(k in low for k in keys):
+            return label
+    return "other"
+
+
+def _profile(step, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    step(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    by_class: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if not total or e.key.startswith("ProfilerStep"):
+            continue
+        us = total / steps
+        kernels.append((e.key[:90], e.count // steps, round(us, 1)))
+        by_class[_class(e.key)] = by_class.get(_class(e.key), 0.0) + us
+    kernels.sort(key=lambda r: -r[2])
+    return {"classes_us": {k: round(v, 1) for k, v in sorted(by_class.items())}, "kernels": kernels[:14]}
+
+
+def _fresh_ops() -> None:
+    from tileweave.ops.all_gather_gemm import AllGatherGemm
+    from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter
+
+    AllGatherGemm._shared.clear()
+    GemmReduceScatter._shared.clear()
+
+
+def _patched(patch: dict[str, str]) -> dict:
+    """Apply ``module.NAME=VALUE`` patches; return what to restore."""
+    saved = {}
+    for target, value in patch.items():
+        module_name, name = target.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        old = getattr(module, name)
+        saved[target] = old
+        setattr(module, name, type(old)(value))
+    return saved
+
+
+def _rank(rank, world, rows, variants, env, patch):
+    device = torch.device("cuda", rank)
+    out = []
+    for model, m in rows:
+        row = BlockRow(model, m)
+        x = make_block_inputs(row, rank=rank, world_size=world, group=dist.group.WORLD)
+        result = {"row": f"{model}:{m}"}
+        for name in variants:
+            saved = {k: os.environ.get(k) for k in env}
+            restore = {}
+            if name.startswith("ours"):
+                os.environ.update(env)
+                _fresh_ops()
+            if name == "ours+":
+                restore = _patched(patch)
+            try:
+                v = block_variant("ours" if name == "ours+" else name, x, rank=rank, world_size=world,
+                                  reference=None)
+                if v.call is None:
+                    continue
+                step = v.call
+                dist.barrier()
+                result[f"{name}_ms"] = round(time_ms(lambda: step(0), device, warmup=5, iters=5, reps=5), 3)
+                dist.barrier()
+                result[f"{name}_profile"] = _profile(step, 3)
+                if v.path is not None:
+                    result[f"{name}_path"] = v.path()
+            finally:
+                _patched(restore)
+                for k, value in saved.items():
+                    if value is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = value
+        out.append(result)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--rows", default="llama3-8b:8192")
+    parser.add_argument("--variants", default="ours,torch,floor")
+    parser.add_argument("--env", default="")
+    parser.add_argument("--patch", default="")
+    args = parser.parse_args()
+    rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
+    env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
+    patch = dict(kv.split("=", 1) for kv in args.patch.split(",") if kv)
+    os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
+    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, gpus=True, timeout_s=500)
+    with open(os.path.join(args.out, "block_probe.json"), "w") as f:
+        json.dump(ranks, f, indent=1)
+    for r0, r1 in zip(*ranks):
+        print(r0["row"], r0.get("ours_path", ""))
+        for name in args.variants.split(","):
+            if f"{name}_ms" not in r0:
+                continue
+            p = r0[f"{name}_profile"]
+            busy = sum(p["classes_us"].values())
+            print(f"  {name:6s} step r0 {r0[name + '_ms']:7.3f} r1 {r1[name + '_ms']:7.3f} ms; "
+                  f"GPU kernels r0 {busy / 1e3:7.3f} ms: " + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in p["classes_us"].items()))
+        for name in args.variants.split(","):
+            for kname, count, us in r0.get(f"{name}_profile", {}).get("kernels", []):
+                print(f"    {name:6s} {us:8.1f} us x{count:<3d} {kname}")
+
+
+if __name__ == "__main__":
+    main()
