@@ -200,6 +200,8 @@ def test_bad_inputs_raise_on_every_rank():
         assert "divisible" in caught["rs_indivisible_m"], caught
         assert "K=32" in caught["ag_k_mismatch"], caught
         assert "dtype" in caught["ag_dtype_mismatch"], caught
+        assert "gathered_out must be" in caught["ag_gathered_out_shape"] and "(16, 32)" in caught["ag_gathered_out_shape"]
+        assert "gathered_out must be contiguous" in caught["ag_gathered_out_strided"], caught
         assert "same shapes" in caught["ag_ranks_disagree"], caught
 
 

@@ -72,14 +72,14 @@ def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype,
 
 
 def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor | None:
+              device: torch.device, *, name: str = "out") -> torch.Tensor | None:
     if out is None:
         return None
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
-        raise ValueError(f"out must be a {dtype} tensor of shape {shape} on {device}; got "
+        raise ValueError(f"{name} must be a {dtype} tensor of shape {shape} on {device}; got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     if out.stride(1) != 1:
-        raise ValueError(f"out must have unit stride along its last dimension, got strides {out.stride()}")
+        raise ValueError(f"{name} must have unit stride along its last dimension, got strides {out.stride()}")
     return out
 
 

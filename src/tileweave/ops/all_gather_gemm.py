@@ -100,12 +100,17 @@ class AllGatherGemm(FusedOp):
         return self._ws
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, return_gathered: bool = False):
+                 out: torch.Tensor | None = None, return_gathered: bool = False,
+                 gathered_out: torch.Tensor | None = None):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
-        the workspace, valid until the next call of this object."""
+        the workspace, valid until the next call of this object, unless ``gathered_out`` (a contiguous
+        ``[M, K]`` tensor) is given: then the gathered input is written there, each shard by the copy
+        engines as soon as it has arrived (off the GEMM's critical path), and that tensor is returned."""
+        if gathered_out is not None:
+            return_gathered = True
         signature, backend = self._unfused_route(a_shard, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
-            return self._fallback(backend, a_shard, b, None, None, return_gathered)
+            return self._fallback(backend, a_shard, b, None, None, return_gathered, gathered_out)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
         mc, k = a_shard.shape
@@ -117,11 +122,17 @@ class AllGatherGemm(FusedOp):
         m = mc * w
         bias = _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
         out = _launch.check_out(out, (m, n), a_shard.dtype, a_shard.device)
+        if gathered_out is not None:
+            _launch.check_out(gathered_out, (m, k), a_shard.dtype, a_shard.device, name="gathered_out")
+            if not gathered_out.is_contiguous():
+                raise ValueError(f"gathered_out must be contiguous, got strides {gathered_out.stride()}")
         if w == 1:
             from tileweave.ops.matmul import matmul
 
             out = matmul(a_shard, b, bias=bias, out=out)
             _launch.record_path(_OP, "local")
+            if gathered_out is not None:
+                return out, gathered_out.copy_(a_shard)
             return (out, a_shard) if return_gathered else out
 
         fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
@@ -130,7 +141,7 @@ class AllGatherGemm(FusedOp):
         if not fused:
             if signature is not None:
                 self._unfused[signature] = backend
-            return self._fallback(backend, a_shard, b, bias, out, return_gathered)
+            return self._fallback(backend, a_shard, b, bias, out, return_gathered, gathered_out)
         if out is None:
             out = torch.empty((m, n), dtype=a_shard.dtype, device=a_shard.device)
         transport = self.transport
@@ -140,7 +151,9 @@ class AllGatherGemm(FusedOp):
         chunked, ring = transport == "chunked", transport == "ring"
         ws, plan, a_shard, values = self._start(backend, a_shard, ring)
         gathered = plan.gathered
-        if return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
+        if gathered_out is not None:
+            self._copy_out(backend, ws, plan, a_shard, gathered_out, values.ready)
+        elif return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
         if chunked:
             self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, values.ready)
@@ -159,7 +172,23 @@ class AllGatherGemm(FusedOp):
         else:
             self._finish(backend, ws)
         _launch.record_path(_OP, "chunked" if chunked else "fused")
+        if gathered_out is not None:
+            return out, gathered_out
         return (out, gathered) if return_gathered else out
+
+    @staticmethod
+    def _copy_out(backend: Backend, ws: Workspace, plan: "_Plan", a_shard, gathered_out, ready: int) -> None:
+        """Queue on the copy stream, after this call's pushes: our shard into ``gathered_out``, then each
+        peer's rows once its flag reaches ``ready``. The call joins the copy stream before it releases
+        the buffer, so no peer refills a slot that is still being read."""
+        w, rank = backend.world_size, backend.rank
+        mc = a_shard.shape[0]
+        backend.comm_copy(gathered_out[rank * mc:(rank + 1) * mc], a_shard)
+        for step in range(1, w):
+            src = (rank + step) % w
+            rows = slice(src * mc, (src + 1) * mc)
+            backend.comm_wait(ws.flag_address(rank, READY, src), ready)
+            backend.comm_copy(gathered_out[rows], plan.gathered[rows])
 
     @staticmethod
     def _chunked_gemms(backend: Backend, ws: Workspace, a_shard, gathered, b, bias, out, ready: int) -> None:
@@ -263,9 +292,10 @@ class AllGatherGemm(FusedOp):
                                                         for src in range(w) if src != rank))
         return plan
 
-    def _fallback(self, backend: Backend, a_shard, b, bias, out, return_gathered):
-        gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]),
-                               dtype=a_shard.dtype, device=a_shard.device)
+    def _fallback(self, backend: Backend, a_shard, b, bias, out, return_gathered, gathered=None):
+        if gathered is None:
+            gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]),
+                                   dtype=a_shard.dtype, device=a_shard.device)
         a_shard = a_shard.contiguous()
         if a_shard.is_cuda:
             dist.all_gather_into_tensor(gathered, a_shard, group=backend.group)
@@ -323,8 +353,9 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     """Functional form of :class:`AllGatherGemm` (module docstring: shapes and semantics).
 
     Uses one cached op per (group, device); ``gathered``, when returned, is a fresh tensor here (the
-    workspace is shared by every caller of this function), so it stays valid. Under ``torch.compile``
-    this is the custom op ``torch.ops.tileweave.all_gather_gemm``.
+    workspace is shared by every caller of this function), so it stays valid; the copy engines fill it
+    while the GEMM runs. Under ``torch.compile`` this is the custom op
+    ``torch.ops.tileweave.all_gather_gemm``.
     """
     group = group if group is not None else dist.group.WORLD
     if torch.compiler.is_compiling():
@@ -338,11 +369,15 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
             out.copy_(result)
             result = out
         return (result, gathered) if return_gathered else result
-    result = cached_op(group, a_shard.device)(a_shard, b, bias=bias, out=out, return_gathered=return_gathered)
-    if return_gathered and _launch.last_path(_OP) in ("fused", "chunked"):  # a view of the shared workspace
-        out, gathered = result
-        return out, gathered.clone()
-    return result
+    op = cached_op(group, a_shard.device)
+    if not return_gathered:
+        return op(a_shard, b, bias=bias, out=out)
+    return op(a_shard, b, bias=bias, out=out, gathered_out=gathered_like(a_shard, dist.get_world_size(group)))
+
+
+def gathered_like(a_shard: torch.Tensor, world: int) -> torch.Tensor:
+    """A fresh contiguous ``[M, K]`` tensor for the gathered ``a_shard``."""
+    return torch.empty((a_shard.shape[0] * world, a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

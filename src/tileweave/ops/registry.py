@@ -31,11 +31,12 @@ def _(a_shard, b, bias, group_name):
 @torch.library.custom_op("tileweave::all_gather_gemm_gathered", mutates_args=())
 def all_gather_gemm_gathered_op(a_shard: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                                 group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from tileweave.ops.all_gather_gemm import cached_op
+    from tileweave.ops.all_gather_gemm import cached_op, gathered_like
 
-    out, gathered = cached_op(_group(group_name), a_shard.device)(a_shard, b, bias=bias, return_gathered=True)
+    group = _group(group_name)
     # A custom op's outputs may not alias the op's own workspace, which the next call overwrites.
-    return out, gathered.clone()
+    return cached_op(group, a_shard.device)(a_shard, b, bias=bias,
+                                            gathered_out=gathered_like(a_shard, group.size()))
 
 
 @all_gather_gemm_gathered_op.register_fake

@@ -71,7 +71,9 @@ def _device() -> str:
 
 
 def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str) -> dict:
-    """One call of ``op`` on fresh inputs of ``case`` (output and gather buffer poisoned first), checked."""
+    """One call of ``op`` on fresh inputs of ``case`` (output and gather buffer poisoned first), checked.
+    Odd calls pass a poisoned ``gathered_out``, which the copy stream fills only after each shard's flag
+    (a copy that does not wait copies the poisoned gather buffer)."""
     dtype = getattr(torch, case.dtype)
     set_producer_delay(case.delay_s if rank == case.straggler else 0.0)
     m = case.m_chunk * world
@@ -82,12 +84,17 @@ def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str
     out = torch.full((m, case.n), float("nan"), dtype=dtype, device=device)
     # Poison the gather buffer too: a consumer that does not wait for a shard reads NaN.
     op.gather_buffer(m, case.k, dtype, torch.device(device)).fill_(float("nan"))
+    gathered_out = torch.full((m, case.k), float("nan"), dtype=dtype, device=device) if it % 2 else None
     dist.barrier()
-    out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
+    if gathered_out is None:
+        out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
+    else:
+        out, gathered = op(shards[rank], b, bias=bias, out=out, gathered_out=gathered_out)
     full_a = torch.cat(shards).double()
     ref = full_a @ b.double() + (bias.double() if bias is not None else 0)
+    exact = torch.equal(gathered.double(), full_a) and (gathered_out is None or gathered is gathered_out)
     result = {"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
-              "err": _rel_err(out, ref), "gathered_exact": bool(torch.equal(gathered.double(), full_a))}
+              "err": _rel_err(out, ref), "gathered_exact": bool(exact)}
     dist.barrier()
     set_producer_delay(0.0)
     return result
@@ -235,6 +242,9 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     ag = tileweave.AllGatherGemm(policy="fused")
     attempt("ag_k_mismatch", lambda: ag(a, _randn((31, 16), torch.float16, "e")))
     attempt("ag_dtype_mismatch", lambda: ag(a, _randn((32, 16), torch.float32, "e")))
+    b16 = _randn((32, 16), torch.float16, "e")
+    attempt("ag_gathered_out_shape", lambda: ag(a, b16, gathered_out=a.new_empty((8, 32))))
+    attempt("ag_gathered_out_strided", lambda: ag(a, b16, gathered_out=a.new_empty((8 * world, 64))[:, :32]))
     # Shapes that differ between ranks are caught collectively, on every rank.
     k = 32 if rank == 0 else 40
     attempt("ag_ranks_disagree", lambda: ag(_randn((8, k), torch.float16, "e", rank),
