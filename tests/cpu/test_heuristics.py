@@ -33,8 +33,13 @@ def test_chunk_rows_reach_the_block_work_or_the_owner_rows():
 def test_reduce_scatter_transports_by_default():
     for w, m, n, k in _random_shapes(8192):
         chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport="chunked")
-        # The chunked transport needs a block's GEMM to outlast its copy and two blocks per owner.
-        assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and m // w >= heuristics.MIN_CHUNKED_ROWS_PER_RANK)
+        # The chunked transport needs enough GEMM work per owner to hide the copies behind.
+        rows = m // w
+        assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and rows >= heuristics.MIN_CHUNKED_ROWS_PER_RANK
+                           and rows * k >= heuristics.MIN_CHUNKED_ROWS_X_K_LOCAL)
+        if chunked:  # more rows or a longer K never turns it off
+            assert heuristics.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16)
+            assert heuristics.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16)
         for transport in ("store", "copy_engine"):
             assert not heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport)
             assert heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport,

@@ -6,7 +6,8 @@ problem size those costs exceed what the overlap saves. The thresholds are measu
 NOTES.md and bench/results/); the interpreter always fuses so that tests exercise the protocol.
 
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
-GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank). llama3-8b qkv at M=4096 is a
+GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), and for llama3-8b o at
+M=8192 too (K_loc 2048, 4096 rows per rank), but not at M=4096 (2048 rows per rank). llama3-8b qkv at M=4096 is a
 ``4096 x 3072 x 4096`` local GEMM (103 GFLOP): AllGather+GEMM takes its chunked transport there; at
 M=2048 (52 GFLOP) NCCL + cuBLAS. llama3-70b qkv at M=1024 (``1024 x 5120 x 8192``, 86 GFLOP): chunked.
 """
@@ -35,11 +36,15 @@ CHUNKED_BELOW_GFLOP_AG = 500.0
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
 # transport overlaps a block's copy with the next block's GEMM: it wins when a block's GEMM outlasts its
 # copy, i.e. when 2 K_loc / (GEMM rate) > 2 bytes / (copy-engine rate): K_loc above ~3300 at ~650
-# TFLOP/s and ~200 GB/s on an H200; and when each owner has at least two blocks to pipeline. On 2x
-# H200 it was 1.02-1.12x NCCL+cuBLAS on the 8 suite rows with K_loc >= 4096 and M/W >= 2048, and
-# 0.43-1.00x on the 7 others (bench/results/2026-11-30_h200x2_run3/).
-MIN_CHUNKED_K_LOCAL = 4096
+# TFLOP/s and ~200 GB/s on an H200; with a smaller K_loc, when an owner's rows are many enough that the
+# copies of the first blocks hide behind the GEMMs of the rest. On 2x H200 (NCCL+cuBLAS = 1):
+# K_loc >= 4096 with M/W >= 2048: 1.02-1.12x on the 8 suite rows (bench/results/2026-11-30_h200x2_run3/);
+# K_loc 2048 (N 4096): M/W 2048 0.88x, 4096 1.07x, 8192 1.50x; K_loc 3072: M/W 4096 1.19x, 8192 1.33x
+# (bench/results/2026-11-30_h200x2_run6/, rs_chunked_probe). So: K_loc and M/W from 2048 each, and
+# their product from 4096 x 2048.
+MIN_CHUNKED_K_LOCAL = 2048
 MIN_CHUNKED_ROWS_PER_RANK = 2048
+MIN_CHUNKED_ROWS_X_K_LOCAL = 4096 * 2048
 
 
 def _gflop(m: int, n: int, k: int) -> float:
@@ -68,4 +73,6 @@ def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype:
         return True
     if transport != "chunked":
         return False
-    return k_local >= MIN_CHUNKED_K_LOCAL and m // world >= MIN_CHUNKED_ROWS_PER_RANK
+    rows = m // world
+    return (k_local >= MIN_CHUNKED_K_LOCAL and rows >= MIN_CHUNKED_ROWS_PER_RANK
+            and rows * k_local >= MIN_CHUNKED_ROWS_X_K_LOCAL)
