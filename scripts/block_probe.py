@@ -83,14 +83,15 @@ def _patched(patch: dict[str, str]) -> dict:
     return saved
 
 
-def _rank(rank, world, rows, variants, env, patch):
+def _rank(rank, world, rows, variants, env, patch, profile):
     device = torch.device("cuda", rank)
     out = []
     for model, m in rows:
         row = BlockRow(model, m)
         x = make_block_inputs(row, rank=rank, world_size=world, group=dist.group.WORLD)
         result = {"row": f"{model}:{m}"}
-        for name in variants:
+        for i, name in enumerate(variants):
+            label = f"{i}:{name}"
             saved = {k: os.environ.get(k) for k in env}
             restore = {}
             if name.startswith("ours"):
@@ -105,11 +106,12 @@ def _rank(rank, world, rows, variants, env, patch):
                     continue
                 step = v.call
                 dist.barrier()
-                result[f"{name}_ms"] = round(time_ms(lambda: step(0), device, warmup=5, iters=5, reps=5), 3)
+                result[f"{label}_ms"] = round(time_ms(lambda: step(0), device, warmup=5, iters=5, reps=5), 3)
                 dist.barrier()
-                result[f"{name}_profile"] = _profile(step, 3)
+                if profile:
+                    result[f"{label}_profile"] = _profile(step, 3)
                 if v.path is not None:
-                    result[f"{name}_path"] = v.path()
+                    result["path"] = v.path()
             finally:
                 _patched(restore)
                 for k, value in saved.items():
@@ -128,26 +130,31 @@ def main():
     parser.add_argument("--variants", default="ours,torch,floor")
     parser.add_argument("--env", default="")
     parser.add_argument("--patch", default="")
+    parser.add_argument("--no-profile", action="store_true", help="step times only")
     args = parser.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
     env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     patch = dict(kv.split("=", 1) for kv in args.patch.split(",") if kv)
     os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
-    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, gpus=True, timeout_s=500)
+    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, gpus=True, timeout_s=500)
     with open(os.path.join(args.out, "block_probe.json"), "w") as f:
         json.dump(ranks, f, indent=1)
+    labels = [f"{i}:{name}" for i, name in enumerate(args.variants.split(","))]
     for r0, r1 in zip(*ranks):
-        print(r0["row"], r0.get("ours_path", ""))
-        for name in args.variants.split(","):
-            if f"{name}_ms" not in r0:
+        print(r0["row"], r0.get("path", ""))
+        for label in labels:
+            if f"{label}_ms" not in r0:
                 continue
-            p = r0[f"{name}_profile"]
-            busy = sum(p["classes_us"].values())
-            print(f"  {name:6s} step r0 {r0[name + '_ms']:7.3f} r1 {r1[name + '_ms']:7.3f} ms; "
-                  f"GPU kernels r0 {busy / 1e3:7.3f} ms: " + ", ".join(f"{k} {v / 1e3:.3f}" for k, v in p["classes_us"].items()))
-        for name in args.variants.split(","):
-            for kname, count, us in r0.get(f"{name}_profile", {}).get("kernels", []):
-                print(f"    {name:6s} {us:8.1f} us x{count:<3d} {kname}")
+            line = f"  {label:8s} step r0 {r0[label + '_ms']:7.3f} r1 {r1[label + '_ms']:7.3f} ms"
+            p = r0.get(f"{label}_profile")
+            if p:
+                busy = sum(p["classes_us"].values())
+                line += f"; GPU kernels r0 {busy / 1e3:7.3f} ms: " + ", ".join(
+                    f"{k} {v / 1e3:.3f}" for k, v in p["classes_us"].items())
+            print(line)
+        for label in labels:
+            for kname, count, us in r0.get(f"{label}_profile", {}).get("kernels", []):
+                print(f"    {label:8s} {us:8.1f} us x{count:<3d} {kname}")
 
 
 if __name__ == "__main__":
