@@ -83,7 +83,7 @@ def _patched(patch: dict[str, str]) -> dict:
     return saved
 
 
-def _rank(rank, world, rows, variants, env, patch, profile):
+def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
     device = torch.device("cuda", rank)
     out = []
     for model, m in rows:
@@ -99,6 +99,9 @@ def _rank(rank, world, rows, variants, env, patch, profile):
                 _fresh_ops()
             if name == "ours+":
                 restore = _patched(patch)
+            if empty_cache:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
             try:
                 v = block_variant("ours" if name == "ours+" else name, x, rank=rank, world_size=world,
                                   reference=None)
@@ -131,12 +134,13 @@ def main():
     parser.add_argument("--env", default="")
     parser.add_argument("--patch", default="")
     parser.add_argument("--no-profile", action="store_true", help="step times only")
+    parser.add_argument("--empty-cache", action="store_true", help="empty the allocator cache before each variant")
     args = parser.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
     env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     patch = dict(kv.split("=", 1) for kv in args.patch.split(",") if kv)
     os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
-    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, gpus=True, timeout_s=500)
+    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, args.empty_cache, gpus=True, timeout_s=500)
     with open(os.path.join(args.out, "block_probe.json"), "w") as f:
         json.dump(ranks, f, indent=1)
     labels = [f"{i}:{name}" for i, name in enumerate(args.variants.split(","))]

@@ -272,6 +272,10 @@ def run_block_phase(
                    n=row.config.ffn)
         res = out.setdefault((row.label, row.m), [])
         for name in names:
+            # Each variant starts from an empty allocator cache, not from the blocks the previous
+            # variant's step left split in its own pattern.
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             v = B.block_variant(name, x, rank=ctx.rank, world_size=ctx.world_size,
                                 reference=None if name == "floor" else reference)
             res.append(run_variant(ctx, v, key=key))
