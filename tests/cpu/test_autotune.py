@@ -63,16 +63,28 @@ def test_grids_that_fill_their_waves_badly_share_out_k():
     assert wave_use(132, 132) == 1.0 and wave_use(133, 132) == 133 / 264
     # 4096 x 1280: 320 tiles of 128 x 128 for 132 SMs, 2.4 waves.
     assert choose_gemm_config(4096, 1280, 8192, torch.bfloat16, num_sms=132).stream_k
+    # Under two waves of large tiles, stream-K runs on 128 x 128 tiles (1024 x 7168: 224 large tiles, 1.7
+    # waves; 448 mid tiles, 3.4 waves).
+    config = choose_gemm_config(1024, 7168, 8192, torch.bfloat16, num_sms=132)
+    assert config.stream_k and (config.block_m, config.block_n) == (128, 128)
+    # The fused kernels take whole tiles; their tile size is the one chosen without stream-K.
+    config = choose_gemm_config(1024, 7168, 8192, torch.bfloat16, num_sms=132, stream_k=False)
+    assert not config.stream_k and (config.block_m, config.block_n) == (128, 256)
+    # Two waves or more of large tiles keep them, stream-K included (2048 x 7168: 448 large tiles).
+    config = choose_gemm_config(2048, 7168, 8192, torch.bfloat16, num_sms=132)
+    assert config.stream_k and (config.block_m, config.block_n) == (128, 256)
     # Full waves, fewer tiles than SMs, a short K, fp32 and the interpreter keep whole tiles.
     assert not choose_gemm_config(8192, 4096, 8192, torch.bfloat16, num_sms=132).stream_k
     assert not choose_gemm_config(1024, 768, 8192, torch.bfloat16, num_sms=132).stream_k
     assert not choose_gemm_config(4096, 1280, STREAM_K_MIN_K // 2, torch.bfloat16, num_sms=132).stream_k
     assert not choose_gemm_config(4096, 1280, 8192, torch.float32, num_sms=132).stream_k
     assert not choose_gemm_config(4096, 1280, 8192, torch.bfloat16, num_sms=132, interpreter=True).stream_k
-    for m, n, k in [(1024, 768, 4096), (2048, 1280, 8192), (8192, 4096, 4096), (333, 517, 2048), (4096, 1280, 8192)]:
+    for m, n, k in [(1024, 768, 4096), (2048, 1280, 8192), (8192, 4096, 4096), (333, 517, 2048), (4096, 1280, 8192),
+                    (1024, 7168, 8192), (1536, 5120, 8192)]:
         config = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132)
         tiles = -(-m // config.block_m) * -(-n // config.block_n)
         if config.stream_k:
             assert k >= STREAM_K_MIN_K and tiles >= 132 and wave_use(tiles, 132) < STREAM_K_BELOW
+            assert config.block_n == 128 or -(-m // 128) * -(-n // 256) >= 2 * 132, (m, n, k, config)
         elif k >= STREAM_K_MIN_K and tiles >= 132:
             assert wave_use(tiles, 132) >= STREAM_K_BELOW, (m, n, k, config)

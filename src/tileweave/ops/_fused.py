@@ -149,7 +149,7 @@ class FusedOp:
                 raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
             return decided[0], decided[1], False
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
-                                                interpreter=backend.interpreter)
+                                                interpreter=backend.interpreter, stream_k=False)
         # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer).
         proposal = dataclasses.replace(proposal, stream_k=False, **config_overrides)
         fused = self.policy == "fused" or (

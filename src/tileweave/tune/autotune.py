@@ -103,13 +103,15 @@ def _cache_for(device: torch.device) -> ConfigCache:
 
 
 def select_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, num_sms: int,
-                  interpreter: bool = False) -> GemmConfig:
-    """The tuned config for this shape if the cache has one, else the heuristic choice."""
-    memo = (m, n, k, dtype, device.type, device.index, interpreter)
+                  interpreter: bool = False, stream_k: bool = True) -> GemmConfig:
+    """The tuned config for this shape if the cache has one, else the heuristic choice (whole tiles
+    only with ``stream_k=False``)."""
+    memo = (m, n, k, dtype, device.type, device.index, interpreter, stream_k)
     config = _selected.get(memo)
     if config is None:
         config = None if interpreter else _cache_for(device).get(shape_key(m, n, k, dtype))
-        config = config or choose_gemm_config(m, n, k, dtype, num_sms=num_sms, interpreter=interpreter)
+        config = config or choose_gemm_config(m, n, k, dtype, num_sms=num_sms, interpreter=interpreter,
+                                              stream_k=stream_k)
         _selected[memo] = config
     return config
 

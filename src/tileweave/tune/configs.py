@@ -114,7 +114,7 @@ step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work pe
 
 @functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
-                       interpreter: bool = False) -> GemmConfig:
+                       interpreter: bool = False, stream_k: bool = True) -> GemmConfig:
     """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
 
     Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). Under two waves
@@ -122,7 +122,7 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
     (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against 1.0): 128 x 128. When the
     chosen tiles still fill their last wave badly and K is long, the last wave's K steps are dealt out
-    over all programs (stream-K).
+    over all programs (stream-K). ``stream_k=False``: whole tiles only (the fused kernels).
     """
     if interpreter:
         return INTERPRETER_CONFIG
@@ -135,12 +135,21 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     # 2048 x 4096 x 2048 and 2048 x 1280 x 8192; 128 x 128 on 1024 x 768 x 4096 (24.3 against 42.8 us),
     # 2048 x 768 x 4096, 1024 x 1280 x 8192 and 4096 x 1280 x 8192. (64 x 128 tiles, the earlier choice
     # for small grids, were slower than 128 x 128 wherever tried.)
+    mid = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms):
         config, tiles = GemmConfig(), big_tiles
     else:
-        config, tiles = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8), mid_tiles
+        config, tiles = mid, mid_tiles
     # Only behind at least one full wave: with fewer tiles than programs every tile would be shared out
     # (1024 x 1280 x 8192: 0.70x cuBLAS against 0.79x with whole tiles).
-    if k >= STREAM_K_MIN_K and tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW:
+    if stream_k and k >= STREAM_K_MIN_K and tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW:
+        if config is not mid and big_tiles < 2 * num_sms:
+            # Under two waves a shared tail of large tiles is most of the work, and each shared tile
+            # stores and sums 128 KB of fp32 partials: stream-K on 128 x 256 tiles was never the faster
+            # in graph replay (10 shapes, NOTES.md entry 27), and 1024 x 7168 x 8192 ran at 0.76x
+            # cuBLAS with it against 0.93x on 128 x 128 tiles (entry 32).
+            config, tiles = mid, mid_tiles
+            if not (tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW):
+                return config
         return dataclasses.replace(config, stream_k=True)
     return config
