@@ -87,7 +87,7 @@ def synthetic() -> list[Measurement]:
     rows = []
     for layer, m, ours in [("llama3-8b qkv", 2048, 0.40), ("llama3-8b qkv", 8192, 0.95),
                            ("llama3-70b qkv", 16384, 2.1)]:
-        rows += rows_for(layer, m, {"gemm": ours * 0.9, "comm": ours * 0.3, "base": ours * 1.2,
+        rows += rows_for(layer, m, {"gemm": ours * 0.9, "comm": ours * 0.3, "nccl": ours * 0.4, "base": ours * 1.2,
                                     "torch": ours * 1.1, "ours": ours})
     rows += rows_for("llama3-70b qkv", 4096, {"gemm": 0.5, "comm": 0.2, "base": 0.7, "torch": 0.6, "ours": None},
                      status={"ours": "FAILED"})
@@ -97,10 +97,12 @@ def synthetic() -> list[Measurement]:
 def test_markdown_is_the_wide_view():
     rows = synthetic()
     text = markdown("ag", rows, META)
-    header = ("| layer | M | K | N | t_gemm | t_comm | ideal | t_base | t_torch | t_ours | x_base | x_torch "
-              "| E | eff | path |")
+    header = ("| layer | M | K | N | t_gemm | t_comm | t_nccl | ideal | t_base | t_torch | t_ours | x_base "
+              "| x_torch | E | eff | path |")
     assert header in text
-    assert "| llama3-8b qkv | 8192 | 4096 | 6144 | 0.855 | 0.285 | 0.855 | 1.140 | 1.045 | 0.950 | 1.20 " in text
+    assert "| llama3-8b qkv | 8192 | 4096 | 6144 | 0.855 | 0.285 | 0.380 | 0.855 | 1.140 | 1.045 | 0.950 | 1.20 " in text
+    # A row without the NCCL-alone variant (older results) shows a hole there.
+    assert "| llama3-70b qkv | 4096 | 4096 | 6144 | 0.500 | 0.200 | n/a | 0.500 |" in text
     assert "FAILED" in text
     s = summarize(rows)
     gm = math.exp(sum(math.log(x.x_base) for x in s if x.x_base) / sum(1 for x in s if x.x_base))
@@ -200,7 +202,7 @@ def test_a_transport_section_reads_like_its_op():
                     op="rs-chunked")
     text = markdown("rs-chunked", rows, META)
     assert text.startswith("## tileweave bench: rs-chunked")
-    assert "| layer | M | K | N | t_gemm | t_comm | ideal | t_base | t_torch | t_ours |" in text
+    assert "| layer | M | K | N | t_gemm | t_comm | t_nccl | ideal | t_base | t_torch | t_ours |" in text
     (s,) = summarize(rows)
     assert s.x_base == pytest.approx(0.19 / 0.12) and s.e == pytest.approx(1 - (0.12 - 0.10) / (0.19 - 0.10))
 

@@ -24,8 +24,9 @@ from typing import Any
 
 SCHEMA = "tileweave.bench/1"
 
-COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "base", "torch", "ours")
-"""AG/RS variants: cuBLAS alone, copy-engine transport alone, NCCL then cuBLAS, torch async-TP, ours."""
+COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "nccl", "base", "torch", "ours")
+"""AG/RS variants: cuBLAS alone, copy-engine transport alone, the NCCL collective alone, NCCL then
+cuBLAS, torch async-TP, ours."""
 GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
 """``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
 
@@ -253,11 +254,11 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
             f"worst ours/floor over M>={BLOCK_FLOOR_MIN_M} ({len(big)} rows): {_num(worst, 3)}",
         ]
     else:
-        header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "ideal", "t_base", "t_torch", "t_ours",
+        header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "t_nccl", "ideal", "t_base", "t_torch", "t_ours",
                   "x_base", "x_torch", "E", "eff", "path"]
         lines += _table(header, (
             [s.layer, str(s.m), str(s.k), str(s.n)]
-            + [_time_cell(s, v) for v in ("gemm", "comm")] + [_num(s.ideal, 3)]
+            + [_time_cell(s, v) for v in ("gemm", "comm", "nccl")] + [_num(s.ideal, 3)]
             + [_time_cell(s, v) for v in ("base", "torch", "ours")]
             + [_num(s.x_base, 2), _num(s.x_torch, 2), _num(s.e, 2), _num(s.eff, 2), s.path or "n/a"]
             for s in summaries

@@ -7,7 +7,7 @@ Phases, in order:
    memory exists in the process: that op hung once next to other symmetric buffers (DESIGN.md), so it
    gets a phase alone.
 3. For every AG row, then every RS row: cuBLAS alone, the copy-engine transport alone (our own
-   symmetric buffer), NCCL + cuBLAS, and tileweave's op.
+   symmetric buffer), the NCCL collective alone, NCCL + cuBLAS, and tileweave's op.
 4. For every block row: the compute floor, NCCL + cuBLAS, and tileweave's ops.
 
 Deadlock safety: every decision that changes which collectives a rank issues (is a variant there, did
@@ -211,7 +211,7 @@ def run_main_phase(
     progress: Progress,
     transports: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, list[Measurement]]:
-    """cuBLAS, transport, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows. With
+    """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows. With
     several ``transports`` for an op, ours runs once per transport (one op object each) and each gets
     its own section ``<op>-<transport>`` holding the shared baseline rows."""
     transports = transports or {}
@@ -235,6 +235,7 @@ def run_main_phase(
                 shared = [run_variant(ctx, v, key=key) for v in (
                     V.gemm_variant(x),
                     comm.variant(x),
+                    V.nccl_variant(x, group=ctx.group),
                     V.base_variant(x, group=ctx.group),
                 )]
                 if (op, row.layer.name, row.m) in torch_rows:

@@ -175,6 +175,30 @@ def base_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
     return Variant(name="base", call=rs, check=_checker(x.ref))
 
 
+def nccl_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
+    """The NCCL collective alone (DESIGN.md's "AG NCCL" and "RS NCCL" columns): the all-gather of the
+    shard, or the reduce-scatter of the bf16 partial, into a fresh output."""
+    m, n = x.row.m, x.n_sets
+    if x.row.layer.kind == "AG":
+        k = x.shapes.a[1]
+        assert x.gathered is not None
+
+        def ag(i: int) -> torch.Tensor:
+            g = torch.empty((m, k), dtype=DTYPE, device="cuda")
+            dist.all_gather_into_tensor(g, x.a[i % n], group=group)
+            return g
+
+        return Variant(name="nccl", call=ag, check=_checker(x.gathered[0]))
+    assert x.partial0 is not None
+
+    def rs(i: int) -> torch.Tensor:
+        out = torch.empty(x.shapes.out, dtype=DTYPE, device="cuda")
+        dist.reduce_scatter_tensor(out, x.partial0, group=group)
+        return out
+
+    return Variant(name="nccl", call=rs, check=_checker(x.ref))
+
+
 def ours_object(op: str, transport: str, *, group: dist.ProcessGroup):
     """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY), for timing one
     transport next to others in one run."""
