@@ -8,7 +8,10 @@ be compared kernel by kernel.
 ``--env KEY=VALUE,...`` sets tileweave options for the ``ours`` variants (for example
 ``TILEWEAVE_RS_TRANSPORT=chunked``). The variant ``ours+`` is ours with ``--patch
 module.NAME=VALUE,...`` applied (module constants such as
-``tileweave.tune.heuristics.MIN_CHUNKED_K_LOCAL=2048``), on fresh shared ops.
+``tileweave.tune.heuristics.MIN_CHUNKED_K_LOCAL=2048``), on fresh shared ops; ``ours=`` is ours on the
+shared ops of the previous ours variant (no new workspaces). Variants may repeat, and ``churn`` and
+``idle`` between them change the allocator's state or let the GPU cool (they time nothing), to find
+what one variant leaves behind for the next: ``--variants torch,ours,floor,ours,churn,ours,idle,ours``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,6 +87,20 @@ def _patched(patch: dict[str, str]) -> dict:
     return saved
 
 
+def _between(name: str) -> None:
+    """Pseudo-variants that time nothing, to find what a variant leaves behind for the next: ``churn``
+    allocates and frees 4 GiB in 64 MiB pieces through the caching allocator; ``idle`` lets the GPU
+    sit idle for 10 s (clocks and temperature recover)."""
+    torch.cuda.synchronize()
+    if name == "churn":
+        pieces = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(64)]
+        pieces.clear()
+    else:
+        time.sleep(10)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
 def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
     device = torch.device("cuda", rank)
     out = []
@@ -92,18 +110,22 @@ def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
         result = {"row": f"{model}:{m}"}
         for i, name in enumerate(variants):
             label = f"{i}:{name}"
+            if name in ("churn", "idle"):
+                _between(name)
+                continue
             saved = {k: os.environ.get(k) for k in env}
             restore = {}
             if name.startswith("ours"):
                 os.environ.update(env)
-                _fresh_ops()
+                if name != "ours=":
+                    _fresh_ops()
             if name == "ours+":
                 restore = _patched(patch)
             if empty_cache:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
             try:
-                v = block_variant("ours" if name == "ours+" else name, x, rank=rank, world_size=world,
+                v = block_variant("ours" if name.startswith("ours") else name, x, rank=rank, world_size=world,
                                   reference=None)
                 if v.call is None:
                     continue
