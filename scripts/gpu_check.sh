@@ -12,7 +12,7 @@
 # op's "ours" runs with, next to one set of baselines (one report section per transport). POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) with BLOCK_AG_TRANSPORT / BLOCK_RS_TRANSPORT at BLOCK_M
-# (default 4096,8192,16384). Set
+# (default 4096,8192,16384), each variant in its own processes (BLOCK_ISOLATE=0: all in one). Set
 # TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
 # stale one). BLOCK=1 also runs examples/train_block.py (fused, NCCL, floor), which writes block.txt.
 set -uo pipefail
@@ -57,6 +57,19 @@ for op in $OPS; do
     m="$BLOCK_M"
     policy="${BLOCK_POLICY:-auto}"
     flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-auto}" --rs-transport "${BLOCK_RS_TRANSPORT:-chunked}")
+  fi
+  if [ "$op" = block ] && [ "${BLOCK_ISOLATE:-1}" != 0 ]; then
+    # Each block variant in its own processes, the reports merged: in one process a variant ran 2-4%
+    # slower after another one than before it (NOTES.md, entry 35).
+    rm -rf "$OUT/block_parts"
+    for v in torch floor base ours; do
+      timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op block --m "$m" --out "$OUT/block_parts" \
+        --policy "$policy" ${flags[@]+"${flags[@]}"} --block-variants "$v" --tag "block-$v" 2>&1 \
+        | grep -v -i warning | grep -E "wrote|Error|error" || status=1
+    done
+    python3 scripts/merge_results.py --out "$OUT/results" --tag block "$OUT"/block_parts/block-*_block_*.json \
+      | tail -40 || status=1
+    continue
   fi
   timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --m "$m" --out "$OUT/results" \
     --policy "$policy" ${flags[@]+"${flags[@]}"} --tag "$op" 2>&1 | grep -v -i warning | tail -60 || status=1

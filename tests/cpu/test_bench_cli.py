@@ -45,6 +45,15 @@ def test_block_section_filters():
             cli.parse_args(bad)
 
 
+def test_block_variants_one_process_each():
+    assert cli.parse_args(["--op", "block"]).bench.block_variants == ("floor", "base", "torch", "ours")
+    assert cli.parse_args(["--op", "block", "--block-variants", "ours"]).bench.block_variants == ("ours",)
+    assert cli.parse_args(["--block-variants", "torch,floor"]).bench.block_variants == ("torch", "floor")
+    for bad in (["--block-variants", "fused"], ["--block-variants", "ours,ours"], ["--block-variants", ","]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+
+
 def test_transports_for_ours():
     o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "store"])
     assert (o.ag_transport, o.rs_transport) == ("chunked", "store")

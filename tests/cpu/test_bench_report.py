@@ -222,3 +222,51 @@ def test_host_bound_variants_are_named_per_row():
     assert "- ours: llama3-8b o M=1024\n" in text and "- torch: llama3-8b o M=1024\n" in text
     assert "base:" not in text and "llama3-70b o M=8192" not in text.split("Host-bound")[1].split("Peak")[0]
     assert "Host-bound" not in markdown("rs", rows, META)  # not measured (older results): no section
+
+
+def _block_rows(variants, m=8192):
+    import random
+
+    rng = random.Random()
+    return [dataclasses.replace(r, ms=rng.uniform(5.0, 40.0))
+            for r in rows_for("llama3-8b block", m, {v: 1.0 for v in variants}, op="block")]
+
+
+def test_reports_of_one_section_merge_into_one(tmp_path):
+    # The block's variants timed each in its own process: the merged report is the report of all rows.
+    from tileweave.bench.report import merge_reports
+
+    parts = {"torch": _block_rows(["torch"]) + _block_rows(["torch"], m=16384),
+             "ours": _block_rows(["ours"]) + _block_rows(["ours"], m=16384),
+             "floor": _block_rows(["floor", "base"]) + _block_rows(["floor", "base"], m=16384)}
+    paths = []
+    for name, rows in parts.items():
+        files = write_report(out_dir=tmp_path, tag=f"block-{name}", op="block", date="d", meta=META, measurements=rows)
+        paths.append(files.json)
+    op, meta, merged = merge_reports(paths)
+    assert op == "block" and meta["merged_from"] == [p.name for p in paths]
+    every = [r for rows in parts.values() for r in rows]
+    assert sorted((r.m, r.variant, r.ms) for r in merged) == sorted((r.m, r.variant, r.ms) for r in every)
+    # Rows in the first report's order, variants in the report's order within a row.
+    assert [(r.m, r.variant) for r in merged] == [(m, v) for m in (8192, 16384) for v in ("floor", "base", "torch", "ours")]
+    text = write_report(out_dir=tmp_path, tag="block", op=op, date="d", meta=meta, measurements=merged).md.read_text()
+    (s8,) = [s for s in summarize(merged) if s.m == 8192]
+    by = {r.variant: r.ms for r in merged if r.m == 8192}
+    assert s8.x_torch == pytest.approx(by["torch"] / by["ours"]) and s8.over_floor == pytest.approx(by["ours"] / by["floor"])
+    assert "llama3-8b block | 8192" in text and "Merged from 3 reports" in text
+
+
+def test_merging_refuses_duplicates_and_mixed_commits(tmp_path):
+    from tileweave.bench.report import merge_reports
+
+    a = write_report(out_dir=tmp_path, tag="a", op="block", date="d", meta=META, measurements=_block_rows(["ours"])).json
+    b = write_report(out_dir=tmp_path, tag="b", op="block", date="d", meta=META, measurements=_block_rows(["ours"])).json
+    with pytest.raises(ValueError, match="'ours' of llama3-8b block M=8192 is already"):
+        merge_reports([a, b])
+    c = write_report(out_dir=tmp_path, tag="c", op="block", date="d", meta={**META, "git_commit": "def"},
+                     measurements=_block_rows(["torch"])).json
+    with pytest.raises(ValueError, match="git_commit"):
+        merge_reports([a, c])
+    d = write_report(out_dir=tmp_path, tag="d", op="ag", date="d", meta=META, measurements=rows_for("x", 1024, {"ours": 1.0})).json
+    with pytest.raises(ValueError, match="op"):
+        merge_reports([a, d])

@@ -24,6 +24,7 @@ from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from tileweave.bench.report import BLOCK_VARIANTS
 from tileweave.bench.runner import BenchConfig
 from tileweave.bench.suite import (
     DEFAULT_OPS,
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ag-transport", default="auto",
                    help="AllGather+GEMM transport(s) for 'ours', from auto, mesh, ring, chunked; a comma list "
                         "times each next to one set of baselines (default auto: chunked or mesh per shape)")
+    p.add_argument("--block-variants", default=",".join(BLOCK_VARIANTS),
+                   help="block section: which of floor, base, torch, ours to run in this process (default all; "
+                        "scripts/gpu_check.sh runs each in its own process and merges the reports)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
                         "list times each next to one set of baselines (default chunked)")
@@ -128,8 +132,9 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
         _check_filters(ops, layers, m_values, world_size=1)
         transports = {"ag": _transports(ns.ag_transport, AG_TRANSPORTS, "--ag-transport"),
                       "rs": _transports(ns.rs_transport, RS_TRANSPORTS, "--rs-transport")}
+        block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
-                            include_torch=not ns.no_torch, transports=transports)
+                            include_torch=not ns.no_torch, transports=transports, block_variants=block_variants)
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),

@@ -220,7 +220,9 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
         f"commit {meta.get('git_commit', 'n/a')}{' (dirty)' if meta.get('git_dirty') else ''}; "
         f"torch {meta.get('torch', 'n/a')}, triton {meta.get('triton', 'n/a')}; "
         f"SM clock under load {_clock_text(meta.get('sm_clock_mhz'))}. "
-        "Times in ms per call: steady state, median over reps, max over ranks.",
+        "Times in ms per call: steady state, median over reps, max over ranks."
+        + (f" Merged from {len(meta['merged_from'])} reports, each run in its own processes."
+           if meta.get("merged_from") else ""),
         "",
     ]
     if op == "gemm":
@@ -413,6 +415,36 @@ def load_report(path: Path) -> tuple[dict[str, Any], list[Measurement]]:
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {doc.get('schema')!r}, expected {SCHEMA!r}")
     return doc["meta"], [Measurement(**r) for r in doc["measurements"]]
+
+
+def merge_reports(paths: Sequence[Path]) -> tuple[str, dict[str, Any], list[Measurement]]:
+    """``(op, meta, measurements)`` of several reports of one section at one commit (for example the
+    block's variants, each timed in a fresh process), for ``write_report``. Rows keep the first file's
+    order; a variant measured twice on one row, or reports of different sections or commits, are an
+    error rather than a silent choice."""
+    if not paths:
+        raise ValueError("merge_reports needs at least one report")
+    loaded = [(Path(p), *load_report(p)) for p in paths]
+    first_path, meta, _ = loaded[0]
+    op = meta.get("op")
+    for path, m, _ in loaded[1:]:
+        for key in ("op", "git_commit", "world_size", "gpu_name"):
+            if m.get(key) != meta.get(key):
+                raise ValueError(f"cannot merge {path} into {first_path}: {key} {m.get(key)!r} != {meta.get(key)!r}")
+    merged: dict[tuple, dict[str, Measurement]] = {}
+    for path, _, rows in loaded:
+        for r in rows:
+            per_shape = merged.setdefault(r.shape_key, {})
+            if r.variant in per_shape:
+                raise ValueError(f"{path}: variant {r.variant!r} of {r.layer} M={r.m} is already in another report")
+            per_shape[r.variant] = r
+    order = {v: i for i, v in enumerate((*COLLECTIVE_VARIANTS, *GEMM_VARIANTS, *BLOCK_VARIANTS))}
+    measurements = [r for per_shape in merged.values()
+                    for r in sorted(per_shape.values(), key=lambda r: order.get(r.variant, len(order)))]
+    meta = {k: v for k, v in meta.items() if k not in ("op", "tag", "sm_clock_mhz")}
+    meta["argv"] = [list(m.get("argv") or []) for _, m, _ in loaded]
+    meta["merged_from"] = [p.name for p, _, _ in loaded]
+    return op, meta, measurements
 
 
 def _run(cmd: Sequence[str], cwd: Path) -> str | None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.bench import variants as V
-from tileweave.bench.report import Measurement
+from tileweave.bench.report import BLOCK_VARIANTS, Measurement
 from tileweave.bench.suite import OpName, SuiteRow, gemm_shapes, select_rows
 from tileweave.bench.timing import (
     Agreement,
@@ -55,10 +55,18 @@ class BenchConfig:
     """``{"ag": (...), "rs": (...)}``: with two or more transports for an op, "ours" runs once per
     transport next to one set of baselines, reported as ``<op>-<transport>``; otherwise "ours" is the
     functional op with the transport of its environment variable."""
+    block_variants: tuple[str, ...] = BLOCK_VARIANTS
+    """The block section's variants to run in this process. One at a time, each in a fresh process, and
+    the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
+    slower after another variant than before it (NOTES.md, entry 35)."""
 
     def __post_init__(self) -> None:
         if not self.ops:
             raise ValueError("ops must name at least one of gemm, ag, rs, block")
+        bad = [v for v in self.block_variants if v not in BLOCK_VARIANTS]
+        if bad or not self.block_variants or len(set(self.block_variants)) != len(self.block_variants):
+            raise ValueError(f"block variants must be distinct names from {', '.join(BLOCK_VARIANTS)}; "
+                             f"got {', '.join(self.block_variants) or 'none'}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -326,16 +334,17 @@ def run_rank(
                                    f"got world_size={world_size}")
             torch_rows = run_torch_phase(rows, dist_ctx, progress) if cfg.include_torch and coll_ops else {}
             torch_blocks = (run_block_phase(block_rows, ("torch",), dist_ctx, progress)
-                            if cfg.include_torch and block_rows else {})
+                            if cfg.include_torch and block_rows and "torch" in cfg.block_variants else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
             results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports))
+            names = tuple(v for v in ("floor", "base", "ours") if v in cfg.block_variants)
             if block_rows:
-                ours = run_block_phase(block_rows, ("floor", "base", "ours"), dist_ctx, progress)
+                ours = run_block_phase(block_rows, names, dist_ctx, progress) if names else {}
                 results["block"] = [
-                    r for key, measured in ours.items()
-                    for r in sorted(measured + torch_blocks.get(key, []),
-                                    key=lambda r: ("floor", "base", "torch", "ours").index(r.variant))
+                    r for key in dict.fromkeys([*ours, *torch_blocks])
+                    for r in sorted(ours.get(key, []) + torch_blocks.get(key, []),
+                                    key=lambda r: BLOCK_VARIANTS.index(r.variant))
                 ]
     finally:
         progress.close()
