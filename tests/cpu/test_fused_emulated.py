@@ -212,6 +212,7 @@ def test_unfused_fallback_paths():
         for it in range(3):
             assert result[f"ag_repeat{it}"] < 1e-5 and result[f"rs_repeat{it}"] < 1e-5, result
         assert "K=" in result["ag_bad_k"] and "K_loc=" in result["rs_bad_k"], result
+        assert "gathered_out must be" in result["ag_bad_gathered_out"], result
         assert "dtype" in result["ag_bad_dtype"] and "dtype" in result["rs_bad_dtype"], result
 
 

@@ -104,12 +104,16 @@ class AllGatherGemm(FusedOp):
                  gathered_out: torch.Tensor | None = None):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
         the workspace, valid until the next call of this object, unless ``gathered_out`` (a contiguous
-        ``[M, K]`` tensor) is given: then the gathered input is written there, each shard by the copy
-        engines as soon as it has arrived (off the GEMM's critical path), and that tensor is returned."""
+        ``[M, K]`` tensor) is given: then the copy stream writes the gathered input there, each shard
+        once it has arrived, and that tensor is returned. With the chunked transport those copies run
+        between the GEMMs; next to the fused kernel they wait for it (a local device-to-device copy needs
+        SMs, DESIGN.md), which still costs less than copying the workspace afterwards."""
         if gathered_out is not None:
             return_gathered = True
         signature, backend = self._unfused_route(a_shard, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
+            if gathered_out is not None:
+                _check_gathered_out(gathered_out, a_shard, backend.world_size)
             return self._fallback(backend, a_shard, b, None, None, return_gathered, gathered_out)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
@@ -123,9 +127,7 @@ class AllGatherGemm(FusedOp):
         bias = _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
         out = _launch.check_out(out, (m, n), a_shard.dtype, a_shard.device)
         if gathered_out is not None:
-            _launch.check_out(gathered_out, (m, k), a_shard.dtype, a_shard.device, name="gathered_out")
-            if not gathered_out.is_contiguous():
-                raise ValueError(f"gathered_out must be contiguous, got strides {gathered_out.stride()}")
+            _check_gathered_out(gathered_out, a_shard, w)
         if w == 1:
             from tileweave.ops.matmul import matmul
 
@@ -353,8 +355,8 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     """Functional form of :class:`AllGatherGemm` (module docstring: shapes and semantics).
 
     Uses one cached op per (group, device); ``gathered``, when returned, is a fresh tensor here (the
-    workspace is shared by every caller of this function), so it stays valid; the copy engines fill it
-    while the GEMM runs. Under ``torch.compile`` this is the custom op
+    workspace is shared by every caller of this function), so it stays valid; the op's copy stream
+    fills it (``gathered_out``). Under ``torch.compile`` this is the custom op
     ``torch.ops.tileweave.all_gather_gemm``.
     """
     group = group if group is not None else dist.group.WORLD
@@ -373,6 +375,13 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     if not return_gathered:
         return op(a_shard, b, bias=bias, out=out)
     return op(a_shard, b, bias=bias, out=out, gathered_out=gathered_like(a_shard, dist.get_world_size(group)))
+
+
+def _check_gathered_out(gathered_out: torch.Tensor, a_shard: torch.Tensor, world: int) -> None:
+    mc, k = a_shard.shape
+    _launch.check_out(gathered_out, (mc * world, k), a_shard.dtype, a_shard.device, name="gathered_out")
+    if not gathered_out.is_contiguous():
+        raise ValueError(f"gathered_out must be contiguous, got strides {gathered_out.stride()}")
 
 
 def gathered_like(a_shard: torch.Tensor, world: int) -> torch.Tensor:

@@ -273,13 +273,17 @@ def fallback_check(rank: int, world: int, m_chunk: int, k: int, n: int) -> dict[
     rs = tileweave.GemmReduceScatter(policy="fallback")
     for it in range(3):
         shards = [_randn((m_chunk, k), torch.float32, f"fb{it}", p) for p in range(world)]
-        got, gathered = ag(shards[rank], b, return_gathered=True)
+        # The second repeat gathers into a caller's tensor (the decided route checks it too).
+        given = torch.full((m_chunk * world, k), float("nan")) if it == 1 else None
+        got, gathered = ag(shards[rank], b, return_gathered=True, gathered_out=given)
         result[f"ag_repeat{it}"] = max(_rel_err(got, torch.cat(shards).double() @ b.double()),
-                                       float(not torch.equal(gathered, torch.cat(shards))))
+                                       float(not torch.equal(gathered, torch.cat(shards))),
+                                       float(given is not None and gathered is not given))
         a_all = [_randn((m_chunk * world, k), torch.float32, f"fb-a{it}", p) for p in range(world)]
         ref = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))
         result[f"rs_repeat{it}"] = _rel_err(rs(a_all[rank], b_all[rank]), ref[rank * m_chunk:(rank + 1) * m_chunk])
     for name, call in (("ag_bad_k", lambda: ag(shards[rank][:, 1:], b)),
+                       ("ag_bad_gathered_out", lambda: ag(shards[rank], b, gathered_out=torch.empty(m_chunk, k))),
                        ("ag_bad_dtype", lambda: ag(shards[rank], b.double())),
                        ("rs_bad_k", lambda: rs(a_all[rank], b_all[rank][1:])),
                        ("rs_bad_dtype", lambda: rs(a_all[rank].half(), b_all[rank]))):
