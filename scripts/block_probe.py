@@ -17,11 +17,13 @@ what one variant leaves behind for the next: ``--variants torch,ours,floor,ours,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -75,16 +77,21 @@ def _fresh_ops() -> None:
     GemmReduceScatter._shared.clear()
 
 
-def _patched(patch: dict[str, str]) -> dict:
-    """Apply ``module.NAME=VALUE`` patches; return what to restore."""
-    saved = {}
-    for target, value in patch.items():
-        module_name, name = target.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-        old = getattr(module, name)
-        saved[target] = old
-        setattr(module, name, type(old)(value))
-    return saved
+@contextlib.contextmanager
+def _patched(patch: dict[str, str]):
+    """Module constants set from ``module.NAME=VALUE`` for the duration, then restored."""
+    saved = []
+    try:
+        for target, value in patch.items():
+            module_name, name = target.rsplit(".", 1)
+            module = importlib.import_module(module_name)
+            old = getattr(module, name)
+            saved.append((module, name, old))
+            setattr(module, name, type(old)(value))
+        yield
+    finally:
+        for module, name, old in reversed(saved):
+            setattr(module, name, old)
 
 
 def _between(name: str) -> None:
@@ -113,18 +120,13 @@ def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
             if name in ("churn", "idle"):
                 _between(name)
                 continue
-            saved = {k: os.environ.get(k) for k in env}
-            restore = {}
-            if name.startswith("ours"):
-                os.environ.update(env)
-                if name != "ours=":
-                    _fresh_ops()
-            if name == "ours+":
-                restore = _patched(patch)
+            if name.startswith("ours") and name != "ours=":
+                _fresh_ops()
             if empty_cache:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-            try:
+            ours_env = env if name.startswith("ours") else {}
+            with mock.patch.dict(os.environ, ours_env), _patched(patch if name == "ours+" else {}):
                 v = block_variant("ours" if name.startswith("ours") else name, x, rank=rank, world_size=world,
                                   reference=None)
                 if v.call is None:
@@ -137,13 +139,6 @@ def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
                     result[f"{label}_profile"] = _profile(step, 3)
                 if v.path is not None:
                     result["path"] = v.path()
-            finally:
-                _patched(restore)
-                for k, value in saved.items():
-                    if value is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = value
         out.append(result)
     return out
 
