@@ -157,7 +157,8 @@ def main():
     env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     patch = dict(kv.split("=", 1) for kv in args.patch.split(",") if kv)
     os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
-    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, args.empty_cache, gpus=True, timeout_s=500)
+    ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, args.empty_cache,
+                      gpus=True, timeout_s=500)
     with open(os.path.join(args.out, "block_probe.json"), "w") as f:
         json.dump(ranks, f, indent=1)
     labels = [f"{i}:{name}" for i, name in enumerate(args.variants.split(","))]

@@ -219,9 +219,9 @@ def run_main_phase(
     progress: Progress,
     transports: dict[str, tuple[str, ...]] | None = None,
 ) -> dict[str, list[Measurement]]:
-    """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row; merges in the torch phase's rows. With
-    several ``transports`` for an op, ours runs once per transport (one op object each) and each gets
-    its own section ``<op>-<transport>`` holding the shared baseline rows."""
+    """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row; merges in the torch phase's
+    rows. With several ``transports`` for an op, ours runs once per transport (one op object each) and
+    each gets its own section ``<op>-<transport>`` holding the shared baseline rows."""
     transports = transports or {}
     assert ctx.group is not None
     numel = max(
@@ -281,10 +281,6 @@ def run_block_phase(
                    n=row.config.ffn)
         res = out.setdefault((row.label, row.m), [])
         for name in names:
-            # Each variant starts from an empty allocator cache, not from the blocks the previous
-            # variant's step left split in its own pattern.
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
             v = B.block_variant(name, x, rank=ctx.rank, world_size=ctx.world_size,
                                 reference=None if name == "floor" else reference)
             res.append(run_variant(ctx, v, key=key))
