@@ -29,6 +29,11 @@ RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine chunked}
 AG_TRANSPORTS=${AG_TRANSPORTS:-mesh chunked}
 TEST_TIMEOUT=${TEST_TIMEOUT:-240}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+if [ -z "${TILEWEAVE_GIT_COMMIT:-}" ]; then
+  # A tree copied to a GPU machine may carry a stale .git: the results would name its HEAD.
+  echo "gpu_check.sh: TILEWEAVE_GIT_COMMIT is not set; results will name the commit of this tree's .git," \
+       "which may be stale" >&2
+fi
 mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv | tee "$OUT/gpus.txt"
 status=0
