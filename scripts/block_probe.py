@@ -12,15 +12,19 @@ module.NAME=VALUE,...`` applied (module constants such as
 shared ops of the previous ours variant (no new workspaces). Variants may repeat, and ``churn`` and
 ``idle`` between them change the allocator's state or let the GPU cool (they time nothing), to find
 what one variant leaves behind for the next: ``--variants torch,ours,floor,ours,churn,ours,idle,ours``.
+``--host-profile`` adds, per variant, the host's time per step by function (cProfile over a few steps,
+rank 0's top entries by own time): where a host-bound step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib
 import json
 import os
+import pstats
 import sys
 import time
 from unittest import mock
@@ -69,6 +73,28 @@ def _profile(step, steps: int) -> dict:
     return {"classes_us": {k: round(v, 1) for k, v in sorted(by_class.items())}, "kernels": kernels[:14]}
 
 
+def _host_profile(step, steps: int, top: int = 25) -> list:
+    """Host time per step by function: ``(function, calls per step, own us per step, cumulative us per
+    step)``, the ``top`` largest by own time. The GPU queue is filled first, so that the host does not
+    wait on an idle GPU; cProfile's own cost inflates every entry alike."""
+    for i in range(3):
+        step(i)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, func), (_, calls, own, cum, _) in stats.items():
+        rows.append((f"{os.path.basename(path)}:{line}:{func}"[:80], round(calls / steps, 1),
+                     round(own / steps * 1e6, 1), round(cum / steps * 1e6, 1)))
+    rows.sort(key=lambda r: -r[2])
+    total = round(sum(r[2] for r in rows), 1)
+    return [("total", 0, total, total)] + rows[:top]
+
+
 def _fresh_ops() -> None:
     from tileweave.ops.all_gather_gemm import AllGatherGemm
     from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter
@@ -108,7 +134,7 @@ def _between(name: str) -> None:
     dist.barrier()
 
 
-def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
+def _rank(rank, world, rows, variants, env, patch, profile, empty_cache, host_profile):
     device = torch.device("cuda", rank)
     out = []
     for model, m in rows:
@@ -137,6 +163,10 @@ def _rank(rank, world, rows, variants, env, patch, profile, empty_cache):
                 dist.barrier()
                 if profile:
                     result[f"{label}_profile"] = _profile(step, 3)
+                if host_profile:
+                    result[f"{label}_host"] = _host_profile(step, 10)
+                    torch.cuda.synchronize()
+                    dist.barrier()
                 if v.path is not None:
                     result["path"] = v.path()
         out.append(result)
@@ -152,13 +182,14 @@ def main():
     parser.add_argument("--patch", default="")
     parser.add_argument("--no-profile", action="store_true", help="step times only")
     parser.add_argument("--empty-cache", action="store_true", help="empty the allocator cache before each variant")
+    parser.add_argument("--host-profile", action="store_true", help="host time per step by function (cProfile)")
     args = parser.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in args.rows.split(",")]
     env = dict(kv.split("=", 1) for kv in args.env.split(",") if kv)
     patch = dict(kv.split("=", 1) for kv in args.patch.split(",") if kv)
     os.environ.setdefault("TILEWEAVE_TIMEOUT_S", "15")
     ranks = run_ranks(2, _rank, rows, args.variants.split(","), env, patch, not args.no_profile, args.empty_cache,
-                      gpus=True, timeout_s=500)
+                      args.host_profile, gpus=True, timeout_s=500)
     with open(os.path.join(args.out, "block_probe.json"), "w") as f:
         json.dump(ranks, f, indent=1)
     labels = [f"{i}:{name}" for i, name in enumerate(args.variants.split(","))]
@@ -177,6 +208,9 @@ def main():
         for label in labels:
             for kname, count, us in r0.get(f"{label}_profile", {}).get("kernels", []):
                 print(f"    {label:8s} {us:8.1f} us x{count:<3d} {kname}")
+        for label in labels:
+            for func, calls, own, cum in r0.get(f"{label}_host", []):
+                print(f"    host {label:8s} own {own:8.1f} cum {cum:8.1f} us x{calls:<5} {func}")
 
 
 if __name__ == "__main__":
