@@ -40,6 +40,15 @@ def test_all_gather_gemm_chunked(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
+@pytest.mark.parametrize("world,transport,graphable", [(2, "mesh", False), (3, "ring", False),
+                                                       (3, "chunked", False), (2, "chunked", True)])
+def test_returned_gathered_view_outlives_a_peer_running_ahead(world, transport, graphable):
+    # Rank 0 holds each returned gathered input while the peers start their next call: their shards
+    # must not land in the buffer before rank 0's next call (a graphable op returns a fresh tensor).
+    for intact in run_ranks(world, scenarios.lent_gathered_check, transport, graphable):
+        assert intact == [True] * 3
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_transport_switches_per_shape(world):
     # transport="auto" chooses per shape: calls alternate between the chunked transport (n < 48) and the

@@ -87,6 +87,15 @@ def test_all_gather_gemm_gpu(transport):
 
 
 @needs_two
+@pytest.mark.parametrize("transport,graphable", [("mesh", False), ("ring", False), ("chunked", False),
+                                                 ("mesh", True)])
+def test_returned_gathered_view_outlives_a_peer_running_ahead_gpu(transport, graphable):
+    for intact in run_ranks(torch.cuda.device_count(), scenarios.lent_gathered_check, transport, graphable,
+                            gpus=True):
+        assert intact == [True] * 3
+
+
+@needs_two
 def test_all_gather_transport_switches_per_shape_gpu():
     # transport="auto" with the choice made by output width: consecutive calls alternate between the
     # chunked transport and the kernel on one workspace, back to back, a straggler included.

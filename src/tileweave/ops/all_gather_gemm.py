@@ -86,6 +86,9 @@ class AllGatherGemm(FusedOp):
     transport_env = "TILEWEAVE_AG_TRANSPORT"
     default_transport = "auto"
     graphable_transports = TRANSPORTS
+    _lent: tuple | None = None
+    """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
+    released by this rank's next call."""
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -95,21 +98,37 @@ class AllGatherGemm(FusedOp):
         return self._workspace(backend, m * k * _itemsize(dtype)).data.view(backend.rank, dtype, (m, k))
 
     def _workspace(self, backend: Backend, nbytes: int) -> Workspace:
+        # The caller is done with a gathered view lent by the last call: release it first (and before a
+        # growing workspace frees the flags it names).
+        self._return_lent()
         # A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0.
         self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
         return self._ws
+
+    def _return_lent(self) -> None:
+        lent = self._lent
+        if lent is not None:
+            self._lent = None
+            backend, values, arrivals, releases = lent
+            values.release(backend, arrivals, releases)
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, return_gathered: bool = False,
                  gathered_out: torch.Tensor | None = None):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
-        the workspace, valid until the next call of this object, unless ``gathered_out`` (a contiguous
-        ``[M, K]`` tensor) is given: then the copy stream writes the gathered input there, each shard
-        once it has arrived, and that tensor is returned. With the chunked transport those copies run
+        the workspace, valid until the next call of this object (or of ``gather_buffer``) on this rank:
+        the call lends the buffer to the caller and releases it to the peers only then, so a peer that
+        runs ahead cannot refill it while the caller's kernels still read it. Read it on the stream of
+        the call. A graphable op returns a fresh tensor instead (a release deferred to the next call
+        would not replay in a CUDA graph). With ``gathered_out`` (a contiguous ``[M, K]`` tensor) the
+        copy stream writes the gathered input there, each shard once it has arrived, and that tensor is
+        returned. With the chunked transport those copies run
         between the GEMMs; next to the fused kernel they wait for it (a local device-to-device copy needs
         SMs, DESIGN.md), which still costs less than copying the workspace afterwards."""
         if gathered_out is not None:
             return_gathered = True
+        elif return_gathered and self.graphable:
+            gathered_out = gathered_like(a_shard, self._get_backend(a_shard.device).world_size)
         signature, backend = self._unfused_route(a_shard, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             if gathered_out is not None:
@@ -166,9 +185,13 @@ class AllGatherGemm(FusedOp):
                                 flags=ws.flag_slice(READY), err=ws.err, epoch=values.ready,
                                 max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and
-        # a peer must not refill it while a forward still reads it.
+        # a peer must not refill it while a forward still reads it. A gathered view returned to the
+        # caller is released by this rank's next call instead.
         backend.comm_end()
-        values.release(backend, plan.arrivals, plan.releases)
+        if return_gathered and gathered_out is None:
+            self._lent = (backend, values, plan.arrivals, plan.releases)
+        else:
+            values.release(backend, plan.arrivals, plan.releases)
         if chunked:
             self._finish_without_kernel(backend)
         else:

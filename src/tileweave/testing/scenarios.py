@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import zlib
 
 import torch
@@ -108,6 +109,26 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
                 for t in ("mesh", "ring", "chunked")})
     return [_all_gather_call(ops[case.ag_transport, case.graphable], case, it, rank, world, device)
             for case in cases for it in range(case.iters)]
+
+
+def lent_gathered_check(rank: int, world: int, transport: str, graphable: bool, calls: int = 3,
+                        hold_s: float = 0.5) -> list[bool]:
+    """Whether the gathered input a call returns (``return_gathered`` without ``gathered_out``) is still
+    intact after rank 0 has held it for ``hold_s``, call after call, while the other ranks ran ahead
+    into their next call, whose shards would land in that buffer were it already released."""
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=graphable)
+    case = Case(m_chunk=16, k=32, n=24)
+    b = _b(case, case.k, case.n, torch.float16, "lent", "b", rank, device=device)
+    intact = []
+    for it in range(calls):
+        shards = [_randn((case.m_chunk, case.k), torch.float16, "lent", it, p, device=device) for p in range(world)]
+        _, gathered = op(shards[rank], b, return_gathered=True)
+        if rank == 0:
+            time.sleep(hold_s)
+        intact.append(bool(torch.equal(gathered, torch.cat(shards))))
+    dist.barrier()
+    return intact
 
 
 def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], rounds: int,
