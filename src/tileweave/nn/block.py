@@ -52,12 +52,17 @@ class BlockConfig:
         return self.hidden // self.heads
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding over the sequence axis of ``x [batch, heads, seq, head_dim]``."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    freqs = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(seq, device=x.device, dtype=torch.float32)[:, None] * freqs[None, :]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+def rope_tables(seq: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[seq, dim / 2]``: the rotation angles of positions ``0..seq-1``."""
+    freqs = theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * freqs[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, theta: float, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rotary position embedding over the sequence axis of ``x [batch, heads, seq, head_dim]``;
+    ``tables``: ``rope_tables`` of ``x``'s sequence length, head size and dtype (computed if None)."""
+    cos, sin = tables if tables is not None else rope_tables(x.shape[-2], x.shape[-1], theta, x.device, x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -89,6 +94,18 @@ class TPTransformerBlock(nn.Module):
         self.o = RowParallelLinear(config.hidden, config.hidden, bias=False, **kw)
         self.gate_up = ColumnParallelLinear(config.hidden, 2 * config.ffn, bias=False, **kw)
         self.down = RowParallelLinear(config.ffn, config.hidden, bias=False, **kw)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        """RoPE tables per (sequence length, device, dtype), computed once: building them every step
+        cost the host ~0.3 ms of small launches (NOTES.md, entry 44)."""
+
+    def _rope_tables(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq, like.device, like.dtype)
+        tables = self._rope.get(key)
+        if tables is None:
+            with torch.no_grad():
+                tables = self._rope[key] = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
+                                                       like.device, like.dtype)
+        return tables
 
     def forward(self, x_shard: torch.Tensor, batch: int) -> torch.Tensor:
         c, hd = self.config, self.config.head_dim
@@ -96,8 +113,9 @@ class TPTransformerBlock(nn.Module):
         m = qkv.shape[0]
         seq = m // batch
         q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=1)
-        q = rope(q.view(batch, seq, self.local_heads, hd).transpose(1, 2), c.rope_theta)
-        k = rope(k.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2), c.rope_theta)
+        tables = self._rope_tables(seq, q)
+        q = rope(q.view(batch, seq, self.local_heads, hd).transpose(1, 2), c.rope_theta, tables)
+        k = rope(k.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2), c.rope_theta, tables)
         v = v.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2)
         groups = self.local_heads // self.local_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
