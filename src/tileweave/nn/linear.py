@@ -36,6 +36,7 @@ from torch import nn
 
 from tileweave.ops.all_gather_gemm import all_gather_gemm
 from tileweave.ops.all_gather_gemm import cached_op as cached_all_gather_op
+from tileweave.ops import all_gather_gemm as _all_gather_module
 from tileweave.ops.gemm_reduce_scatter import gemm_reduce_scatter
 
 
@@ -98,11 +99,21 @@ class _RowParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_shard):
         x, weight = ctx.saved_tensors
-        dx, dy = all_gather_gemm(dy_shard.contiguous(), weight, ctx.group, return_gathered=True)
+        dx, dy = _gather_for_weight_grad(dy_shard.contiguous(), weight, ctx.group)
         dw = dy.t() @ x
         # The bias is added once, on the owner of each row: its gradient sums every row of dy.
         db = dy.sum(0) if ctx.has_bias else None
         return dx, dw, db, None
+
+
+def _gather_for_weight_grad(dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
+    """``(dy_shard gathered @ weight, dy_shard gathered)`` for a weight gradient that the caller queues
+    at once. On tileweave's shared op (outside ``torch.compile``) the gathered tensor is the op's buffer
+    itself, lent until this rank's next all-gather call: no copy into a fresh tensor, as the functional
+    op makes for callers that keep it."""
+    if all_gather_gemm is _all_gather_module.all_gather_gemm and not torch.compiler.is_compiling():
+        return cached_all_gather_op(group, dy_shard.device)(dy_shard, weight, return_gathered=True)
+    return all_gather_gemm(dy_shard, weight, group, return_gathered=True)
 
 
 class ColumnParallelLinear(nn.Module):

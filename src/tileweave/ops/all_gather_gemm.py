@@ -230,7 +230,7 @@ class AllGatherGemm(FusedOp):
             if bias is not None:
                 torch.addmm(bias, lhs, b, out=out[rows])
             else:
-                torch.matmul(lhs, b, out=out[rows])
+                torch.mm(lhs, b, out=out[rows])
 
     def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
@@ -332,7 +332,7 @@ class AllGatherGemm(FusedOp):
             if out is None:
                 out = torch.matmul(gathered, b) if bias is None else torch.addmm(bias, gathered, b)
             elif bias is None:
-                torch.matmul(gathered, b, out=out)
+                torch.mm(gathered, b, out=out)
             else:
                 torch.addmm(bias, gathered, b, out=out)
         else:

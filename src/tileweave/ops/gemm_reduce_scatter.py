@@ -254,7 +254,7 @@ class GemmReduceScatter(FusedOp):
         values = FlagValues(ws.epoch, self.graphable)
         for released, per_block in sends:
             for j, (a_rows, part, dst, arrival) in enumerate(per_block):
-                torch.matmul(a[a_rows], b, out=part)
+                torch.mm(a[a_rows], b, out=part)
                 backend.comm_begin()  # the copy stream waits for this block's GEMM
                 if j == 0:
                     values.claim(backend, released)
