@@ -328,7 +328,8 @@ class AllGatherGemm(FusedOp):
             dist.all_gather(list(gathered.chunk(backend.world_size)), a_shard, group=backend.group)
         if a_shard.is_cuda:
             # cuBLAS allocating its own output costs the host about half of writing into a given one
-            # (torch.matmul with out=: ~40 us against ~20 us a call on the GPU hosts, NOTES.md entry 28).
+            # (torch.matmul or torch.mm with out=: ~40 us against ~20 us a call on the GPU hosts, NOTES.md
+            # entries 28 and 44).
             if out is None:
                 out = torch.matmul(gathered, b) if bias is None else torch.addmm(bias, gathered, b)
             elif bias is None:
