@@ -20,7 +20,8 @@ it, so each link carries one stream of data (for PCIe or partial meshes). The co
 from ``a_shard`` while the shards travel, then each peer's rows once that peer's flag carries this
 call's epoch. After the GEMM each rank tells every peer that its gather buffer may be refilled
 (``released``), and a producer waits for that before pushing the next call's shard, so no barrier is
-needed between calls.
+needed between calls. A call that returns the buffer itself as the gathered input releases it at this
+rank's next call instead, so the caller can read it until then.
 
 Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag
 values written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a
@@ -122,9 +123,9 @@ class AllGatherGemm(FusedOp):
         the call. A graphable op returns a fresh tensor instead (a release deferred to the next call
         would not replay in a CUDA graph). With ``gathered_out`` (a contiguous ``[M, K]`` tensor) the
         copy stream writes the gathered input there, each shard once it has arrived, and that tensor is
-        returned. With the chunked transport those copies run
-        between the GEMMs; next to the fused kernel they wait for it (a local device-to-device copy needs
-        SMs, DESIGN.md), which still costs less than copying the workspace afterwards."""
+        returned. With the chunked transport those copies run between the GEMMs; next to the fused
+        kernel they wait for it (a local device-to-device copy needs SMs, DESIGN.md), which still costs
+        less than copying the workspace afterwards."""
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
