@@ -1,6 +1,7 @@
 """Where the chunked reduce-scatter spends its time, on two GPUs: per shape, NCCL+cuBLAS, the blocked
 GEMMs alone (no communication), the chunked transport at several block sizes, and a profile of the
-GPU work by kernel name (the host's side: ``scripts/host_probe.py``).
+GPU work by kernel name (the host's side: ``scripts/host_probe.py``); the library's blocks also with
+the owner pulling into its output (``GemmReduceScatter(pull=True)``).
 
     python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
 
@@ -72,6 +73,16 @@ def _rank(rank, world, shapes):
                     row["profile_chunked"] = _profile(lambda: op(a, b), device)
                 else:
                     _profile(lambda: op(a, b), device)
+                # The same blocks with the owner pulling into its output (GemmReduceScatter(pull=True)).
+                pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
+                pulling(a, b)
+                torch.cuda.synchronize(device)
+                dist.barrier()
+                row["chunked_pull_0"] = time_ms(lambda: pulling(a, b), device, warmup=10, iters=20, reps=5)
+                if rank == 0:
+                    row["profile_chunked_pull"] = _profile(lambda: pulling(a, b), device)
+                else:
+                    _profile(lambda: pulling(a, b), device)
         out.append(row)
     return out
 
@@ -89,11 +100,12 @@ def main():
     for r0, r1 in zip(*ranks):
         print(f"{r0['shape']}")
         for key in r0:
-            if key in ("shape", "profile_chunked"):
+            if key.startswith("profile") or key == "shape":
                 continue
             print(f"  {key:22s} r0 {r0[key]:8.3f}  r1 {r1[key]:8.3f}")
-        for name, count, us in r0.get("profile_chunked", []):
-            print(f"  prof r0 {us:8.1f} us  x{count:<3d} {name}")
+        for label in ("chunked", "chunked_pull"):
+            for name, count, us in r0.get(f"profile_{label}", []):
+                print(f"  prof {label:12s} r0 {us:8.1f} us  x{count:<3d} {name}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,19 @@ def test_gemm_reduce_scatter_eight_ranks(transport):
     _check(run_ranks(8, scenarios.gemm_reduce_scatter_check, cases, heap_bytes=4 << 20), "deterministic")
 
 
+def test_chunked_reduce_scatter_pulling_into_the_output():
+    # Two ranks: each owner's copy stream pulls the peer's row blocks straight into its output, and
+    # the own GEMM adds onto them in place. Several blocks, bias, a late rank (its pulls delayed), fresh
+    # inputs each call on one workspace, then fewer blocks; bitwise repeatable.
+    cases = [C(m_chunk=70, k=24, n=40, bias=True, iters=3, transport="chunked", chunk_rows=16, pull=True,
+               straggler=1, delay_s=0.1),
+             C(m_chunk=20, k=24, n=40, iters=2, transport="chunked", chunk_rows=16, pull=True),
+             C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, transport="chunked", pull=True)]
+    for rows in run_ranks(2, scenarios.gemm_reduce_scatter_check, cases):
+        _check([rows], "deterministic")
+        assert all(r["local_bytes"] == 0 for r in rows), rows  # no send buffer outside the symmetric one
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_chunked_reduce_scatter_in_row_blocks(world):
     # Several row blocks per owner (16 rows each here, the last one longer), bias, a late producer,

@@ -138,12 +138,16 @@ def test_missing_peer_reported_by_the_next_call_gpu():
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "chunked-pull"])
 def test_gemm_reduce_scatter_gpu(transport):
-    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport),
-             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport),
+    transport, pull = transport.split("-")[0], transport.endswith("pull")
+    if pull and torch.cuda.device_count() != 2:
+        pytest.skip("pull=True takes effect in a group of two")
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport, pull=pull),
+             C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport,
+               pull=pull),
              C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3, transport=transport,
-               straggler=1, delay_s=0.05)]
+               straggler=1, delay_s=0.05, pull=pull)]
     for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == ("chunked" if "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,17 @@ class GemmReduceScatter(FusedOp):
     """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
     same)."""
 
+    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool | None = None, **kwargs) -> None:
+        """``pull`` (opt-in; every rank must set it alike; None reads ``TILEWEAVE_RS_PULL``, default
+        off): the chunked transport in a group of two pulls instead of pushing. Each rank computes the
+        peer's row blocks into its symmetric buffer, and the owner's copy stream pulls them straight
+        into the output rows, on which the own rows' GEMM then accumulates in place. This saves the
+        local device-to-device copy that an out-of-place ``addmm`` makes of every received partial (0.2
+        ms a call on 8192 x 6144 x 49152, NOTES.md entry 45). Not graphable; other group sizes push.
+        Other arguments: :class:`FusedOp`."""
+        super().__init__(group, **kwargs)
+        self.pull = pull if pull is not None else os.environ.get("TILEWEAVE_RS_PULL", "0") not in ("", "0")
+
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         signature, backend = self._unfused_route(a, b, bias, out)
@@ -148,6 +160,12 @@ class GemmReduceScatter(FusedOp):
         self._check_previous(_launch.capturing(a))
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
+        if self.transport == "chunked" and self.pull and w == 2:
+            if self.graphable:
+                raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
+                                     "use graphable=True without pull")
+            self._chunked_pull(backend, a, b, bias, out, m, n)
+            return out
         if self.transport == "chunked":
             self._chunked(backend, a, b, bias, out, m, n)
             return out
@@ -274,6 +292,62 @@ class GemmReduceScatter(FusedOp):
         backend.comm_end()
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
+
+    def _chunked_pull(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
+        """The chunked transport with pulls (``pull``), two ranks. Flags, by epoch: our arrival words
+        for the peer's blocks (its caller's stream raises each after the block's GEMM), our landed
+        words (our copy stream raises each once the block is in ``out``), and the RELEASED words of
+        the two send buffers (each owner's copy stream raises the peer's after its last pull)."""
+        rank = backend.rank
+        mc = m // 2
+        self._ws = ensure_workspace(self._ws, backend, mc * n * a.element_size())
+        ws = self._ws
+        ws.ensure_ce_flags(CE_GROUPS)
+        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
+        blocks = max(1, min(CE_GROUPS, mc // rows))
+        key = ("rs-pull", m, n, a.dtype, blocks)
+        plan = ws.plans.get(key)
+        if plan is None:
+            plan = ws.plans[key] = self._pull_plan(ws, backend, mc, n, a.dtype, blocks)
+        block_rows, send, peer_send, announce, arrivals, landed, release_peer, released = plan
+        ws.epoch += 1
+        epoch = ws.epoch
+        # The copy stream first (after out's allocation, before our GEMMs in stream order): each of
+        # the peer's blocks of our rows, once announced, straight into its rows of out.
+        backend.comm_begin()
+        for r, arrival, done in zip(block_rows, arrivals, landed):
+            backend.comm_wait(arrival, epoch)
+            backend.comm_copy(out[r], peer_send[r])
+            backend.comm_write(done, epoch)
+        backend.comm_write(release_peer, epoch)
+        # The peer's rows into our send buffer, once the peer has pulled the previous call's out of it.
+        backend.main_wait(released, epoch - 1)
+        peer_rows = a[(1 - rank) * mc:(2 - rank) * mc]
+        for r, address in zip(block_rows, announce):
+            torch.mm(peer_rows[r], b, out=send[r])
+            backend.main_write(address, epoch)
+        own = a[rank * mc:(rank + 1) * mc]
+        for r, done in zip(block_rows, landed):
+            backend.main_wait(done, epoch)
+            torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
+        if bias is not None:
+            out += bias
+        backend.comm_end()
+        self._finish_without_kernel(backend)
+        _launch.record_path(_OP, "chunked")
+
+    @staticmethod
+    def _pull_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:
+        """Per block: its rows; our send buffer and the peer's; our arrival words in the peer's flags
+        and the peer's in ours; our landed words; the peer's RELEASED word for us and ours for it."""
+        rank, peer = backend.rank, 1 - backend.rank
+        bounds = [mc * j // blocks for j in range(blocks + 1)]
+        block_rows = tuple(slice(bounds[j], bounds[j + 1]) for j in range(blocks))
+        return (block_rows, ws.data.view(rank, dtype, (mc, n)), ws.data.view(peer, dtype, (mc, n)),
+                tuple(ws.ce_flag_address(peer, CE_ARRIVAL, rank * CE_GROUPS + j) for j in range(blocks)),
+                tuple(ws.ce_flag_address(rank, CE_ARRIVAL, peer * CE_GROUPS + j) for j in range(blocks)),
+                tuple(ws.ce_flag_address(rank, CE_SENT, j) for j in range(blocks)),
+                ws.flag_address(peer, RELEASED, rank), ws.flag_address(rank, RELEASED, peer))
 
     @staticmethod
     def _chunked_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:

@@ -46,6 +46,8 @@ class Case:
     graphable: bool = False
     """The op with constant-valued (CUDA-graph replayable) flags (all-gather: every transport;
     reduce-scatter: chunked)."""
+    pull: bool = False
+    """Chunked reduce-scatter: the owner pulls the peer's blocks into its output (``GemmReduceScatter.pull``)."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -153,10 +155,11 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     device = _device()
     ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine", "chunked")}
     graphable = tileweave.GemmReduceScatter(policy="fused", transport="chunked", graphable=True)
+    pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
     results = []
     for case in cases:
         dtype = getattr(torch, case.dtype)
-        op = graphable if case.graphable else ops[case.transport]
+        op = graphable if case.graphable else pulling if case.pull else ops[case.transport]
         if case.chunk_rows:
             op.chunk_rows = case.chunk_rows
         if case.ce_release != "tile":
