@@ -2,6 +2,8 @@
 Triton kernels in the interpreter while a producer thread moves data and writes flags concurrently.
 References are float64 products of the full, unsharded inputs (``tileweave.testing.scenarios``)."""
 
+import dataclasses
+
 import pytest
 
 from tileweave.testing import scenarios
@@ -38,6 +40,18 @@ def test_all_gather_gemm_chunked(world):
         C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, ag_transport="chunked"),
     ]
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+
+
+def test_all_gather_head_split():
+    # Two ranks: a first GEMM on 8 of each shard's rows (rank 0 its first, rank 1 its last) while the
+    # shards travel, then one GEMM over all the other rows; with and without gathered_out, a late rank.
+    cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=3),
+             C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, iters=2),
+             C(m_chunk=32, k=64, n=32, iters=2, straggler=1, delay_s=0.3)]
+    rows = run_ranks(2, scenarios.all_gather_head_split_check, [dataclasses.replace(c, ag_transport="chunked")
+                                                                for c in cases], 8)
+    _check(rows, "gathered_exact")
+    assert all(r["head_split"] for per_rank in rows for r in per_rank)
 
 
 @pytest.mark.parametrize("world,transport,graphable", [(2, "mesh", False), (3, "ring", False),

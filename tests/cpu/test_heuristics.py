@@ -62,3 +62,25 @@ def test_all_gather_transport_is_chunked_below_its_work_threshold():
         assert heuristics.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
         if chosen == "mesh":  # more work never turns the kernel off
             assert heuristics.all_gather_transport(2 * m, n, k, w, torch.bfloat16) == "mesh"
+
+
+def test_all_gather_head_rows_cover_the_transfer():
+    h = heuristics
+    for _, m, n, k in _random_shapes(4096):
+        mc = max(1, m // 2)
+        for copies in (1, 2):
+            rows = h.all_gather_head_rows(mc, n, k, 2, local_copies=copies)
+            assert rows == 0 or (rows % h.HEAD_SPLIT_ROWS == 0 and 0 < rows <= mc // 2), (mc, n, k, rows)
+            if rows:
+                # The first GEMM lasts at least as long as the shard's push, the local copies and the
+                # latency, at the modelled rates; one block of rows fewer would not.
+                cover = (mc * k * 2 / (h.HEAD_SPLIT_PUSH_GBPS * 1e9) + copies * mc * k * 2 / (h.HEAD_SPLIT_LOCAL_GBPS * 1e9)
+                         + h.HEAD_SPLIT_LATENCY_US * 1e-6)
+                gemm = lambda r: 2.0 * r * n * k / (h.HEAD_SPLIT_TFLOPS * 1e12)  # noqa: E731
+                assert gemm(rows) >= cover > gemm(rows - h.HEAD_SPLIT_ROWS)
+                # A wider output needs no more rows to cover the same transfer.
+                assert h.all_gather_head_rows(mc, 2 * n, k, 2, local_copies=copies) <= rows
+    # The docstring's example: llama3-8b gate_up at M=4096 on two ranks, bf16, with gathered_out.
+    assert h.all_gather_head_rows(2048, 14336, 4096, 2, local_copies=2) == 512
+    # A narrow output (llama3-8b qkv) would need most of the shard: no head split.
+    assert h.all_gather_head_rows(2048, 3072, 4096, 2, local_copies=2) == 0

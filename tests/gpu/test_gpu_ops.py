@@ -87,6 +87,21 @@ def test_all_gather_gemm_gpu(transport):
 
 
 @needs_two
+def test_all_gather_head_split_gpu():
+    if torch.cuda.device_count() != 2:
+        pytest.skip("head_split takes effect in a group of two")
+    cases = [C(m_chunk=2048, k=4096, n=14336, dtype="bfloat16", iters=3, ag_transport="chunked"),
+             C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=2, ag_transport="chunked"),
+             C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05,
+               ag_transport="chunked")]
+    for rank_rows in run_ranks(2, scenarios.all_gather_head_split_check, cases, 512, gpus=True):
+        for row in rank_rows:
+            assert row["path"] == "chunked" and row["head_split"], row
+            assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
+            assert row["gathered_exact"], row
+
+
+@needs_two
 @pytest.mark.parametrize("transport,graphable", [("mesh", False), ("ring", False), ("chunked", False),
                                                  ("mesh", True)])
 def test_returned_gathered_view_outlives_a_peer_running_ahead_gpu(transport, graphable):

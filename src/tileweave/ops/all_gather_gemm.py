@@ -40,13 +40,14 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace, released_start
+from tileweave.ops.workspace import COUNTERS, READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace, released_start
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 
@@ -90,6 +91,17 @@ class AllGatherGemm(FusedOp):
     _lent: tuple | None = None
     """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
     released by this rank's next call."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool | None = None, **kwargs) -> None:
+        """``head_split`` (opt-in, every rank alike; None reads ``TILEWEAVE_AG_HEAD_SPLIT``, default off):
+        the chunked transport at two ranks runs a first GEMM on only enough of the own rows to hide
+        the shard's transfer (``heuristics.all_gather_head_rows``) and a second over all the other
+        rows, which lie contiguous in the gather buffer, instead of one GEMM per shard (two GEMMs of
+        half the rows cost 2-7% over one, NOTES.md entry 37). Not for graphable ops. Other arguments:
+        :class:`FusedOp`."""
+        super().__init__(group, **kwargs)
+        self.head_split = (head_split if head_split is not None
+                           else os.environ.get("TILEWEAVE_AG_HEAD_SPLIT", "0") not in ("", "0"))
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -171,13 +183,23 @@ class AllGatherGemm(FusedOp):
             transport = heuristics.all_gather_transport(m, n, k, w, a_shard.dtype, interpreter=backend.interpreter)
 
         chunked, ring = transport == "chunked", transport == "ring"
+        head = 0
+        if chunked and w == 2 and self.head_split and not self.graphable:
+            head = heuristics.all_gather_head_rows(mc, n, k, a_shard.element_size(),
+                                                   local_copies=2 if gathered_out is not None else 1)
         ws, plan, a_shard, values = self._start(backend, a_shard, ring)
         gathered = plan.gathered
         if gathered_out is not None:
             self._copy_out(backend, ws, plan, a_shard, gathered_out, values.ready)
-        elif return_gathered and plan.own_slot.data_ptr() != a_shard.data_ptr():
+        elif (return_gathered or head) and plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
-        if chunked:
+        if head:
+            # The second GEMM reads rows that the copy stream has just written: it says when.
+            landed = ws.flag_address(rank, COUNTERS, 0)
+            backend.comm_write(landed, values.ready)
+            self._head_split_gemms(backend, ws, a_shard, gathered if gathered_out is None else gathered_out, b,
+                                   bias, out, values.ready, landed, head, wait_peer=gathered_out is None)
+        elif chunked:
             self._chunked_gemms(backend, ws, a_shard, gathered, b, bias, out, values.ready)
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
@@ -232,6 +254,30 @@ class AllGatherGemm(FusedOp):
                 torch.addmm(bias, lhs, b, out=out[rows])
             else:
                 torch.mm(lhs, b, out=out[rows])
+
+    @staticmethod
+    def _head_split_gemms(backend: Backend, ws: Workspace, a_shard, source, b, bias, out, ready: int, landed: int,
+                          head: int, *, wait_peer: bool) -> None:
+        """Two ranks: cuBLAS on ``head`` own rows from the caller's shard while the shards travel, then
+        on every other row at once from ``source`` (the gather buffer, or the caller's gathered tensor
+        that the copy stream fills), once the copy stream has raised ``landed``. Rank 0's head is the
+        start of its rows and rank 1's the end, so that the rest is one contiguous block of rows."""
+        rank = backend.rank
+        mc = a_shard.shape[0]
+        if rank == 0:
+            first, lhs, rest = slice(0, head), a_shard[:head], slice(head, 2 * mc)
+        else:
+            first, lhs, rest = slice(2 * mc - head, 2 * mc), a_shard[mc - head:], slice(0, 2 * mc - head)
+        for rows, a_rows in ((first, lhs), (rest, None)):
+            if a_rows is None:
+                if wait_peer:  # a caller's tensor is filled only after the peer's flag: landed says it all
+                    backend.main_wait(ws.flag_address(rank, READY, 1 - rank), ready)
+                backend.main_wait(landed, ready)
+                a_rows = source[rows]
+            if bias is not None:
+                torch.addmm(bias, a_rows, b, out=out[rows])
+            else:
+                torch.mm(a_rows, b, out=out[rows])
 
     def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the

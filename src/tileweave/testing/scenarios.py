@@ -113,6 +113,33 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
             for case in cases for it in range(case.iters)]
 
 
+def all_gather_head_split_check(rank: int, world: int, cases: list[Case], head: int) -> list[dict]:
+    """The chunked transport with ``head_split`` on ``cases`` (fresh inputs, poisoned outputs and
+    buffers, a ``gathered_out`` on odd calls, stragglers), the head's size fixed to ``head`` rows; each
+    result also says whether the call took the head-split GEMMs."""
+    from tileweave.ops.all_gather_gemm import AllGatherGemm
+    from tileweave.tune import heuristics
+
+    heuristics.all_gather_head_rows = lambda m_chunk, n_local, k, itemsize, *, local_copies: head
+    taken = []
+    split = AllGatherGemm._head_split_gemms
+
+    def counted(*args, **kwargs):
+        taken.append(True)
+        return split(*args, **kwargs)
+
+    AllGatherGemm._head_split_gemms = staticmethod(counted)
+    device = _device()
+    op = tileweave.AllGatherGemm(policy="fused", transport="chunked", head_split=True)
+    results = []
+    for case in cases:
+        for it in range(case.iters):
+            before = len(taken)
+            result = _all_gather_call(op, case, it, rank, world, device)
+            results.append({**result, "head_split": len(taken) > before})
+    return results
+
+
 def lent_gathered_check(rank: int, world: int, transport: str, graphable: bool, calls: int = 3,
                         hold_s: float = 0.5) -> list[bool]:
     """Whether the gathered input a call returns (``return_gathered`` without ``gathered_out``) is still

@@ -14,6 +14,8 @@ M=2048 (52 GFLOP) NCCL + cuBLAS. llama3-70b qkv at M=1024 (``1024 x 5120 x 8192`
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # AllGather+GEMM is fused (by the transport below) from MIN_FUSED_GFLOP_AG of local GEMM work (2*M*N_loc*K,
@@ -64,6 +66,33 @@ def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.
     if interpreter or _gflop(m, n_local, k) >= CHUNKED_BELOW_GFLOP_AG:
         return "mesh"
     return "chunked"
+
+
+# AllGather+GEMM, chunked transport at two ranks with ``head_split``: the own rows' first GEMM covers
+# only as many rows as it takes to hide the shard's push (at ~300 GB/s over NVLink; DESIGN.md measured
+# 365 GB/s on 256 MB), a flag's latency and the local copies of the gathered input, at ~600 TFLOP/s;
+# the second GEMM then runs over all the other rows at once. Not yet measured (NOTES.md, entry 47).
+HEAD_SPLIT_PUSH_GBPS = 300.0
+HEAD_SPLIT_LOCAL_GBPS = 1500.0
+HEAD_SPLIT_LATENCY_US = 20.0
+HEAD_SPLIT_TFLOPS = 600.0
+HEAD_SPLIT_ROWS = 256
+
+
+def all_gather_head_rows(m_chunk: int, n_local: int, k: int, itemsize: int, *, local_copies: int) -> int:
+    """Rows of the own shard for the first GEMM of a head-split chunked call, a multiple of
+    ``HEAD_SPLIT_ROWS``; 0 where they would be half the shard or more (two GEMMs of the shard and the
+    peer's rows are then as good). ``local_copies``: device-to-device copies of a shard the call makes
+    (into the gather buffer or a caller's tensor) before the second GEMM may start.
+
+    Worked example: llama3-8b gate_up at M=4096 (shard 2048 x 4096, N_loc 14336, bf16): push 16.8 MB in
+    56 us, two local copies 22 us, 20 us latency: 98 us of GEMM, 500 rows at 2 x 14336 x 4096 flop a row:
+    512 rows."""
+    shard_bytes = m_chunk * k * itemsize
+    cover_s = (shard_bytes / (HEAD_SPLIT_PUSH_GBPS * 1e9) + local_copies * shard_bytes / (HEAD_SPLIT_LOCAL_GBPS * 1e9)
+               + HEAD_SPLIT_LATENCY_US * 1e-6)
+    rows = math.ceil(cover_s * HEAD_SPLIT_TFLOPS * 1e12 / (2.0 * n_local * k) / HEAD_SPLIT_ROWS) * HEAD_SPLIT_ROWS
+    return rows if 0 < rows <= m_chunk // 2 else 0
 
 
 def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *,
