@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --for
 status=0
 if [ "${TESTS:-}" != none ]; then
   # One line per test (-v), so a run cut short by the time limit still shows which tests passed.
-  timeout "$TEST_TIMEOUT" python3 -m pytest -v -p no:cacheprovider tests/gpu ${TESTS:+-k "$TESTS"} \
+  timeout "$TEST_TIMEOUT" python3 -m pytest -v --durations=15 -p no:cacheprovider tests/gpu ${TESTS:+-k "$TESTS"} \
     > "$OUT/gpu_tests.txt" 2>&1 || status=1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 fi
