@@ -256,18 +256,9 @@ class GemmReduceScatter(FusedOp):
         the copy stream; the call ends by joining that stream, so the next call may overwrite it."""
         w, rank = backend.world_size, backend.rank
         mc = m // w
-        self._ws = ensure_workspace(self._ws, backend, (w - 1) * mc * n * a.element_size(),
-                                    released=released_start(self.graphable))
-        ws = self._ws
-        ws.ensure_ce_flags(CE_GROUPS)
-        ws.ensure_local((w - 1) * mc * n * a.element_size())  # the send buffer, before the plans
-        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
-        blocks = max(1, min(CE_GROUPS, mc // rows))
-        key = ("rs-chunked", m, n, a.dtype, blocks)
-        plan = ws.plans.get(key)
-        if plan is None:
-            plan = ws.plans[key] = self._chunked_plan(ws, backend, mc, n, a.dtype, blocks)
-        sends, owns, arrivals, releases = plan
+        nbytes = (w - 1) * mc * n * a.element_size()
+        ws, (sends, owns, arrivals, releases) = self._block_plan(backend, a, m, n, nbytes, "rs-chunked",
+                                                                  self._chunked_plan, send_bytes=nbytes)
         ws.epoch += 1
         values = FlagValues(ws.epoch, self.graphable)
         for released, per_block in sends:
@@ -293,6 +284,25 @@ class GemmReduceScatter(FusedOp):
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
 
+    def _block_plan(self, backend: Backend, a, m: int, n: int, nbytes: int, kind: str, build, *,
+                    send_bytes: int = 0) -> tuple[Workspace, tuple]:
+        """The workspace (``nbytes`` of symmetric data, the copy-engine flag block and ``send_bytes``
+        of private send buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
+        ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``."""
+        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
+        ws = self._ws
+        ws.ensure_ce_flags(CE_GROUPS)
+        if send_bytes:
+            ws.ensure_local(send_bytes)  # before the plans: growing it drops them
+        mc = m // backend.world_size
+        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
+        blocks = max(1, min(CE_GROUPS, mc // rows))
+        key = (kind, m, n, a.dtype, blocks)
+        plan = ws.plans.get(key)
+        if plan is None:
+            plan = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
+        return ws, plan
+
     def _chunked_pull(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
         """The chunked transport with pulls (``pull``), two ranks. Flags, by epoch: our arrival words
         for the peer's blocks (its caller's stream raises each after the block's GEMM), our landed
@@ -300,15 +310,7 @@ class GemmReduceScatter(FusedOp):
         the two send buffers (each owner's copy stream raises the peer's after its last pull)."""
         rank = backend.rank
         mc = m // 2
-        self._ws = ensure_workspace(self._ws, backend, mc * n * a.element_size())
-        ws = self._ws
-        ws.ensure_ce_flags(CE_GROUPS)
-        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
-        blocks = max(1, min(CE_GROUPS, mc // rows))
-        key = ("rs-pull", m, n, a.dtype, blocks)
-        plan = ws.plans.get(key)
-        if plan is None:
-            plan = ws.plans[key] = self._pull_plan(ws, backend, mc, n, a.dtype, blocks)
+        ws, plan = self._block_plan(backend, a, m, n, mc * n * a.element_size(), "rs-pull", self._pull_plan)
         block_rows, send, peer_send, announce, arrivals, landed, release_peer, released = plan
         ws.epoch += 1
         epoch = ws.epoch
