@@ -113,7 +113,8 @@ class GemmReduceScatter(FusedOp):
         peer's row blocks into its symmetric buffer, and the owner's copy stream pulls them straight
         into the output rows, on which the own rows' GEMM then accumulates in place. This saves the
         local device-to-device copy that an out-of-place ``addmm`` makes of every received partial (0.2
-        ms a call on 8192 x 6144 x 49152, NOTES.md entry 45). Not graphable; other group sizes push.
+        ms a call on 8192 x 6144 x 49152, NOTES.md entry 45). Not graphable; other group sizes, and an
+        ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
         self.pull = pull if pull is not None else os.environ.get("TILEWEAVE_RS_PULL", "0") not in ("", "0")
@@ -160,7 +161,7 @@ class GemmReduceScatter(FusedOp):
         self._check_previous(_launch.capturing(a))
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
-        if self.transport == "chunked" and self.pull and w == 2:
+        if self.transport == "chunked" and self.pull and w == 2 and out.is_contiguous():  # copies land in out
             if self.graphable:
                 raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
                                      "use graphable=True without pull")

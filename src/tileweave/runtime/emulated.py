@@ -115,6 +115,10 @@ class EmulatedBackend(Backend):
         pass  # main is synchronous here: everything issued on it has already happened
 
     def comm_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes != src.nbytes:
+            # The GPU backend's contract (one flat copy between device addresses), checked alike here.
+            raise ValueError("comm_copy needs two contiguous tensors of the same size")
+
         def copy() -> None:
             if producer_delay():
                 time.sleep(producer_delay())

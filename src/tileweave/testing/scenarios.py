@@ -220,6 +220,19 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     return results
 
 
+def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40) -> float:
+    """Error of a pulling ``GemmReduceScatter`` into an ``out`` whose rows are padded (a column slice of
+    a wider tensor): the pulls need contiguous rows, so such a call pushes."""
+    device = _device()
+    op = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
+    a_all = [_randn((m_chunk * world, k), torch.float16, "padded", "a", p, device=device) for p in range(world)]
+    b_all = [_randn((k, n), torch.float16, "padded", "b", p, device=device) for p in range(world)]
+    wide = torch.full((m_chunk, n + 8), float("nan"), dtype=torch.float16, device=device)
+    out = op(a_all[rank], b_all[rank], out=wide[:, :n])
+    ref = sum(a.double() @ b.double() for a, b in zip(a_all, b_all))[rank * m_chunk:(rank + 1) * m_chunk]
+    return _rel_err(out, ref)
+
+
 def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
     """Rank 0 calls the fused all-gather GEMM, the others never do: rank 0 must get a clear error.
 
