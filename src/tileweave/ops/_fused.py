@@ -29,6 +29,9 @@ class FusedOp:
     default_transport = ""
     graphable_transports: tuple[str, ...] = ()
     """Transports that have the constant-valued (CUDA-graph replayable) protocol; none: not offered."""
+    option_envs: dict[str, str] = {}
+    """The subclass's opt-in boolean constructor options that the shared op takes from environment
+    variables (option name: variable name)."""
     _shared: dict[tuple, "FusedOp"]
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -39,12 +42,13 @@ class FusedOp:
     def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "FusedOp":
         """The op shared by every functional call on ``group`` and ``device`` (and so by the TP layers).
         ``TILEWEAVE_GRAPHABLE=1`` makes it graphable, so that a model's TP layers can be captured in a
-        CUDA graph on the fused paths."""
+        CUDA graph on the fused paths; ``option_envs`` name the variables of the subclass's options."""
         key = (id(group), device)  # the op holds the group, so its id is not reused while cached
         op = cls._shared.get(key)
         if op is None:
+            options = {name: _launch.env_flag(env) for name, env in cls.option_envs.items()}
             op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport),
-                                        graphable=os.environ.get("TILEWEAVE_GRAPHABLE", "0") not in ("", "0"))
+                                        graphable=_launch.env_flag("TILEWEAVE_GRAPHABLE"), **options)
         return op
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",

@@ -41,8 +41,13 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than empty or 0."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 def debug_mode() -> bool:
-    return os.environ.get("TILEWEAVE_DEBUG", "0") not in ("", "0")
+    return env_flag("TILEWEAVE_DEBUG")
 
 
 def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None,

@@ -40,7 +40,6 @@ two calls on one workspace concurrently from different streams.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -92,16 +91,17 @@ class AllGatherGemm(FusedOp):
     """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
     released by this rank's next call."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool | None = None, **kwargs) -> None:
-        """``head_split`` (opt-in, every rank alike; None reads ``TILEWEAVE_AG_HEAD_SPLIT``, default off):
-        the chunked transport at two ranks runs a first GEMM on only enough of the own rows to hide
+    option_envs = {"head_split": "TILEWEAVE_AG_HEAD_SPLIT"}
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool = False, **kwargs) -> None:
+        """``head_split`` (opt-in, every rank alike; ``TILEWEAVE_AG_HEAD_SPLIT=1`` for the shared op): the
+        chunked transport at two ranks runs a first GEMM on only enough of the own rows to hide
         the shard's transfer (``heuristics.all_gather_head_rows``) and a second over all the other
         rows, which lie contiguous in the gather buffer, instead of one GEMM per shard (two GEMMs of
         half the rows cost 2-7% over one, NOTES.md entry 37). Not for graphable ops. Other arguments:
         :class:`FusedOp`."""
         super().__init__(group, **kwargs)
-        self.head_split = (head_split if head_split is not None
-                           else os.environ.get("TILEWEAVE_AG_HEAD_SPLIT", "0") not in ("", "0"))
+        self.head_split = head_split
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import torch.distributed as dist
@@ -107,9 +106,11 @@ class GemmReduceScatter(FusedOp):
     """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
     same)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool | None = None, **kwargs) -> None:
-        """``pull`` (opt-in; every rank must set it alike; None reads ``TILEWEAVE_RS_PULL``, default
-        off): the chunked transport in a group of two pulls instead of pushing. Each rank computes the
+    option_envs = {"pull": "TILEWEAVE_RS_PULL"}
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool = False, **kwargs) -> None:
+        """``pull`` (opt-in; every rank must set it alike; ``TILEWEAVE_RS_PULL=1`` for the shared op): the
+        chunked transport in a group of two pulls instead of pushing. Each rank computes the
         peer's row blocks into its symmetric buffer, and the owner's copy stream pulls them straight
         into the output rows, on which the own rows' GEMM then accumulates in place. This saves the
         local device-to-device copy that an out-of-place ``addmm`` makes of every received partial (0.2
@@ -117,7 +118,7 @@ class GemmReduceScatter(FusedOp):
         ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
-        self.pull = pull if pull is not None else os.environ.get("TILEWEAVE_RS_PULL", "0") not in ("", "0")
+        self.pull = pull
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
