@@ -69,20 +69,18 @@ def _rank(rank, world, shapes):
             dist.barrier()
             row[f"chunked_{rows}"] = time_ms(lambda: op(a, b), device, warmup=10, iters=20, reps=5)
             if rows == 0:
+                profile = _profile(lambda: op(a, b), device)  # every rank calls the op; rank 0 reports
                 if rank == 0:
-                    row["profile_chunked"] = _profile(lambda: op(a, b), device)
-                else:
-                    _profile(lambda: op(a, b), device)
+                    row["profile_chunked"] = profile
                 # The same blocks with the owner pulling into its output (GemmReduceScatter(pull=True)).
                 pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
                 pulling(a, b)
                 torch.cuda.synchronize(device)
                 dist.barrier()
                 row["chunked_pull_0"] = time_ms(lambda: pulling(a, b), device, warmup=10, iters=20, reps=5)
+                profile = _profile(lambda: pulling(a, b), device)
                 if rank == 0:
-                    row["profile_chunked_pull"] = _profile(lambda: pulling(a, b), device)
-                else:
-                    _profile(lambda: pulling(a, b), device)
+                    row["profile_chunked_pull"] = profile
         out.append(row)
     return out
 
