@@ -200,12 +200,13 @@ def nccl_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
 
 
 def ours_object(op: str, transport: str, *, group: dist.ProcessGroup):
-    """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY), for timing one
-    transport next to others in one run."""
+    """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY, its opt-in options from
+    their environment variables, as the shared op takes them), for timing one transport next to others
+    in one run."""
     import tileweave
 
     cls = tileweave.AllGatherGemm if op == "ag" else tileweave.GemmReduceScatter
-    return cls(group, transport=transport)
+    return cls(group, transport=transport, **cls.env_options())
 
 
 def ours_variant(x: RowInputs, *, group: dist.ProcessGroup, op: Callable | None = None) -> Variant:

@@ -46,10 +46,14 @@ class FusedOp:
         key = (id(group), device)  # the op holds the group, so its id is not reused while cached
         op = cls._shared.get(key)
         if op is None:
-            options = {name: _launch.env_flag(env) for name, env in cls.option_envs.items()}
             op = cls._shared[key] = cls(group, transport=os.environ.get(cls.transport_env, cls.default_transport),
-                                        graphable=_launch.env_flag("TILEWEAVE_GRAPHABLE"), **options)
+                                        graphable=_launch.env_flag("TILEWEAVE_GRAPHABLE"), **cls.env_options())
         return op
+
+    @classmethod
+    def env_options(cls) -> dict[str, bool]:
+        """The subclass's opt-in options as the environment sets them (``option_envs``)."""
+        return {name: _launch.env_flag(env) for name, env in cls.option_envs.items()}
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str | None = None, config: GemmConfig | None = None,
