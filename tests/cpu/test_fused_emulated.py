@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from tileweave.runtime.emulated import ONE_QUEUE_ENV
 from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
 
@@ -184,6 +185,27 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
         assert all(r["local_bytes"] == 0 for r in rows), rows  # no send buffer outside the symmetric one
     # An output with padded rows cannot take the pulls: the call pushes, and is still right.
     assert all(err < TOL["float16"] for err in run_ranks(2, scenarios.rs_padded_out_check))
+
+
+@pytest.mark.parametrize("op, world, option", [("rs", 2, "push"), ("rs", 3, "push"), ("rs", 2, "pull"),
+                                                ("ag", 2, "per_shard"), ("ag", 3, "per_shard"),
+                                                ("ag", 2, "head_split")])
+def test_chunked_transports_on_one_hardware_queue(op, world, option):
+    # Every stream of a rank in one in-order queue (ONE_QUEUE_ENV), as streams that share a hardware
+    # queue on a GPU: a stream wait on a peer's flag issued before the work the peer waits for from this
+    # rank deadlocks (a pulling order that did so passed the threaded emulation and hung on 2x H200).
+    env = {ONE_QUEUE_ENV: "1", "TILEWEAVE_EMULATED_TIMEOUT_S": "15"}
+    if op == "rs":
+        cases = [C(m_chunk=70, k=24, n=40, bias=True, iters=2, transport="chunked", chunk_rows=16,
+                   pull=option == "pull", straggler=world - 1, delay_s=0.05)]
+        _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases, env=env), "deterministic")
+    elif option == "head_split":
+        cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=2, ag_transport="chunked", straggler=1, delay_s=0.05)]
+        _check(run_ranks(world, scenarios.all_gather_head_split_check, cases, 8, env=env), "gathered_exact")
+    else:
+        cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=2, ag_transport="chunked", straggler=world - 1,
+                   delay_s=0.05)]
+        _check(run_ranks(world, scenarios.all_gather_gemm_check, cases, env=env), "gathered_exact")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -316,20 +316,22 @@ class GemmReduceScatter(FusedOp):
         block_rows, send, peer_send, announce, arrivals, landed, release_peer, released = plan
         ws.epoch += 1
         epoch = ws.epoch
-        # The copy stream first (after out's allocation, before our GEMMs in stream order): each of
-        # the peer's blocks of our rows, once announced, straight into its rows of out.
-        backend.comm_begin()
-        for r, arrival, done in zip(block_rows, arrivals, landed):
+        # Issue order matters on the GPU: two streams may share one hardware queue, so a stream wait on
+        # the peer's flag is issued only after the work of ours that the peer waits for (each block's
+        # GEMM and announcement before the copy stream waits for the peer's same block). Queued before
+        # them, the copy stream's first wait deadlocked both ranks on 2x H200 (NOTES.md, entry 48).
+        backend.comm_begin()  # the copy stream after out's allocation
+        # Our send buffer is free once the peer has pulled the previous call's blocks out of it.
+        backend.main_wait(released, epoch - 1)
+        peer_rows = a[(1 - rank) * mc:(2 - rank) * mc]
+        for r, address, arrival, done in zip(block_rows, announce, arrivals, landed):
+            torch.mm(peer_rows[r], b, out=send[r])
+            backend.main_write(address, epoch)
+            # The peer's block of our rows, once announced, straight into its rows of out.
             backend.comm_wait(arrival, epoch)
             backend.comm_copy(out[r], peer_send[r])
             backend.comm_write(done, epoch)
         backend.comm_write(release_peer, epoch)
-        # The peer's rows into our send buffer, once the peer has pulled the previous call's out of it.
-        backend.main_wait(released, epoch - 1)
-        peer_rows = a[(1 - rank) * mc:(2 - rank) * mc]
-        for r, address in zip(block_rows, announce):
-            torch.mm(peer_rows[r], b, out=send[r])
-            backend.main_write(address, epoch)
         own = a[rank * mc:(rank + 1) * mc]
         for r, done in zip(block_rows, landed):
             backend.main_wait(done, epoch)

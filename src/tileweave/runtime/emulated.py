@@ -5,7 +5,8 @@ Each rank is a process (``tileweave.testing.emulated.run_ranks`` starts them wit
 heap is one shared file mapped by every rank: rank ``p``'s symmetric allocations live in its own region
 at the same offsets on every rank, like symmetric memory, and every rank can address every region.
 The copy engine is a producer thread that executes the comm queue in order while the kernel runs, so a
-kernel's wait really blocks on a concurrent producer. Flags are read and written with aligned 32-bit
+kernel's wait really blocks on a concurrent producer (or, with ``ONE_QUEUE_ENV`` set, the caller's thread
+runs it in issue order, as one hardware queue would). Flags are read and written with aligned 32-bit
 accesses, which are atomic on the CPUs we run on.
 """
 
@@ -25,6 +26,10 @@ from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuff
 
 HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
 HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
+ONE_QUEUE_ENV = "TILEWEAVE_EMULATED_ONE_QUEUE"
+"""Set to 1, the copy stream's work runs in the caller's thread in issue order (``EmulatedBackend.one_queue``),
+for protocols without a fused kernel (the chunked transports): a wait issued before the work a peer needs
+from this rank then deadlocks here as it can on a GPU whose streams share a hardware queue."""
 _ALIGN = 256
 
 def _read_u32(address: int) -> int:
@@ -59,6 +64,10 @@ class EmulatedBackend(Backend):
         self.region = int(os.environ[HEAP_BYTES_ENV])
         self.heap = torch.from_file(path, shared=True, size=self.region * self.world_size,
                                     dtype=torch.uint8)
+        # One hardware queue for every stream (as under CUDA_DEVICE_MAX_CONNECTIONS=1, and as two
+        # streams may share one on a GPU): the copy stream's work runs on the host in issue order, so a
+        # stream wait on a peer's flag holds up everything issued after it.
+        self.one_queue = os.environ.get(ONE_QUEUE_ENV, "0") not in ("", "0")
         self._next = 0
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -102,6 +111,14 @@ class EmulatedBackend(Backend):
             finally:
                 self._queue.task_done()
 
+    def _issue(self, task) -> None:
+        """Queue copy-stream work, or run it now in one-queue mode."""
+        if self.one_queue:
+            with torch.no_grad():
+                task()
+        else:
+            self._queue.put((task, False))
+
     def _poll(self, address: int, value: int, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not _reached(_read_u32(address), value):
@@ -123,13 +140,13 @@ class EmulatedBackend(Backend):
             if producer_delay():
                 time.sleep(producer_delay())
             dst.copy_(src)
-        self._queue.put((copy, False))
+        self._issue(copy)
 
     def comm_wait(self, address: int, value: int) -> None:
-        self._queue.put((lambda: self._poll(address, value, "the producer"), False))
+        self._issue(lambda: self._poll(address, value, "the producer"))
 
     def comm_write(self, address: int, value: int) -> None:
-        self._queue.put((lambda: _write_u32(address, value), False))
+        self._issue(lambda: _write_u32(address, value))
 
     def comm_end(self) -> None:
         done = threading.Event()
