@@ -67,7 +67,7 @@ def _rank(rank, world, variant, quick=False):
     ce = tileweave.GemmReduceScatter(policy="fused", transport="copy_engine")
     store = tileweave.GemmReduceScatter(policy="fused", transport="store")
     fallback = tileweave.GemmReduceScatter(policy="fallback")
-    chunked = tileweave.GemmReduceScatter(policy="fused", transport="chunked")
+    chunked = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=False)
     g = torch.Generator(device=device).manual_seed(1234 + rank)
     for m, k, n, with_bias in CHECKS[:1] if quick else CHECKS:
         _configure(ce, variant, m, n, k, device)

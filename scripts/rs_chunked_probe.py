@@ -1,7 +1,7 @@
 """Where the chunked reduce-scatter spends its time, on two GPUs: per shape, NCCL+cuBLAS, the blocked
 GEMMs alone (no communication), the chunked transport at several block sizes, and a profile of the
 GPU work by kernel name (the host's side: ``scripts/host_probe.py``); the library's blocks also with
-the owner pulling into its output (``GemmReduceScatter(pull=True)``).
+the owner pulling into its output (``pull=True``, the default at two ranks; the other variants push).
 
     python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
 
@@ -62,7 +62,7 @@ def _rank(rank, world, shapes):
             br = m // world if rows == -1 else rows or chunk_rows_for(m // world, k, n)
             row[f"gemm_blocks_{rows}"] = time_ms(lambda: [torch.matmul(a[i:i + br], b) for i in range(0, m, br)],
                                                  device, warmup=10, iters=20, reps=5)
-            op = tileweave.GemmReduceScatter(policy="fused", transport="chunked")
+            op = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=False)
             op.chunk_rows = rows and br
             op(a, b)
             torch.cuda.synchronize(device)

@@ -40,4 +40,6 @@ def test_mlp_on_shared_ops_with_options_from_the_environment():
             assert result[key] < 1e-5, (key, result)
         assert result["shared_options"] == ["head_split=True", "pull=True"], result
     for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True):
+        assert result["shared_options"] == ["head_split=False", "pull=True"], result  # pulling is the default
+    for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True, env={"TILEWEAVE_RS_PULL": "0"}):
         assert result["shared_options"] == ["head_split=False", "pull=False"], result

@@ -30,8 +30,8 @@ class FusedOp:
     graphable_transports: tuple[str, ...] = ()
     """Transports that have the constant-valued (CUDA-graph replayable) protocol; none: not offered."""
     option_envs: dict[str, str] = {}
-    """The subclass's opt-in boolean constructor options that the shared op takes from environment
-    variables (option name: variable name)."""
+    """The subclass's boolean constructor options that the shared op takes from environment variables
+    (option name: variable name)."""
     _shared: dict[tuple, "FusedOp"]
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -52,8 +52,9 @@ class FusedOp:
 
     @classmethod
     def env_options(cls) -> dict[str, bool]:
-        """The subclass's opt-in options as the environment sets them (``option_envs``)."""
-        return {name: _launch.env_flag(env) for name, env in cls.option_envs.items()}
+        """The subclass's options that the environment sets (``option_envs``; an unset or empty variable
+        leaves the constructor's default)."""
+        return {name: _launch.env_flag(env) for name, env in cls.option_envs.items() if os.environ.get(env)}
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str | None = None, config: GemmConfig | None = None,

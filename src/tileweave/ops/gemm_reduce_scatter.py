@@ -108,17 +108,21 @@ class GemmReduceScatter(FusedOp):
 
     option_envs = {"pull": "TILEWEAVE_RS_PULL"}
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool = False, **kwargs) -> None:
-        """``pull`` (opt-in; every rank must set it alike; ``TILEWEAVE_RS_PULL=1`` for the shared op): the
-        chunked transport in a group of two pulls instead of pushing. Each rank computes the
-        peer's row blocks into its symmetric buffer, and the owner's copy stream pulls them straight
-        into the output rows, on which the own rows' GEMM then accumulates in place. This saves the
-        local device-to-device copy that an out-of-place ``addmm`` makes of every received partial (0.2
-        ms a call on 8192 x 6144 x 49152, NOTES.md entry 45). Not graphable; other group sizes, and an
-        ``out`` with padded rows, push.
+    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool | None = None, **kwargs) -> None:
+        """``pull`` (every rank must set it alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether the
+        chunked transport in a group of two pulls instead of pushing. Each rank computes the peer's row
+        blocks into its symmetric buffer, and the owner's copy stream pulls them straight into the output
+        rows, on which the own rows' GEMM then accumulates in place. This saves the local device-to-device
+        copy that an out-of-place ``addmm`` makes of every received partial (0.2 ms a call on 8192 x 6144 x
+        49152, NOTES.md entries 45 and 48): faster than pushing on all 15 of the suite's rows with M >= 4096
+        on 2x H200. None (the default): pull wherever it applies, which is not in a graphable op (its flags
+        carry epochs; True there raises); other group sizes, and an ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
-        self.pull = pull
+        if pull and self.graphable:
+            raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
+                                 "use graphable=True without pull")
+        self.pull = (not self.graphable) if pull is None else pull
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,9 +167,6 @@ class GemmReduceScatter(FusedOp):
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if self.transport == "chunked" and self.pull and w == 2 and out.is_contiguous():  # copies land in out
-            if self.graphable:
-                raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
-                                     "use graphable=True without pull")
             self._chunked_pull(backend, a, b, bias, out, m, n)
             return out
         if self.transport == "chunked":

@@ -47,7 +47,8 @@ class Case:
     """The op with constant-valued (CUDA-graph replayable) flags (all-gather: every transport;
     reduce-scatter: chunked)."""
     pull: bool = False
-    """Chunked reduce-scatter: the owner pulls the peer's blocks into its output (``GemmReduceScatter.pull``)."""
+    """Chunked reduce-scatter: the owner pulls the peer's blocks into its output (``GemmReduceScatter.pull``;
+    False: the push variant, though pulling is the default at two ranks)."""
 
 
 def _randn(shape, dtype, *seed_parts, device="cpu"):
@@ -180,7 +181,9 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     """Run each case ``iters`` times through one ``GemmReduceScatter``; also re-run the last inputs to
     check that the output is bitwise the same."""
     device = _device()
-    ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t) for t in ("store", "copy_engine", "chunked")}
+    # "chunked" cases push (pull=False); pulling is the default at two ranks, and cases with pull=True take it.
+    ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t, pull=False)
+           for t in ("store", "copy_engine", "chunked")}
     graphable = tileweave.GemmReduceScatter(policy="fused", transport="chunked", graphable=True)
     pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
     results = []
