@@ -3,6 +3,7 @@ MLP in float64, with the gathered input kept or gathered again, and under autoca
 
 import pytest
 
+from tileweave.runtime.emulated import ONE_QUEUE_ENV
 from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
 
@@ -13,6 +14,18 @@ def test_mlp_forward_and_every_gradient(world, save_gathered):
         for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
             assert result[key] < 1e-5, (key, result)
         assert result["round_trip"], result
+
+
+@pytest.mark.parametrize("world, save_gathered", [(2, False), (4, True)])
+def test_mlp_on_chunked_transports_with_one_hardware_queue(world, save_gathered):
+    # Every stream of a rank in one in-order queue, as streams that share a hardware queue on a GPU:
+    # the layers' calls (forward, input gradient, the gather alone for the weight gradient, the
+    # pulling reduce-scatter at two ranks) must not wait on a peer before issuing what the peer needs.
+    env = {ONE_QUEUE_ENV: "1", "TILEWEAVE_EMULATED_TIMEOUT_S": "15",
+           "TILEWEAVE_AG_TRANSPORT": "chunked", "TILEWEAVE_RS_TRANSPORT": "chunked"}
+    for result in run_ranks(world, scenarios.tp_mlp_check, 48, 32, 64, save_gathered, env=env):
+        for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
+            assert result[key] < 1e-5, (key, result)
 
 
 def test_mlp_under_autocast_keeps_fp32_parameter_gradients():

@@ -98,8 +98,10 @@ class AllGatherGemm(FusedOp):
         chunked transport at two ranks runs a first GEMM on only enough of the own rows to hide
         the shard's transfer (``heuristics.all_gather_head_rows``) and a second over all the other
         rows, which lie contiguous in the gather buffer, instead of one GEMM per shard (two GEMMs of
-        half the rows cost 2-7% over one, NOTES.md entry 37). Not for graphable ops. Other arguments:
-        :class:`FusedOp`."""
+        half the rows cost 2-7% over one, NOTES.md entry 37). Not for graphable ops. Measured on 2x H200
+        over the suite's rows with M 2048-8192, chunked transport: no faster than one GEMM per shard
+        (within 1% on the rows with a head, NOTES.md entry 50); kept for other GPUs and shapes. Other
+        arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
         self.head_split = head_split
 

@@ -71,7 +71,8 @@ def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.
 # AllGather+GEMM, chunked transport at two ranks with ``head_split``: the own rows' first GEMM covers
 # only as many rows as it takes to hide the shard's push (at ~300 GB/s over NVLink; DESIGN.md measured
 # 365 GB/s on 256 MB), a flag's latency and the local copies of the gathered input, at ~600 TFLOP/s;
-# the second GEMM then runs over all the other rows at once. Not yet measured (NOTES.md, entry 47).
+# the second GEMM then runs over all the other rows at once. Measured on 2x H200: no faster than one GEMM
+# per shard on the suite's rows (NOTES.md, entries 47 and 50), so it stays opt-in.
 HEAD_SPLIT_PUSH_GBPS = 300.0
 HEAD_SPLIT_LOCAL_GBPS = 1500.0
 HEAD_SPLIT_LATENCY_US = 20.0
