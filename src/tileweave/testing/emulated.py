@@ -72,9 +72,11 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, gpus), daemon=True)
              for rank in range(world_size)]
+    started = []
     try:
         for proc in procs:
             proc.start()
+            started.append(proc)
         collected: dict[int, tuple[bool, Any]] = {}
         for _ in range(world_size):
             try:
@@ -92,7 +94,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
             raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s")
         return [collected[rank][1] for rank in range(world_size)]
     finally:
-        for proc in procs:
+        for proc in started:  # a process that failed to start has nothing to join, and its error is the one to see
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
