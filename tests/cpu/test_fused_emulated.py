@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import tileweave
 from tileweave.runtime.emulated import ONE_QUEUE_ENV
 from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
@@ -185,6 +186,13 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
         assert all(r["local_bytes"] == 0 for r in rows), rows  # no send buffer outside the symmetric one
     # An output with padded rows cannot take the pulls: the call pushes, and is still right.
     assert all(err < TOL["float16"] for err in run_ranks(2, scenarios.rs_padded_out_check))
+
+
+def test_reduce_scatter_pulls_by_default_except_in_graphable_ops():
+    assert tileweave.GemmReduceScatter().pull and not tileweave.GemmReduceScatter(pull=False).pull
+    assert not tileweave.GemmReduceScatter(graphable=True).pull
+    with pytest.raises(tileweave.TileweaveError, match="pull=True is not graphable"):
+        tileweave.GemmReduceScatter(graphable=True, pull=True)
 
 
 @pytest.mark.parametrize("op, world, option", [("rs", 2, "push"), ("rs", 3, "push"), ("rs", 2, "pull"),

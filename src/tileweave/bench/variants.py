@@ -200,8 +200,8 @@ def nccl_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
 
 
 def ours_object(op: str, transport: str, *, group: dist.ProcessGroup):
-    """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY, its opt-in options from
-    their environment variables, as the shared op takes them), for timing one transport next to others
+    """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY, its options from their
+    environment variables, as the shared op takes them), for timing one transport next to others
     in one run."""
     import tileweave
 

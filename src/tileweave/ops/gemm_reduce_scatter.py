@@ -114,7 +114,7 @@ class GemmReduceScatter(FusedOp):
         blocks into its symmetric buffer, and the owner's copy stream pulls them straight into the output
         rows, on which the own rows' GEMM then accumulates in place. This saves the local device-to-device
         copy that an out-of-place ``addmm`` makes of every received partial (0.2 ms a call on 8192 x 6144 x
-        49152, NOTES.md entries 45 and 48): faster than pushing on all 15 of the suite's rows with M >= 4096
+        49152, NOTES.md entries 45 and 49): faster than pushing on all 15 of the suite's rows with M >= 4096
         on 2x H200. None (the default): pull wherever it applies, which is not in a graphable op (its flags
         carry epochs; True there raises); other group sizes, and an ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
