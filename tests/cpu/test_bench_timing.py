@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
+import statistics
+import time
 
 import pytest
 import torch
@@ -139,6 +142,33 @@ def test_measure_issues_the_agreed_number_of_calls(monkeypatch):
     assert result.host_ms == pytest.approx(1.0)
     # Fences sit around the timed batches and the host batch, never inside.
     assert fences == [1 + cfg.probe_calls + agreed, len(calls)]
+
+
+def test_clock_sampler_reports_the_median_of_readings_taken_during_the_work():
+    values = [random.uniform(1100.0, 1980.0) for _ in range(2000)]
+    taken = []
+
+    class Reader:
+        def read(self, device):
+            taken.append(device)
+            return values[len(taken) - 1]
+
+    with timing.ClockSampler(Reader(), 3, period_s=0.001) as sampler:
+        while len(taken) < 6:
+            time.sleep(0.001)
+    count = len(taken)
+    time.sleep(0.01)
+    assert len(taken) == count  # the thread stopped with the block
+    assert set(taken) == {3}
+    assert sampler.median() == statistics.median(values[:count])
+
+    class Unreadable:
+        def read(self, device):
+            return None
+
+    with timing.ClockSampler(Unreadable(), 0) as sampler:
+        pass
+    assert sampler.median() is None
 
 
 def test_rotation_spans_twice_l2():

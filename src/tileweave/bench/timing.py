@@ -19,6 +19,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -161,7 +162,8 @@ class Timing:
     warmup_calls: int
     """The agreed warm-up count."""
     clock_mhz: float | None
-    """Lowest SM clock over ranks, read right after the timed batches; None if unreadable."""
+    """Lowest over ranks of the median SM clock while the timed batches ran (``ClockSampler``); None if
+    unreadable."""
     host_ms: float | None = None
     """The host's time to issue one call onto an idle GPU (a batch of ``iters`` after the timed ones,
     max over ranks). Close to ``ms``: the host, not the GPU, set the pace."""
@@ -226,6 +228,43 @@ class ClockReader:
             return None
 
 
+class ClockSampler:
+    """The SM clock while the GPU works: ``reader`` sampled every ``period_s`` from a background thread
+    inside the ``with`` block, the median of the samples after it. A single reading after the work can
+    catch the clock once the GPU has gone idle; the median says what the variant ran at (NOTES.md,
+    entry 51, asks whether the variants of one row run at different clocks)."""
+
+    def __init__(self, reader: ClockReader, device: int, *, period_s: float = 0.02) -> None:
+        self._reader, self._device, self._period_s = reader, device, period_s
+        self._samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            mhz = self._reader.read(self._device)
+            if mhz is None:
+                return
+            self._samples.append(mhz)
+            if self._stop.wait(self._period_s):
+                return
+
+    def __enter__(self) -> "ClockSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if not self._samples:  # work shorter than the thread's start: one reading now
+            mhz = self._reader.read(self._device)
+            if mhz is not None:
+                self._samples.append(mhz)
+
+    def median(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
+
+
 def _smi_id(device: int) -> str:
     """The ``nvidia-smi -i`` name of torch's ``device``, which differs under CUDA_VISIBLE_DEVICES."""
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
@@ -258,14 +297,15 @@ def measure(
         fence()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.reps)]
-    for r in range(cfg.reps):
-        starts[r].record()
-        for _ in range(cfg.iters):
-            call(i)
-            i += 1
-        ends[r].record()
-    torch.cuda.synchronize()
-    mhz = clocks.read(device)
+    with ClockSampler(clocks, device) as sampler:
+        for r in range(cfg.reps):
+            starts[r].record()
+            for _ in range(cfg.iters):
+                call(i)
+                i += 1
+            ends[r].record()
+        torch.cuda.synchronize()
+    mhz = sampler.median()
     # The host's own cost per call: one more batch, issued onto an idle GPU. During the timed batches the
     # warm-up's backlog keeps the launch queue full, so the host waits on it and its time there is the
     # GPU's whatever its own cost (every variant then looked host-bound: NOTES.md, entry 25).
