@@ -3,6 +3,7 @@ Triton kernels in the interpreter while a producer thread moves data and writes 
 References are float64 products of the full, unsharded inputs (``tileweave.testing.scenarios``)."""
 
 import dataclasses
+import random
 
 import pytest
 
@@ -186,6 +187,25 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
         assert all(r["local_bytes"] == 0 for r in rows), rows  # no send buffer outside the symmetric one
     # An output with padded rows cannot take the pulls: the call pushes, and is still right.
     assert all(err < TOL["float16"] for err in run_ranks(2, scenarios.rs_padded_out_check))
+
+
+@pytest.mark.parametrize("op_name, world", [("ag", 2), ("rs", 2), ("ag", 3), ("rs", 3)])
+def test_small_calls_replay_graphs_of_the_chunked_path(op_name, world):
+    # replay=True: a shape's first call eager, then graphs per weight address (stand-ins here that rerun
+    # the captured call), replayed on fresh inputs; rank 1 moves a weight, so it captures where the
+    # others replay, and later meets a full cache (3 graphs) and runs eagerly while they replay.
+    ranks = run_ranks(world, scenarios.replay_check, op_name, random.randrange(1 << 30))
+    for rank, result in enumerate(ranks):
+        assert max(result["errors"]) < TOL["float16"], (rank, result)
+        later = ["replay"] * 6 if rank != 1 else ["replay"] * 4 + ["chunked", "replay"]
+        # Then a taller shape (eager: its first call) grows the buffers, and the first shape captures anew.
+        assert result["paths"] == ["chunked", "chunked"] + later + ["chunked", "replay"], (rank, result)
+        assert result["graphs"] == (3, 1), (rank, result)
+
+
+def test_replay_is_not_for_graphable_ops():
+    with pytest.raises(ValueError, match="replay=True captures its own graphs"):
+        tileweave.AllGatherGemm(transport="chunked", graphable=True, replay=True)
 
 
 def test_reduce_scatter_pulls_by_default_except_in_graphable_ops():

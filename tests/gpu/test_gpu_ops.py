@@ -1,6 +1,7 @@
 """The ops on real GPUs against float64 references (bf16 and fp16). Skipped without CUDA GPUs."""
 
 import os
+import random
 
 import pytest
 import torch
@@ -150,6 +151,22 @@ def test_missing_peer_reported_by_the_next_call_gpu():
                          timeout_s=300)
     assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]
     assert "rank 1" in outcomes[0]["message"], outcomes[0]
+
+
+@needs_two
+@pytest.mark.parametrize("op_name", ["ag", "rs"])
+def test_small_calls_replay_graphs_gpu(op_name):
+    # replay=True with real CUDA graphs: captured per weight address from a shape's second call on,
+    # replayed on fresh inputs; rank 1 captures where rank 0 replays, and runs eagerly once its cache
+    # is full while rank 0 replays.
+    ranks = run_ranks(torch.cuda.device_count(), scenarios.replay_check, op_name, random.randrange(1 << 30),
+                      256, 512, 384, gpus=True, timeout_s=300)
+    for rank, result in enumerate(ranks):
+        assert max(result["errors"]) < TOL[torch.float16], (rank, result)
+        later = ["replay"] * 6 if rank != 1 else ["replay"] * 4 + ["chunked", "replay"]
+        # Then a taller shape (eager: its first call) grows the buffers, and the first shape captures anew.
+        assert result["paths"] == ["chunked", "chunked"] + later + ["chunked", "replay"], (rank, result)
+        assert result["graphs"] == (3, 1), (rank, result)
 
 
 @needs_two

@@ -495,7 +495,7 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
         "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
                                      "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_AG_TRANSPORT",
                                      "TILEWEAVE_MAX_SPIN", "TILEWEAVE_AG_HEAD_SPLIT", "TILEWEAVE_RS_PULL",
-                                     "TILEWEAVE_GRAPHABLE")},
+                                     "TILEWEAVE_GRAPHABLE", "TILEWEAVE_REPLAY")},
         "argv": list(argv),
         "executable": sys.executable,
     }

@@ -18,6 +18,31 @@ from tileweave.tune.configs import GemmConfig
 
 POLICIES = ("auto", "fused", "fallback")
 
+REPLAY_BELOW_GFLOP = 128.0
+"""With ``replay``: calls of less local GEMM work than this replay a CUDA graph of the chunked path. On
+the benchmark hosts issuing a chunked call costs the host ~120-190 us, more than the GPU's work on the
+suite's rows under ~100 GFLOP (NOTES.md, entries 26, 39 and 52); a graph's replay costs one launch."""
+REPLAY_GRAPHS = 32
+"""Graphs one op keeps (one per shape, weight and bias address); calls beyond run the chunked path eagerly."""
+
+
+def _workspace_token(op: "FusedOp") -> tuple:
+    """What a graph of ``op``'s calls has baked in of its buffers: the workspace and its send buffer."""
+    ws = op._ws
+    return (id(ws), ws.local.data_ptr() if ws is not None and ws.local is not None else 0)
+
+
+class _HostGraph:
+    """Where there are no CUDA graphs (emulated ranks): a replay runs the captured call again, so that
+    the replay logic around it (keys, static inputs, copies out) runs in the CPU tests."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self._fn = fn
+        self.out: torch.Tensor | None = None
+
+    def replay(self) -> None:
+        self.out = self._fn()
+
 
 class FusedOp:
     """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, reused."""
@@ -58,10 +83,20 @@ class FusedOp:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  transport: str | None = None, config: GemmConfig | None = None,
-                 max_spin: int | None = None, graphable: bool = False) -> None:
+                 max_spin: int | None = None, graphable: bool = False, replay: bool = False) -> None:
         """``transport``: one of the class's ``transports``, None for its ``default_transport``.
         ``graphable``: run the fused paths on flags whose values are the same in every call, so that
-        the calls can be captured in a CUDA graph and replayed (see the subclass)."""
+        the calls can be captured in a CUDA graph and replayed (see the subclass).
+        ``replay`` (opt-in, every rank alike; ``TILEWEAVE_REPLAY=1`` for the shared op; not with
+        ``graphable``): calls of under ``REPLAY_BELOW_GFLOP`` of local GEMM work, under the policies
+        "auto" and "fused", run the chunked transport by replaying a CUDA graph of it, captured per shape and weight
+        address: the host issues a copy of the input, one launch and a copy of the output instead of
+        the chunked call's dozen operations. Graphs are captured from a shape's second call on (its
+        first runs eagerly); bias and weight are read at their addresses, so they must stay where they
+        are (parameters do). Not for calls that return the gathered input."""
+        if graphable and replay:
+            raise ValueError(f"{type(self).__name__}: replay=True captures its own graphs; a graphable op is "
+                             "for graphs of the caller's")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         transport = transport or self.default_transport
@@ -72,6 +107,11 @@ class FusedOp:
             raise ValueError(f"{type(self).__name__}(graphable=True) needs a transport with replayable flags "
                              f"({offered}), got {transport!r}")
         self.graphable = graphable
+        self.replay = replay
+        self._replay_op: FusedOp | None = None
+        self._replay_warm: set[tuple] = set()
+        self._graphs: dict[tuple, tuple] = {}
+        self._graphs_workspace: tuple = ()
         self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
         # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
@@ -87,6 +127,50 @@ class FusedOp:
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
         tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
+
+    def _replayed(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
+                  gflop: float) -> torch.Tensor | None:
+        """This call's output from a graph of the chunked path (``replay``), or None where it does not
+        apply. The graphs belong to an inner graphable op with its own workspace. Collective like any
+        call: every rank replays (or, for a shape's first call, runs eagerly) exactly once per call;
+        a rank that meets a new weight address captures first, which runs nothing on the GPU."""
+        if not self.replay or self.policy == "fallback" or gflop >= REPLAY_BELOW_GFLOP or _launch.capturing(a):
+            return None
+        if self._replay_op is None:
+            self._replay_op = type(self)(self.group, policy="fused", transport="chunked", config=self.config,
+                                         max_spin=self.max_spin, graphable=True)
+        inner = self._replay_op
+        shape = (tuple(a.shape), tuple(b.shape), tuple(b.stride()), a.dtype, a.device, bias is not None)
+        key = (*shape, b.data_ptr(), bias.data_ptr() if bias is not None else 0)
+        if self._graphs and self._graphs_workspace != _workspace_token(inner):
+            # A larger shape's first call replaced or grew the inner op's buffers (every rank at the same
+            # call): the graphs still point at the old ones.
+            self._graphs.clear()
+        entry = self._graphs.get(key)
+        if entry is None:
+            if shape not in self._replay_warm or len(self._graphs) >= REPLAY_GRAPHS:
+                # Eagerly: a shape's first call (it agrees on the shape with the other ranks, sizes the
+                # workspace and warms cuBLAS, none of which a graph can hold), and any call once the
+                # cache is full.
+                self._replay_warm.add(shape)
+                result = inner(a, b, bias=bias)
+                _launch.record_path(self.op_name, "chunked")
+                return result if out is None else out.copy_(result)
+            static_a = a.clone()
+            if a.is_cuda:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = inner(static_a, b, bias=bias)
+            else:
+                graph, static_out = _HostGraph(lambda: inner(static_a, b, bias=bias)), None
+            entry = self._graphs[key] = (graph, static_a, static_out)
+            self._graphs_workspace = _workspace_token(inner)
+        graph, static_a, static_out = entry
+        static_a.copy_(a)
+        graph.replay()
+        result = static_out if static_out is not None else graph.out
+        _launch.record_path(self.op_name, "replay")
+        return result.clone() if out is None else out.copy_(result)
 
     def _unfused_route(self, a, b, bias, out) -> tuple[tuple | None, Backend | None]:
         """``(signature, backend)`` for a call whose signature (shapes, dtypes, devices) an earlier call

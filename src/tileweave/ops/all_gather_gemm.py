@@ -91,7 +91,7 @@ class AllGatherGemm(FusedOp):
     """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
     released by this rank's next call."""
 
-    option_envs = {"head_split": "TILEWEAVE_AG_HEAD_SPLIT"}
+    option_envs = {"head_split": "TILEWEAVE_AG_HEAD_SPLIT", "replay": "TILEWEAVE_REPLAY"}
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool = False, **kwargs) -> None:
         """``head_split`` (opt-in, every rank alike; ``TILEWEAVE_AG_HEAD_SPLIT=1`` for the shared op): the
@@ -170,6 +170,10 @@ class AllGatherGemm(FusedOp):
             if gathered_out is not None:
                 return out, gathered_out.copy_(a_shard)
             return (out, a_shard) if return_gathered else out
+        if not return_gathered:
+            replayed = self._replayed(a_shard, b, bias, out, 2.0 * m * n * k / 1e9)
+            if replayed is not None:
+                return replayed
 
         fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
                                             heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,

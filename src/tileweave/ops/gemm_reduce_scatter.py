@@ -106,7 +106,7 @@ class GemmReduceScatter(FusedOp):
     """Rows per block of the chunked transport, 0 for :func:`chunk_rows_for` (every rank must use the
     same)."""
 
-    option_envs = {"pull": "TILEWEAVE_RS_PULL"}
+    option_envs = {"pull": "TILEWEAVE_RS_PULL", "replay": "TILEWEAVE_REPLAY"}
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool | None = None, **kwargs) -> None:
         """``pull`` (every rank must set it alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether the
@@ -143,6 +143,10 @@ class GemmReduceScatter(FusedOp):
         mc = m // w
         bias = _launch.check_bias(bias, n, a.dtype, a.device)
         out = _launch.check_out(out, (mc, n), a.dtype, a.device)
+        if w > 1:
+            replayed = self._replayed(a, b, bias, out, 2.0 * m * n * k / 1e9)
+            if replayed is not None:
+                return replayed
         if out is None:
             out = torch.empty((mc, n), dtype=a.dtype, device=a.device)
         if w == 1:

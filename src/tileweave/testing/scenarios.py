@@ -223,6 +223,62 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     return results
 
 
+def replay_check(rank: int, world: int, op_name: str, seed: int, m_chunk: int = 20, k: int = 24,
+                 n: int = 32) -> dict:
+    """An op with ``replay=True`` (on emulated ranks the graphs are stand-ins that rerun the captured
+    call) on calls of one shape with fresh inputs: each shape's first call eager, then captures and
+    replays; three weights, a bias, an ``out``; rank 1 moves a weight to a new address mid-way, so that
+    it captures where rank 0 replays; more weights than the graphs kept (3 here). Returns per call the
+    error against float64 and the path taken."""
+    from tileweave.ops import _fused
+
+    _fused.REPLAY_GRAPHS = 3
+    device = _device()
+    dtype = torch.float16
+    cls = tileweave.AllGatherGemm if op_name == "ag" else tileweave.GemmReduceScatter
+    op = cls(policy="auto", replay=True)
+    rows = m_chunk if op_name == "ag" else m_chunk * world
+    weights = [[_randn((n, k), dtype, seed, "w", j, p, device=device) / k ** 0.5 for j in range(3)]
+               for p in range(world)]
+    bias = _randn((n,), dtype, seed, "bias", device=device)
+    # (weight, bias, out): see the docstring; rank 1 moves weight 1 before call 4.
+    plan = [(0, False, False), (0, True, False), (1, True, False), (1, True, True), (1, True, False),
+            (0, False, False), (2, True, False), (0, False, False)]
+    errors, paths = [], []
+    for it, (j, with_bias, with_out) in enumerate(plan):
+        if it == 4 and rank == 1:
+            weights[1][1] = weights[1][1].clone()
+        parts = [_randn((rows, k), dtype, seed, "x", it, p, device=device) for p in range(world)]
+        out = torch.full((rows * world if op_name == "ag" else m_chunk, n), float("nan"), dtype=dtype,
+                         device=device) if with_out else None
+        y = op(parts[rank], weights[rank][j].t(), bias=bias if with_bias else None, out=out)
+        if with_out and y is not out:
+            raise AssertionError("the call did not return the out it was given")
+        if op_name == "ag":
+            ref = torch.cat(parts).double() @ weights[rank][j].double().t()
+        else:
+            ref = sum(x.double() @ wp[j].double().t() for x, wp in zip(parts, weights))[rank * m_chunk:
+                                                                                        (rank + 1) * m_chunk]
+        if with_bias:
+            ref = ref + bias.double()
+        errors.append(_rel_err(y, ref))
+        paths.append(tileweave.last_path(op.op_name))
+    graphs_before = len(op._graphs)
+    # A shape four times as tall: its first call (eager) grows the inner op's buffers, which drops every
+    # graph; the first shape's next call captures again.
+    for it, tall in ((len(plan), 4), (len(plan) + 1, 1)):
+        parts = [_randn((rows * tall, k), dtype, seed, "x", it, p, device=device) for p in range(world)]
+        y = op(parts[rank], weights[rank][0].t())
+        if op_name == "ag":
+            ref = torch.cat(parts).double() @ weights[rank][0].double().t()
+        else:
+            mc = m_chunk * tall
+            ref = sum(x.double() @ wp[0].double().t() for x, wp in zip(parts, weights))[rank * mc:(rank + 1) * mc]
+        errors.append(_rel_err(y, ref))
+        paths.append(tileweave.last_path(op.op_name))
+    return {"errors": errors, "paths": paths, "graphs": (graphs_before, len(op._graphs))}
+
+
 def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40) -> float:
     """Error of a pulling ``GemmReduceScatter`` into an ``out`` whose rows are padded (a column slice of
     a wider tensor): the pulls need contiguous rows, so such a call pushes."""
