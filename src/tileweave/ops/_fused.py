@@ -159,7 +159,9 @@ class FusedOp:
             static_a = a.clone()
             if a.is_cuda:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # Only this thread's calls are checked during the capture: a user's other threads (a data
+                # loader pinning memory, say) may go on.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     static_out = inner(static_a, b, bias=bias)
             else:
                 graph, static_out = _HostGraph(lambda: inner(static_a, b, bias=bias)), None
