@@ -89,9 +89,9 @@ class FusedOp:
         the calls can be captured in a CUDA graph and replayed (see the subclass).
         ``replay`` (opt-in, every rank alike; ``TILEWEAVE_REPLAY=1`` for the shared op; not with
         ``graphable``): calls of under ``REPLAY_BELOW_GFLOP`` of local GEMM work, under the policies
-        "auto" and "fused", run the chunked transport by replaying a CUDA graph of it, captured per shape and weight
-        address: the host issues a copy of the input, one launch and a copy of the output instead of
-        the chunked call's dozen operations. Graphs are captured from a shape's second call on (its
+        "auto" and "fused", run the chunked transport by replaying a CUDA graph of it, captured per
+        shape and weight address: the host issues a copy of the input, one launch and a copy of the
+        output instead of the chunked call's dozen operations, and a repeat skips the argument checks. Graphs are captured from a shape's second call on (its
         first runs eagerly); bias and weight are read at their addresses, so they must stay where they
         are (parameters do). Not for calls that return the gathered input."""
         if graphable and replay:
@@ -128,6 +128,31 @@ class FusedOp:
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
         tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
 
+    @staticmethod
+    def _replay_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        """What a graph of a call bakes in: shapes, layouts, dtypes, device, and the weight's and bias's
+        addresses (the graph reads them there)."""
+        return (tuple(a.shape), a.dtype, a.device, tuple(b.shape), tuple(b.stride()), b.dtype, b.data_ptr(),
+                None if bias is None else (tuple(bias.shape), bias.dtype, bias.data_ptr()))
+
+    def _replay_hit(self, a, b, bias) -> torch.Tensor | None:
+        """A repeat of a call already captured (``replay``), run at once, before the argument checks,
+        which the call passed when it was captured; None otherwise (no graph, an ``out``, capture)."""
+        if not self._graphs or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) \
+                or (bias is not None and not isinstance(bias, torch.Tensor)) or _launch.capturing(a):
+            return None
+        entry = self._graphs.get(self._replay_key(a, b, bias))
+        if entry is None or self._graphs_workspace != _workspace_token(self._replay_op):
+            return None
+        return self._replay_graph(entry, a).clone()
+
+    def _replay_graph(self, entry: tuple, a: torch.Tensor) -> torch.Tensor:
+        graph, static_a, static_out = entry
+        static_a.copy_(a)
+        graph.replay()
+        _launch.record_path(self.op_name, "replay")
+        return static_out if static_out is not None else graph.out
+
     def _replayed(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
                   gflop: float) -> torch.Tensor | None:
         """This call's output from a graph of the chunked path (``replay``), or None where it does not
@@ -140,14 +165,14 @@ class FusedOp:
             self._replay_op = type(self)(self.group, policy="fused", transport="chunked", config=self.config,
                                          max_spin=self.max_spin, graphable=True)
         inner = self._replay_op
-        shape = (tuple(a.shape), tuple(b.shape), tuple(b.stride()), a.dtype, a.device, bias is not None)
-        key = (*shape, b.data_ptr(), bias.data_ptr() if bias is not None else 0)
+        key = self._replay_key(a, b, bias)
         if self._graphs and self._graphs_workspace != _workspace_token(inner):
             # A larger shape's first call replaced or grew the inner op's buffers (every rank at the same
             # call): the graphs still point at the old ones.
             self._graphs.clear()
         entry = self._graphs.get(key)
         if entry is None:
+            shape = key[:6] + (bias is not None,)
             if shape not in self._replay_warm or len(self._graphs) >= REPLAY_GRAPHS:
                 # Eagerly: a shape's first call (it agrees on the shape with the other ranks, sizes the
                 # workspace and warms cuBLAS, none of which a graph can hold), and any call once the
@@ -167,11 +192,7 @@ class FusedOp:
                 graph, static_out = _HostGraph(lambda: inner(static_a, b, bias=bias)), None
             entry = self._graphs[key] = (graph, static_a, static_out)
             self._graphs_workspace = _workspace_token(inner)
-        graph, static_a, static_out = entry
-        static_a.copy_(a)
-        graph.replay()
-        result = static_out if static_out is not None else graph.out
-        _launch.record_path(self.op_name, "replay")
+        result = self._replay_graph(entry, a)
         return result.clone() if out is None else out.copy_(result)
 
     def _unfused_route(self, a, b, bias, out) -> tuple[tuple | None, Backend | None]:

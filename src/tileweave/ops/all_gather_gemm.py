@@ -140,6 +140,10 @@ class AllGatherGemm(FusedOp):
         returned. With the chunked transport those copies run between the GEMMs; next to the fused
         kernel they wait for it (a local device-to-device copy needs SMs, DESIGN.md), which still costs
         less than copying the workspace afterwards."""
+        if self._graphs and out is None and not return_gathered and gathered_out is None:
+            replayed = self._replay_hit(a_shard, b, bias)
+            if replayed is not None:
+                return replayed
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
