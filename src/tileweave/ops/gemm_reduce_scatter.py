@@ -163,7 +163,7 @@ class GemmReduceScatter(FusedOp):
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
         fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
                                             functools.partial(heuristics.prefer_fused_reduce_scatter,
-                                                              transport=self.transport),
+                                                              transport=self.transport, pull=self.pull),
                                             (m, k, n), bias is not None, _launch.capturing(a),
                                             **overrides)
         if not fused:
@@ -334,7 +334,11 @@ class GemmReduceScatter(FusedOp):
         backend.main_wait(released, epoch - 1)
         peer_rows = a[(1 - rank) * mc:(2 - rank) * mc]
         for r, address, arrival, done in zip(block_rows, announce, arrivals, landed):
-            torch.mm(peer_rows[r], b, out=send[r])
+            # The bias goes into the peer's rows here, once (the owner's GEMM then adds onto them in place).
+            if bias is None:
+                torch.mm(peer_rows[r], b, out=send[r])
+            else:
+                torch.addmm(bias, peer_rows[r], b, out=send[r])
             backend.main_write(address, epoch)
             # The peer's block of our rows, once announced, straight into its rows of out.
             backend.comm_wait(arrival, epoch)
@@ -345,8 +349,6 @@ class GemmReduceScatter(FusedOp):
         for r, done in zip(block_rows, landed):
             backend.main_wait(done, epoch)
             torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
-        if bias is not None:
-            out += bias
         backend.comm_end()
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
