@@ -46,6 +46,22 @@ def test_reduce_scatter_transports_by_default():
                                                           interpreter=True)
 
 
+def test_pulling_reduce_scatter_takes_the_chunked_path_on_fewer_rows():
+    for w, m, n, k in _random_shapes(8192):
+        pushing = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
+        pulling = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, pull=True)
+        rows = m // w
+        if w != 2:  # only two ranks pull
+            assert pulling == pushing
+            continue
+        assert pulling == (k >= heuristics.MIN_CHUNKED_K_LOCAL and rows >= heuristics.MIN_PULL_ROWS_PER_RANK
+                           and rows * k >= heuristics.MIN_PULL_ROWS_X_K_LOCAL)
+        assert pulling or not pushing  # wherever pushing pays, pulling does
+        if pulling:
+            assert heuristics.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16, pull=True)
+            assert heuristics.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16, pull=True)
+
+
 def test_all_gather_fuses_from_its_work_threshold():
     for w, m, n, k in _random_shapes(4096):
         fused = heuristics.prefer_fused_all_gather(m, n, k, w, torch.bfloat16)
