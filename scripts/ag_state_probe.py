@@ -57,6 +57,16 @@ def _rank(rank, world, shape, first):
     time("fused_fresh_again", lambda: fresh(a, b))
     late = fused()
     time("fused_new_op", lambda: late(a, b))
+    # cuBLAS reading A from each op's gather buffer (a symmetric allocation): the memory or the kernel?
+    for name, op in (("fresh", fresh), ("new_op", late)):
+        view = op(a, b, return_gathered=True)[1]
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        timed[f"cublas_from_{name}_buffer"] = time_ms(lambda: torch.matmul(view, b), device, warmup=10, iters=20,
+                                                      reps=5)
+        op(a, b)  # returns the lent buffer to the peers
+        torch.cuda.synchronize(device)
+        dist.barrier()
     time("cublas_again", lambda: torch.matmul(gathered, b))
     time("plain_again", lambda: tileweave.matmul(gathered, b))
     return timed
