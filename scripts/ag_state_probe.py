@@ -57,18 +57,23 @@ def _rank(rank, world, shape, first):
     time("fused_fresh_again", lambda: fresh(a, b))
     late = fused()
     time("fused_new_op", lambda: late(a, b))
-    # cuBLAS reading A from each op's gather buffer (a symmetric allocation): the memory or the kernel?
-    for name, op in (("fresh", fresh), ("new_op", late)):
-        view = op(a, b, return_gathered=True)[1]
-        torch.cuda.synchronize(device)
-        dist.barrier()
-        timed[f"cublas_from_{name}_buffer"] = time_ms(lambda: torch.matmul(view, b), device, warmup=10, iters=20,
-                                                      reps=5)
-        op(a, b)  # returns the lent buffer to the peers
-        torch.cuda.synchronize(device)
-        dist.barrier()
-    time("cublas_again", lambda: torch.matmul(gathered, b))
-    time("plain_again", lambda: tileweave.matmul(gathered, b))
+    # Then three rounds of everything, interleaved, so that a drift over the process's life (clocks,
+    # heat) shows in every variant alike; the kernels also read A from each op's gather buffer (a
+    # symmetric allocation) to tell the memory from the fused kernel.
+    # Each op's gather buffer holds the gathered rows after its last call, and no peer writes into it
+    # until that op's next call.
+    buffers = {name: op._ws.data.view(op._ws.backend.rank, a.dtype, (a.shape[0] * world, a.shape[1]))
+               for name, op in (("fresh", fresh), ("new_op", late))}
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    for round_ in range(3):
+        time(f"r{round_}_cublas", lambda: torch.matmul(gathered, b))
+        time(f"r{round_}_plain", lambda: tileweave.matmul(gathered, b))
+        time(f"r{round_}_fused_fresh", lambda: fresh(a, b))
+        time(f"r{round_}_fused_new_op", lambda: late(a, b))
+        for name, buf in buffers.items():
+            time(f"r{round_}_cublas_from_{name}_buffer", lambda: torch.matmul(buf, b))
+            time(f"r{round_}_plain_from_{name}_buffer", lambda: tileweave.matmul(buf, b))
     return timed
 
 
