@@ -233,6 +233,28 @@ def test_variant_verified_everywhere_is_timed(no_gpu):
     assert agree.sent[:2] == [[0.0], [0.0, 0.003]]
 
 
+def test_reported_path_is_the_timed_calls_path(no_gpu, monkeypatch):
+    # A call may change path once its shape has been seen (replay runs a shape's first call eagerly,
+    # then from a graph): the report names the path of the calls it timed, not the first call's.
+    from tileweave.bench.variants import Variant
+
+    taken = []
+
+    def call(i):
+        taken.append("chunked" if not taken else "replay")
+        return i
+
+    def timing_calls(call, **kw):
+        for i in range(3):
+            call(i)
+        return timing.Timing(ms=1.0, rep_ms=(1.0,) * 5, warmup_calls=3, clock_mhz=None)
+
+    monkeypatch.setattr(runner, "measure", timing_calls)
+    v = Variant(name="ours", call=call, check=lambda out: 0.0, path=lambda: taken[-1])
+    m = runner.run_variant(ctx_with(PeerAgreement([[0.0], [0.0, 0.0], [0.0, 0.0]])), v, key=KEY)
+    assert taken == ["chunked", "replay", "replay", "replay"] and m.path == "replay"
+
+
 def test_failure_on_a_peer_skips_timing_here_too(no_gpu):
     agree = PeerAgreement([[0.0], [1.0, 0.5]])
     m = runner.run_variant(ctx_with(agree), variant(0.003), key=KEY)

@@ -139,7 +139,6 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
         if not note:
             note = f"rel_err {err_max:.3g} >= {V.TOLERANCE}" if failed else "failed on another rank"
         return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out, note=note)
-    path = v.path() if v.path is not None else None
     watch.rearm()
     try:
         t = measure(v.call, cfg=ctx.timing, agree=ctx.agree, clocks=ctx.clocks, fence=v.fence)
@@ -152,6 +151,9 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
         return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out,
                            note=f"while timing: {type(e).__name__}: {e}"[:300])
     peak, other = ctx.agree.max_floats(list(watch.read()))
+    # The path of the timed calls (the last one's), not the first call's: a call may take another path
+    # once its shape has been seen (``replay`` runs a shape's first call eagerly, then from a graph).
+    path = v.path() if v.path is not None else None
     return Measurement(
         **key, variant=v.name, status="ok", ms=t.ms, rel_err=err_out, warmup_calls=t.warmup_calls,
         clock_mhz=t.clock_mhz, mem_peak_mb=peak / 2**20, mem_other_mb=other / 2**20, path=path,
