@@ -91,9 +91,14 @@ class FusedOp:
         ``graphable``): calls of under ``REPLAY_BELOW_GFLOP`` of local GEMM work, under the policies
         "auto" and "fused", run the chunked transport by replaying a CUDA graph of it, captured per
         shape and weight address: the host issues a copy of the input, one launch and a copy of the
-        output instead of the chunked call's dozen operations, and a repeat skips the argument checks. Graphs are captured from a shape's second call on (its
-        first runs eagerly); bias and weight are read at their addresses, so they must stay where they
-        are (parameters do). Not for calls that return the gathered input."""
+        output instead of the chunked call's dozen operations, and a repeat skips the argument
+        checks. Graphs are captured from a shape's second call on (its first runs eagerly); bias and
+        weight are read at their addresses, so they must stay where they are (parameters do). Not
+        for calls that return the gathered input. Measured on 2x H200 (NOTES.md, entry 54): faster
+        only where the host bounds the call (AllGather+GEMM llama3-8b qkv M=2048 1.18x the eager
+        path); where the eager call keeps the GPU busy, the graph's copies in and out and the
+        graphable protocol's resets cost more than the host saves (0.85-0.90x on three rows,
+        GEMM+ReduceScatter 0.77-0.92x NCCL+cuBLAS on its small rows), hence opt-in."""
         if graphable and replay:
             raise ValueError(f"{type(self).__name__}: replay=True captures its own graphs; a graphable op is "
                              "for graphs of the caller's")
