@@ -1,6 +1,8 @@
 """Whether the fused AllGather+GEMM kernel's time on one shape depends on what the process ran before
-(NOTES.md, entry 54): on two GPUs, in one process, cuBLAS and the plain kernel on the gathered GEMM, a
-fresh op's fused call, an op whose workspace grew from a smaller shape first, and the fresh op again.
+(NOTES.md, entry 56): on two GPUs, in one process, cuBLAS and the plain kernel on the gathered GEMM, a
+fresh op's fused call, an op whose workspace grew from a smaller shape first, the fresh op again and
+an op created last; then three interleaved rounds of all of them and of both kernels reading each
+op's gather buffer.
 
     python3 scripts/ag_state_probe.py [--out DIR] [--shape 4096x12288x24576] [--first 4096x8192x28672]
 
@@ -59,9 +61,8 @@ def _rank(rank, world, shape, first):
     time("fused_new_op", lambda: late(a, b))
     # Then three rounds of everything, interleaved, so that a drift over the process's life (clocks,
     # heat) shows in every variant alike; the kernels also read A from each op's gather buffer (a
-    # symmetric allocation) to tell the memory from the fused kernel.
-    # Each op's gather buffer holds the gathered rows after its last call, and no peer writes into it
-    # until that op's next call.
+    # symmetric allocation) to tell the memory from the fused kernel. Each op's gather buffer holds the
+    # gathered rows after its last call, and no peer writes into it until that op's next call.
     buffers = {name: op._ws.data.view(op._ws.backend.rank, a.dtype, (a.shape[0] * world, a.shape[1]))
                for name, op in (("fresh", fresh), ("new_op", late))}
     torch.cuda.synchronize(device)

@@ -161,6 +161,8 @@ class GemmReduceScatter(FusedOp):
             return out
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
+        # The pulling thresholds go by the op's setting: a call into an ``out`` with padded rows, which
+        # pushes, is decided as if it pulled (right either way, a little slower on the smallest rows).
         fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
                                             functools.partial(heuristics.prefer_fused_reduce_scatter,
                                                               transport=self.transport, pull=self.pull),

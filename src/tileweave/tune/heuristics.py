@@ -8,8 +8,9 @@ NOTES.md and bench/results/); the interpreter always fuses so that tests exercis
 Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` local GEMM (481 GFLOP);
 GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), and for llama3-8b o at
 M=8192 too (K_loc 2048, 4096 rows per rank); at M=4096 (2048 rows per rank) only where it pulls (two
-ranks), and at M=2048 neither. llama3-8b qkv at M=4096 is a ``4096 x 3072 x 4096`` local GEMM (103 GFLOP): AllGather+GEMM takes its chunked transport there; at
-M=2048 (52 GFLOP) NCCL + cuBLAS. llama3-70b qkv at M=1024 (``1024 x 5120 x 8192``, 86 GFLOP): chunked.
+ranks), and at M=2048 neither. llama3-8b qkv at M=4096 is a ``4096 x 3072 x 4096`` local GEMM (103
+GFLOP): AllGather+GEMM takes its chunked transport there; at M=2048 (52 GFLOP) NCCL + cuBLAS.
+llama3-70b qkv at M=1024 (``1024 x 5120 x 8192``, 86 GFLOP): chunked.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ MIN_CHUNKED_ROWS_X_K_LOCAL = 4096 * 2048
 
 # The pulling chunked transport (two ranks, ``GemmReduceScatter.pull``) makes no local copy of a
 # received partial, so it pays off on fewer rows. Forced on the suite's rows of M/W 512-2048 on 2x H200
-# (bench/results/2026-11-30_h200x2_run9/, rs_pull; NCCL+cuBLAS = 1, same run): M/W 1024 with K_loc
+# (bench/results/2026-11-30_h200x2_run9/, pullsmall_*; NCCL+cuBLAS = 1, same run): M/W 1024 with K_loc
 # 4096-24576 1.01-1.08x; M/W 2048 with K_loc 2048 1.03x (1.13x in run8); M/W 1024 with K_loc 2048 and
 # every M/W 512 row but one (1.04x) 0.42-0.96x, their GPU work under the host's ~150 us per call. So:
 # M/W from 1024 and M/W x K_loc from 1024 x 4096.
@@ -106,7 +107,8 @@ def all_gather_head_rows(m_chunk: int, n_local: int, k: int, itemsize: int, *, l
 
 
 def prefer_fused_reduce_scatter(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *,
-                                interpreter: bool = False, transport: str = "chunked", pull: bool = False) -> bool:
+                                interpreter: bool = False, transport: str = "chunked",
+                                pull: bool = False) -> bool:
     """``m``: rows before the scatter; ``k_local``: this rank's slice of K; ``pull``: the chunked
     transport would pull (two ranks, ``GemmReduceScatter.pull``)."""
     if interpreter:
