@@ -2,7 +2,8 @@
 (NOTES.md, entry 56): on two GPUs, in one process, cuBLAS and the plain kernel on the gathered GEMM, a
 fresh op's fused call, an op whose workspace grew from a smaller shape first, the fresh op again and
 an op created last; then three interleaved rounds of all of them and of both kernels reading each
-op's gather buffer.
+op's gather buffer and a regular tensor allocated as late. Run it again with
+``TORCH_SYMMMEM_IMPLICIT_POOL=0`` (symmetric tensors then bypass torch's pool of them).
 
     python3 scripts/ag_state_probe.py [--out DIR] [--shape 4096x12288x24576] [--first 4096x8192x28672]
 
@@ -65,6 +66,11 @@ def _rank(rank, world, shape, first):
     # gathered rows after its last call, and no peer writes into it until that op's next call.
     buffers = {name: op._ws.data.view(op._ws.backend.rank, a.dtype, (a.shape[0] * world, a.shape[1]))
                for name, op in (("fresh", fresh), ("new_op", late))}
+    # A regular (caching-allocator) tensor allocated as late as the last op's workspace: if the kernels
+    # are slow on it too, the cause is where late memory lands, not symmetric memory.
+    buffers["late_regular"] = buffers["new_op"].clone()
+    for name, buf in buffers.items():
+        timed[f"offset_2mb_{name}"] = float(buf.data_ptr() % (1 << 21))
     torch.cuda.synchronize(device)
     dist.barrier()
     for round_ in range(3):
