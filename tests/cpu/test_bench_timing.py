@@ -170,6 +170,20 @@ def test_clock_sampler_reports_the_median_of_readings_taken_during_the_work():
         pass
     assert sampler.median() is None
 
+    class Slow:  # a reading that takes 5 ms: the next one waits ~100 ms, not the 1 ms period
+        def __init__(self):
+            self.count = 0
+
+        def read(self, device):
+            self.count += 1
+            time.sleep(0.005)
+            return 1500.0
+
+    slow = Slow()
+    with timing.ClockSampler(slow, 0, period_s=0.001):
+        time.sleep(0.15)
+    assert 1 <= slow.count <= 3
+
 
 def test_rotation_spans_twice_l2():
     l2 = timing.L2_BYTES
