@@ -45,6 +45,24 @@ def test_all_gather_gemm_chunked(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
+@pytest.mark.parametrize("world,programs", [(2, 3), (4, 3), (3, 4)])
+def test_all_gather_gemm_stream_k_tail(world, programs):
+    # The last chunk's tiles of the partial wave shared by K steps over every program: 2 ranks, 4 tiles
+    # of 32 x 32 a chunk on 3 programs leave 2 (seven K steps each at K=200); 4 ranks leave 1; 3 ranks
+    # (ring), 6 tiles a chunk on 4 programs, leave 2. Late producers, bias, a K that TMA cannot take.
+    ring = world == 3
+    wider = 32 if ring else 0
+    cases = [C(m_chunk=40, k=200, n=56 + wider, bias=True, iters=3),
+             C(m_chunk=64, k=96, n=48 + wider, iters=2, straggler=world - 1, delay_s=0.3),
+             C(m_chunk=40, k=130, n=56 + wider, dtype="float32", weight_layout=False)]
+    cases = [dataclasses.replace(c, ag_transport="ring" if ring else "mesh") for c in cases]
+    rows = run_ranks(world, scenarios.all_gather_stream_k_check, cases, programs)
+    _check(rows, "gathered_exact")
+    for per_rank in rows:
+        for row in per_rank:
+            assert row["stream_k"] and row["counts_clear"], row
+
+
 def test_all_gather_head_split():
     # Two ranks: a first GEMM on 8 of each shard's rows (rank 0 its first, rank 1 its last) while the
     # shards travel, then one GEMM over all the other rows; with and without gathered_out, a late rank.

@@ -100,3 +100,37 @@ def test_all_gather_head_rows_cover_the_transfer():
     assert h.all_gather_head_rows(2048, 14336, 4096, 2, local_copies=2) == 512
     # A narrow output (llama3-8b qkv) would need most of the shard: no head split.
     assert h.all_gather_head_rows(2048, 3072, 4096, 2, local_copies=2) == 0
+
+
+def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():
+    rng = random.Random()
+    for w, m, n, k in _random_shapes(8192, count=400):
+        programs = rng.choice([4, 66, 132])
+        mc = m // w
+        chosen = heuristics.all_gather_stream_k(mc, n, k, w, 128, 256, programs)
+        # Independently: deal the tiles out one by one and see how full the busiest program's waves are.
+        tiles = w * -(-mc // 128) * -(-n // 256)
+        busiest = max(len(range(p, tiles, programs)) for p in range(min(programs, tiles)))
+        fill = tiles / (busiest * programs)
+        assert chosen == (k >= heuristics.AG_STREAM_K_MIN_K and tiles >= programs
+                          and fill < heuristics.AG_STREAM_K_BELOW), (w, m, n, k, programs)
+    # gpt3-175b fc1 at TP=2: 3072 tiles (23.3 waves of 132) at M=4096; 6144 (46.5 waves) at M=8192.
+    assert heuristics.all_gather_stream_k(2048, 24576, 12288, 2, 128, 256, 132)
+    assert not heuristics.all_gather_stream_k(4096, 24576, 12288, 2, 128, 256, 132)
+
+
+def test_all_gather_stream_k_tail_lies_in_the_last_chunk():
+    from tileweave.ops._launch import ag_stream_k_tail
+    from tileweave.tune.configs import GemmConfig
+
+    rng = random.Random()
+    config = GemmConfig(block_m=32, block_n=32)
+    for _ in range(500):
+        w, programs = rng.choice([2, 3, 4, 8]), rng.randrange(1, 140)
+        mc, n = rng.randrange(1, 400), rng.randrange(1, 400)
+        per_chunk = -(-mc // 32) * -(-n // 32)
+        total = w * per_chunk
+        whole = total // programs * programs  # tiles of the full waves, in global order
+        tail = range(whole, total)
+        expected = whole > 0 and len(tail) > 0 and all(t >= (w - 1) * per_chunk for t in tail)
+        assert ag_stream_k_tail(mc, n, config, w, programs) == expected, (w, programs, mc, n)

@@ -141,10 +141,10 @@ def test_stream_k_workspace_grows_for_a_larger_grid():
     assert locks.numel() >= 5 * 3 and parts.numel() >= 2 * 6 * 32 * 32
 
 
-def test_stream_k_is_refused_by_the_fused_modes():
+def test_stream_k_is_refused_by_the_reduce_scatter():
     from tileweave.ops import _launch
 
     a = torch.randn(32, 32)
-    with pytest.raises(ValueError, match="plain GEMM only"):
-        _launch.launch(mode=_launch.MODE_AG, a=a, b=a, c=a, bias=None, config=_stream_k_config(2),
-                       m_chunk=32, world=2, programs=2)
+    with pytest.raises(ValueError, match="plain GEMM and AllGather"):
+        _launch.launch(mode=_launch.MODE_RS, a=a, b=a, c=a, bias=None, config=_stream_k_config(2),
+                       m_chunk=16, world=2, programs=2)

@@ -88,6 +88,25 @@ def test_all_gather_gemm_gpu(transport):
 
 
 @needs_two
+@pytest.mark.parametrize("transport", ["mesh", "ring"])
+def test_all_gather_gemm_stream_k_tail_gpu(transport):
+    # Shapes whose partial last wave lies in the last chunk at two ranks on 132 SMs: 128 x 128 tiles,
+    # 192 a chunk, 120 shared by K steps (M and K not tile multiples, bias); 128 x 256 tiles, 160 a
+    # chunk, 56 shared; a late producer.
+    if torch.cuda.device_count() != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("shapes chosen for two ranks of 132 SMs")
+    cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, ag_transport=transport),
+             C(m_chunk=1024, k=8192, n=5120, dtype="bfloat16", iters=3, ag_transport=transport),
+             C(m_chunk=1024, k=8192, n=5120, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05,
+               ag_transport=transport)]
+    for rank_rows in run_ranks(2, scenarios.all_gather_stream_k_check, cases, 0, gpus=True):
+        for row in rank_rows:
+            assert row["path"] == "fused" and row["stream_k"] and row["counts_clear"], row
+            assert row["err"] < TOL[torch.bfloat16], row
+            assert row["gathered_exact"], row
+
+
+@needs_two
 def test_all_gather_head_split_gpu():
     if torch.cuda.device_count() != 2:
         pytest.skip("head_split takes effect in a group of two")

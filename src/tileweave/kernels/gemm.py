@@ -110,7 +110,7 @@ def _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
 def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 row_a0, rows_a, row_c0, m_chunk, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
+                skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, tail,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
@@ -123,7 +123,8 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
     copy-engine transport: 3 stores a partial into the local send slot and counts it per row group;
     4 reduces the own chunk from the partials the copy engines delivered. ``skip``
     (0/1) drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and
-    no load can be hoisted above the wait. ``CE_RELEASE`` (epilogue 3): 0 counts each tile with a
+    no load can be hoisted above the wait. ``tail``: tiles at the end of the chunk left out, for
+    ``_stream_k_tail`` to share by K steps (0: none). ``CE_RELEASE`` (epilogue 3): 0 counts each tile with a
     system-scope release, 1 with a GPU-scope release, 2 counts a program's tiles per row group once,
     after its last tile of the chunk.
     """
@@ -146,7 +147,7 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
         if not LAZY_WAIT:
             skip = _wait_peers(flags_ptr, epoch, err_ptr, max_spin, rank, WORLD)
             start += skip * tiles
-    for t in tl.range(start, tiles, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for t in tl.range(start, tiles - tail, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -294,16 +295,10 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
     instead of 2.
 
     The full waves run as in ``_chunk_loop``, whole tiles in grouped order, where programs running
-    together share their A and B tiles in L2. The K steps of the remaining tiles, tile 0 step 0, tile 0
-    step 1, ..., are dealt out evenly: program ``pid`` takes ``[pid * per, (pid + 1) * per)``. (Dealing
-    out every tile this way was 1.4-2.4x slower on an H200: programs at different K offsets of many
-    tiles share nothing in L2. NOTES.md, entry 23.) A tile that one program covers is stored at once.
-    A tile shared by several is finished by the last of them to arrive: each stores its fp32 partial in
-    its slot of ``part_ptr`` (``[2 P, BM, BN]``: a program's first segment, then its last), counts
-    itself in ``locks_ptr[tile]`` (acquire-release), and the program that brings the count to the
-    number of sharers sums the partials in program order (so the result does not depend on arrival
-    order), stores the tile and resets the count to 0 for the next call. No program waits for another.
-    With ``TIMELINE`` (probes only) each program records when it reaches each phase (``TIMELINE_SLOTS``).
+    together share their A and B tiles in L2; then ``_stream_k_tail`` shares out the rest. (Dealing
+    out every tile by K steps was 1.4-2.4x slower on an H200: programs at different K offsets of many
+    tiles share nothing in L2. NOTES.md, entry 23.) With ``TIMELINE`` (probes only) each program records
+    when it reaches each phase (``TIMELINE_SLOTS``).
     """
     _stamp(timeline_ptr, pid, 0, TIMELINE)
     num_pid_m = tl.cdiv(M, BM)
@@ -318,7 +313,34 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
         acc = _add_bias(acc, bias_ptr, pid_n * BN + tl.arange(0, BN), N, HAS_BIAS)
         _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
     _stamp(timeline_ptr, pid, 1, TIMELINE)
-    base = dp_tiles * k_tiles
+    _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
+                   0, M, 0, M, N, K, dp_tiles, 0, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION, timeline_ptr, TIMELINE)
+    _stamp(timeline_ptr, pid, 14, TIMELINE)
+
+
+@triton.jit
+def _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
+                   row_a0, rows_a, row_c0, m_rows, N, K, first_tile, skip,
+                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
+                   C_TMA: tl.constexpr, PRECISION: tl.constexpr, timeline_ptr, TIMELINE: tl.constexpr):
+    """The K steps of tiles ``[first_tile, tiles)`` of an ``m_rows x N`` grid (A rows from ``row_a0``,
+    C rows from ``row_c0``), tile ``first_tile`` step 0, step 1, ..., dealt out evenly: program ``pid``
+    takes ``[pid * per, (pid + 1) * per)``. A tile that one program covers is stored at once. A tile
+    shared by several is finished by the last of them to arrive: each stores its fp32 partial in its
+    slot of ``part_ptr`` (``[2 P, BM, BN]``: a program's first segment, then its last), counts itself in
+    ``locks_ptr[tile]`` (acquire-release), and the program that brings the count to the number of
+    sharers sums the partials in program order (so the result does not depend on arrival order), stores
+    the tile and resets the count to 0 for the next call. No program waits for another. ``skip`` (1
+    after an expired flag wait) runs no K steps but keeps the counts, so that they return to 0.
+    """
+    num_pid_m = tl.cdiv(m_rows, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_pid_m * num_pid_n
+    base = first_tile * k_tiles
     per = tl.maximum(tl.cdiv(tiles * k_tiles - base, P), 1)
     it = base + pid * per
     end = tl.minimum(it + per, tiles * k_tiles)
@@ -331,14 +353,16 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
         k_hi = tl.minimum(k_tiles, k_lo + end - it)
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         offs_n = pid_n * BN + tl.arange(0, BN)
-        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, pid_m * BM, M, pid_n * BN, N, K, k_lo, k_hi,
-                        stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, pid_n * BN, N, K, k_lo,
+                        k_hi - skip * (k_hi - k_lo), stride_am, stride_ak, stride_bk, stride_bn,
+                        BM, BN, BK, B_NK, USE_TMA, PRECISION)
         _stamp(timeline_ptr, pid, 3 + 3 * tl.minimum(t - first_t, 3), TIMELINE)
         first = (t * k_tiles - base) // per
         last = ((t + 1) * k_tiles - 1 - base) // per
         if first == last:
             acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
-            _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn, BM, BN, C_TMA)
+            _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_rows, N, stride_cm, stride_cn,
+                        BM, BN, C_TMA)
         else:
             # Slot 2p holds program p's first segment, 2p + 1 its later one (only its last can be partial).
             slot = 2 * pid + (it != base + pid * per).to(tl.int32)
@@ -352,12 +376,11 @@ def _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr
                     other = 2 * p + (base + p * per < t * k_tiles).to(tl.int32)
                     acc += tl.load(part_ptr + other.to(tl.int64) * (BM * BN) + slot_rows, cache_modifier=".cg")
                 acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
-                _store_tile(c_ptr, c_desc, acc, 0, pid_m * BM, pid_n * BN, M, N, stride_cm, stride_cn,
+                _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_rows, N, stride_cm, stride_cn,
                             BM, BN, C_TMA)
                 tl.store(locks_ptr + t, 0)
         _stamp(timeline_ptr, pid, 4 + 3 * tl.minimum(t - first_t, 3), TIMELINE)
         it += k_hi - k_lo
-    _stamp(timeline_ptr, pid, 14, TIMELINE)
 
 
 def _metadata(grid, kernel, args):
@@ -371,7 +394,7 @@ def _metadata(grid, kernel, args):
 @triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "max_spin", "rank"])
 def fused_gemm_kernel(
         a_ptr, buf_ptr, b_ptr, c_ptr, bias_ptr,
-        peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr,
+        peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, part_ptr, locks_ptr,
         epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -391,8 +414,10 @@ def fused_gemm_kernel(
     and wrapping, and ``epoch`` is the count at which this call's tiles are all in.
     RS with ``COPY_ENGINE``: ``buf_ptr`` holds W - 1 receive slots then W - 1 send slots of
     ``[Mc, N]``; ``flags_ptr`` is the flag block described at ``CE_GROUPS``; ``epoch`` is the epoch.
-    PLAIN with ``STREAM_K``: ``buf_ptr`` is the fp32 partial-tile workspace and ``flags_ptr`` the
-    per-tile arrival counts of ``_stream_k`` (zero between calls). ``TIMELINE`` (probes only, PLAIN with
+    ``STREAM_K`` (PLAIN and AG): ``part_ptr`` is the fp32 partial-tile workspace and ``locks_ptr`` the
+    per-tile arrival counts of ``_stream_k_tail`` (zero between calls). PLAIN shares out the tiles of
+    the last, partial wave by K steps (``_stream_k``); AG the same tiles, which the host has checked
+    all lie in the last chunk (``ag_stream_k_tail``), after that chunk's whole tiles. ``TIMELINE`` (probes only, PLAIN with
     ``STREAM_K``): ``err_ptr`` is an int64 ``[P, TIMELINE_SLOTS]`` record of when each program reached
     each phase (``scripts/gemm_probe.py --timeline``).
     """
@@ -418,14 +443,14 @@ def fused_gemm_kernel(
         c_desc = c_ptr
 
     if MODE == PLAIN and STREAM_K:
-        _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, buf_ptr, flags_ptr, m_chunk, N, K,
+        _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr, m_chunk, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                   BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, FLATTEN, PRECISION, err_ptr, TIMELINE)
     elif MODE == PLAIN:
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
     elif MODE == AG:
@@ -433,7 +458,7 @@ def fused_gemm_kernel(
         _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, rank * m_chunk, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
                     BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         gathered_rows = m_chunk * WORLD
@@ -442,17 +467,31 @@ def fused_gemm_kernel(
                                               block_shape=[BM, BK])
         else:
             g_src = buf_ptr
+        # With STREAM_K the last chunk leaves its last `rem` tiles (the partial wave) to the tail.
+        rem = 0
+        if STREAM_K:
+            rem = (WORLD * tl.cdiv(m_chunk, BM) * tl.cdiv(N, BN)) % P
+        skip = 0
+        src = rank
         for step in range(1, WORLD):
             # Chunks in arrival order: a full-mesh push delivers rank+1's first, a ring (each rank
             # forwarding to rank+1) delivers rank-1's first.
             src = (rank + WORLD - step) % WORLD if RING else (rank + step) % WORLD
             skip = wait_epoch(flags_ptr + src, epoch, err_ptr, 1 + src, max_spin)
+            tail = tl.where(step == WORLD - 1, rem, 0)
             _chunk_loop(pid, step, g_src, b_src, c_desc, buf_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
                         skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                        rank, tail, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
+        if STREAM_K:
+            # The last chunk's `rem` tiles, by K steps over every program (after its flag: `skip`).
+            _stream_k_tail(pid, g_src, b_src, c_desc, buf_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
+                           src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
+                           tl.cdiv(m_chunk, BM) * tl.cdiv(N, BN) - rem, skip,
+                           K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
+                           BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION, err_ptr, False)
     else:
         # Epilogues 1 and 2 for the store transport, 3 and 4 for the copy engines.
         for step in range(0, WORLD - 1):
@@ -461,11 +500,11 @@ def fused_gemm_kernel(
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, BM, BN, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
+                        rank, 0, BM, BN, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank,
+                    0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
                     BM, BN, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)

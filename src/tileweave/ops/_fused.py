@@ -226,6 +226,11 @@ class FusedOp:
             self._err_mirror = backend.host_mirror()
         self._err_mirror.refresh(ws.err)
 
+    def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
+        """Whether the fused kernel shares its partial last wave of tiles by K steps (a subclass's
+        choice; none by default)."""
+        return False
+
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:
         """After a call that launched no fused kernel (the chunked transports): there is no error word
@@ -270,8 +275,10 @@ class FusedOp:
             return decided[0], decided[1], False
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
                                                 interpreter=backend.interpreter, stream_k=False)
-        # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer).
+        # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer), but for
+        # a consumer's partial last wave (``_stream_k_tail``).
         proposal = dataclasses.replace(proposal, stream_k=False, **config_overrides)
+        proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
         fused = self.policy == "fused" or (
             self.policy == "auto" and prefer_fused(m, n, k, backend.world_size, dtype,
                                                    interpreter=backend.interpreter))

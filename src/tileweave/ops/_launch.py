@@ -121,6 +121,14 @@ def tiles_per_chunk(m_chunk: int, n: int, config: GemmConfig) -> int:
     return math.ceil(m_chunk / config.block_m) * math.ceil(n / config.block_n)
 
 
+def ag_stream_k_tail(m_chunk: int, n: int, config: GemmConfig, world: int, programs: int) -> bool:
+    """Whether AllGather+GEMM's kernel can share its partial last wave by K steps: at least one full
+    wave, a partial one, and all of its tiles in the last chunk (the kernel's tail reads one chunk)."""
+    per_chunk = tiles_per_chunk(m_chunk, n, config)
+    rem = world * per_chunk % programs
+    return world * per_chunk >= programs and 0 < rem <= per_chunk
+
+
 @dataclasses.dataclass(frozen=True)
 class PlainLaunch:
     """Everything a plain GEMM launch derives from shapes, strides, dtypes and alignment: replayed by
@@ -150,8 +158,8 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     what a plain (``MODE_PLAIN``) launch can replay. ``compile_only`` compiles the kernel these
     arguments need (on a GPU) without launching it."""
     _install_allocator()
-    if config.stream_k and mode != MODE_PLAIN:
-        raise ValueError("GemmConfig.stream_k applies to the plain GEMM only")
+    if config.stream_k and mode not in (MODE_PLAIN, MODE_AG):
+        raise ValueError("GemmConfig.stream_k applies to the plain GEMM and AllGather+GEMM only")
     b_in = b
     b, b_nk = b_layout(b)
     k, n = b.shape
@@ -167,24 +175,29 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
     dummy = c
     tiles = tiles_per_chunk(m_chunk, n, config) * (world if mode != MODE_PLAIN else 1)
     stream_k = None
-    if config.stream_k:
+    parts = locks = None
+    if config.stream_k and mode == MODE_PLAIN:
         # Programs share tiles by K steps: as many programs as steps at most, and a slot of partials for
         # each program's first and last segment.
         programs = max(1, min(programs, tiles * math.ceil(k / config.block_k)))
         stream_k = (2 * programs * config.block_m * config.block_n, tiles)
-        buf, flags = stream_k_buffers(c.device, *stream_k)
     else:
         programs = max(1, min(programs, tiles))
+        if config.stream_k and ag_stream_k_tail(m_chunk, n, config, world, programs):
+            stream_k = (2 * programs * config.block_m * config.block_n, tiles_per_chunk(m_chunk, n, config))
+    if stream_k:
+        parts, locks = stream_k_buffers(c.device, *stream_k)
     tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else dummy,
                peer_offsets if peer_offsets is not None else dummy,
                peer_flags if peer_flags is not None else dummy,
-               flags if flags is not None else dummy, err if err is not None else dummy)
+               flags if flags is not None else dummy, err if err is not None else dummy,
+               parts if parts is not None else dummy, locks if locks is not None else dummy)
     unspecialized = (_i32(epoch), max_spin)
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     constexprs = (config.block_m, config.block_n, config.block_k, config.group_m, programs, mode, world, b_nk,
                   bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release),
-                  config.stream_k, False)
+                  stream_k is not None, False)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
     return PlainLaunch(ints=ints, constexprs=constexprs, num_warps=config.num_warps,
                        num_stages=config.num_stages, programs=programs, b_copied=b is not b_in,
@@ -202,11 +215,10 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     _install_allocator()
     if plan.b_copied:
         b = b.contiguous()
-    if plan.stream_k:
-        buf, flags = stream_k_buffers(c.device, *plan.stream_k)
+    parts, locks = stream_k_buffers(c.device, *plan.stream_k) if plan.stream_k else (c, c)
     tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else c,
                peer_offsets if peer_offsets is not None else c, peer_flags if peer_flags is not None else c,
-               flags if flags is not None else c, err if err is not None else c)
+               flags if flags is not None else c, err if err is not None else c, parts, locks)
     unspecialized = (_i32(epoch), max_spin)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, *unspecialized, *plan.ints),

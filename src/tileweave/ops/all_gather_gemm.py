@@ -91,9 +91,11 @@ class AllGatherGemm(FusedOp):
     """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
     released by this rank's next call."""
 
-    option_envs = {"head_split": "TILEWEAVE_AG_HEAD_SPLIT", "replay": "TILEWEAVE_REPLAY"}
+    option_envs = {"head_split": "TILEWEAVE_AG_HEAD_SPLIT", "replay": "TILEWEAVE_REPLAY",
+                   "stream_k": "TILEWEAVE_AG_STREAM_K"}
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool = False, **kwargs) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, head_split: bool = False,
+                 stream_k: bool | None = None, **kwargs) -> None:
         """``head_split`` (opt-in, every rank alike; ``TILEWEAVE_AG_HEAD_SPLIT=1`` for the shared op): the
         chunked transport at two ranks runs a first GEMM on only enough of the own rows to hide
         the shard's transfer (``heuristics.all_gather_head_rows``) and a second over all the other
@@ -101,9 +103,26 @@ class AllGatherGemm(FusedOp):
         half the rows cost 2-7% over one, NOTES.md entry 37). Not for graphable ops. Measured on 2x H200
         over the suite's rows with M 2048-8192, chunked transport: no faster than one GEMM per shard
         (within 1% on the rows with a head, NOTES.md entry 50); kept for other GPUs and shapes. Other
-        arguments: :class:`FusedOp`."""
+        arguments: :class:`FusedOp`.
+
+        ``stream_k`` (every rank alike; ``TILEWEAVE_AG_STREAM_K`` for the shared op): whether the fused
+        kernel shares the tiles of its last, partial wave out by K steps over every program, as the plain
+        GEMM's stream-K does, instead of leaving the programs without a whole tile idle. None (default):
+        where ``heuristics.all_gather_stream_k`` says so; with a ``config`` given, as that config says."""
         super().__init__(group, **kwargs)
         self.head_split = head_split
+        self.stream_k = stream_k
+
+    def _stream_k_tail(self, config, m: int, n: int, k: int, backend: Backend) -> bool:
+        w = backend.world_size
+        programs = min(config.programs or backend.num_sms, backend.max_programs(False))
+        if not _launch.ag_stream_k_tail(m // w, n, config, w, programs):
+            return False
+        if self.stream_k is not None:
+            return self.stream_k
+        if self.config is not None:
+            return self.config.stream_k
+        return heuristics.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, programs)
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows

@@ -114,6 +114,30 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
             for case in cases for it in range(case.iters)]
 
 
+def all_gather_stream_k_check(rank: int, world: int, cases: list[Case], programs: int) -> list[dict]:
+    """The fused kernel with its partial last wave shared by K steps (``stream_k=True``) on ``cases`` as
+    ``all_gather_gemm_check`` runs them: 32 x 32 tiles over ``programs`` programs, or with ``programs``
+    0 the op's own configuration (GPUs); each result also says whether the launch took the stream-K
+    tail and whether every tile's arrival count is back at 0."""
+    from tileweave.ops import _launch
+    from tileweave.tune.configs import GemmConfig
+
+    config = GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4,
+                        flatten=False, programs=programs, stream_k=True) if programs else None
+    device = _device()
+    ops = {t: tileweave.AllGatherGemm(policy="fused", transport=t, config=config, stream_k=True)
+           for t in ("mesh", "ring")}
+    results = []
+    _launch._fused_plans.clear()
+    for case in cases:
+        for it in range(case.iters):  # later calls of a shape relaunch its cached plan
+            result = _all_gather_call(ops[case.ag_transport], case, it, rank, world, device)
+            tails = [plan.stream_k is not None for plan in _launch._fused_plans.values()]
+            counts_clear = all(int(locks.count_nonzero()) == 0 for _, locks in _launch._stream_k_kept.values())
+            results.append({**result, "stream_k": bool(tails) and all(tails), "counts_clear": counts_clear})
+    return results
+
+
 def all_gather_head_split_check(rank: int, world: int, cases: list[Case], head: int) -> list[dict]:
     """The chunked transport with ``head_split`` on ``cases`` (fresh inputs, poisoned outputs and
     buffers, a ``gathered_out`` on odd calls, stragglers), the head's size fixed to ``head`` rows; each

@@ -69,6 +69,26 @@ def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: tor
     return interpreter or _gflop(m, n_local, k) >= MIN_FUSED_GFLOP_AG
 
 
+# AllGather+GEMM's kernel, its partial last wave of tiles shared by K steps over every program
+# (``GemmConfig.stream_k``, ``_stream_k_tail`` in the kernel) instead of leaving the programs without a
+# tile idle: from AG_STREAM_K_MIN_K (the plain GEMM's bound, configs.STREAM_K_MIN_K: shorter K did not
+# earn back a segment's pipeline fill and fp32 partial) and while whole tiles would fill less than
+# AG_STREAM_K_BELOW of their waves. The suite's fused rows at TP=2 fill 0.97 of their waves with
+# 128 x 256 tiles on 132 SMs (gpt3-175b fc1 M=4096: 3072 tiles, 23.3 waves), 0.99 at fc1 M >= 8192.
+AG_STREAM_K_MIN_K = 8192
+AG_STREAM_K_BELOW = 0.98
+
+
+def all_gather_stream_k(m_chunk: int, n_local: int, k: int, world: int, block_m: int, block_n: int,
+                        programs: int) -> bool:
+    """Whether the fused AllGather+GEMM kernel shares its last, partial wave by K steps; the kernel
+    also needs that wave's tiles to lie in its last chunk (``_launch.ag_stream_k_tail``)."""
+    tiles = world * math.ceil(m_chunk / block_m) * math.ceil(n_local / block_n)
+    if k < AG_STREAM_K_MIN_K or tiles < programs:
+        return False
+    return tiles / (math.ceil(tiles / programs) * programs) < AG_STREAM_K_BELOW
+
+
 def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
                          interpreter: bool = False) -> str:
     """``"chunked"`` or ``"mesh"`` for a fused call of ``transport="auto"``; the interpreter runs the
