@@ -112,9 +112,12 @@ def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():
         tiles = w * -(-mc // 128) * -(-n // 256)
         busiest = max(len(range(p, tiles, programs)) for p in range(min(programs, tiles)))
         fill = tiles / (busiest * programs)
-        assert chosen == (k >= heuristics.AG_STREAM_K_MIN_K and tiles >= programs
+        full_waves = tiles // programs
+        assert chosen == (k >= heuristics.AG_STREAM_K_MIN_K and full_waves >= heuristics.AG_STREAM_K_MIN_WAVES
                           and fill < heuristics.AG_STREAM_K_BELOW), (w, m, n, k, programs)
-    # gpt3-175b fc1 at TP=2: 3072 tiles (23.3 waves of 132) at M=4096; 6144 (46.5 waves) at M=8192.
+    # gpt3-175b fc1 at TP=2: 768 tiles (5.8 waves of 132) at M=1024, 3072 (23.3) at M=4096, 6144 (46.5,
+    # 0.99 full) at M=8192.
+    assert not heuristics.all_gather_stream_k(512, 24576, 12288, 2, 128, 256, 132)
     assert heuristics.all_gather_stream_k(2048, 24576, 12288, 2, 128, 256, 132)
     assert not heuristics.all_gather_stream_k(4096, 24576, 12288, 2, 128, 256, 132)
 

@@ -72,10 +72,16 @@ def prefer_fused_all_gather(m: int, n_local: int, k: int, world: int, dtype: tor
 # AllGather+GEMM's kernel, its partial last wave of tiles shared by K steps over every program
 # (``GemmConfig.stream_k``, ``_stream_k_tail`` in the kernel) instead of leaving the programs without a
 # tile idle: from AG_STREAM_K_MIN_K (the plain GEMM's bound, configs.STREAM_K_MIN_K: shorter K did not
-# earn back a segment's pipeline fill and fp32 partial) and while whole tiles would fill less than
-# AG_STREAM_K_BELOW of their waves. The suite's fused rows at TP=2 fill 0.97 of their waves with
-# 128 x 256 tiles on 132 SMs (gpt3-175b fc1 M=4096: 3072 tiles, 23.3 waves), 0.99 at fc1 M >= 8192.
+# earn back a segment's pipeline fill and fp32 partial), from AG_STREAM_K_MIN_WAVES full waves, and while
+# whole tiles would fill less than AG_STREAM_K_BELOW of their waves. Measured on 2x H200 against whole
+# tiles, 128 x 256 tiles on 132 SMs, three interleaved rounds (bench/results/2026-11-30_h200x2_run10/,
+# ag_tail_probe): faster on gpt3-175b fc1 M=4096 (23.3 waves, 0.97 full: 1.023x, as fast as cuBLAS)
+# and llama3-70b gate_up M=8192 (27.2 waves: 1.012x); slower from 5.8 to 19.4 waves (0.91-0.995x: fc1
+# M 1024 and 2048, 70b gate_up M 2048 and 4096, 70b qkv M 8192 and 16384) and at 0.99 full (fc1 M=8192,
+# 0.993x). With few waves the shared segments' fp32 partials and sums weigh more, and the idle SMs of a
+# last wave cost less than their share where the power cap holds the clocks (the busy ones run faster).
 AG_STREAM_K_MIN_K = 8192
+AG_STREAM_K_MIN_WAVES = 20
 AG_STREAM_K_BELOW = 0.98
 
 
@@ -84,7 +90,7 @@ def all_gather_stream_k(m_chunk: int, n_local: int, k: int, world: int, block_m:
     """Whether the fused AllGather+GEMM kernel shares its last, partial wave by K steps; the kernel
     also needs that wave's tiles to lie in its last chunk (``_launch.ag_stream_k_tail``)."""
     tiles = world * math.ceil(m_chunk / block_m) * math.ceil(n_local / block_n)
-    if k < AG_STREAM_K_MIN_K or tiles < programs:
+    if k < AG_STREAM_K_MIN_K or tiles < AG_STREAM_K_MIN_WAVES * programs:
         return False
     return tiles / (math.ceil(tiles / programs) * programs) < AG_STREAM_K_BELOW
 
