@@ -9,8 +9,8 @@ Worked example: llama3-8b down at M=8192, TP=2 is an ``8192 x 4096 x 7168`` loca
 GEMM+RS takes the chunked transport there (K_loc 7168, 4096 rows per rank), and for llama3-8b o at
 M=8192 too (K_loc 2048, 4096 rows per rank); at M=4096 (2048 rows per rank) only where it pulls (two
 ranks), and at M=2048 neither. llama3-8b qkv at M=4096 is a ``4096 x 3072 x 4096`` local GEMM (103
-GFLOP): AllGather+GEMM takes its chunked transport there; at M=2048 (52 GFLOP) NCCL + cuBLAS.
-llama3-70b qkv at M=1024 (``1024 x 5120 x 8192``, 86 GFLOP): chunked.
+GFLOP): AllGather+GEMM takes its chunked transport there, and at M=2048 (52 GFLOP) too; at M=1024 (26
+GFLOP) NCCL + cuBLAS. llama3-70b gate_up at M=1024 (``1024 x 28672 x 8192``, 481 GFLOP): the kernel.
 """
 
 from __future__ import annotations
@@ -21,19 +21,25 @@ import torch
 
 # AllGather+GEMM is fused (by the transport below) from MIN_FUSED_GFLOP_AG of local GEMM work (2*M*N_loc*K,
 # M the gathered rows). Under that, a fused call's fixed costs, mostly the host's time to issue its
-# copies, stream waits and flag writes (~120 us a call for the chunked transport on the benchmark hosts,
-# about what NCCL + cuBLAS costs there), exceed what the overlap saves. On 2x H200 the chunked transport
-# ran at 0.80x and 0.75x NCCL+cuBLAS on the suite's rows of 26 and 52 GFLOP (llama3-8b qkv, M 1024 and
-# 2048) and at 1.12x on the row of 86 GFLOP (llama3-70b qkv, M=1024), with the host path of 0da0594
-# (bench/results/2026-11-30_h200x2_run5/, ag-chunked-small); the rows from 100 GFLOP up ran at
-# 1.02-1.42x with the better transport in run4. The threshold sits between the two groups.
-MIN_FUSED_GFLOP_AG = 64.0
+# copies, stream waits and flag writes (~85-100 us a call for the chunked transport on the benchmark
+# hosts of run10), exceed what the overlap saves. On 2x H200 with the host path of 33d4bd5, two
+# processes (bench/results/2026-11-30_h200x2_run10/, mid*): llama3-8b qkv M=2048 (52 GFLOP) ran
+# 0.084 / 0.094 ms chunked and 0.101 / 0.102 with the kernel against NCCL+cuBLAS's 0.125; llama3-8b
+# qkv M=1024 (26 GFLOP) 0.076 / 0.163 chunked and 0.078 / 0.074 with the kernel against 0.076 / 0.074.
+# (With the host path of 0da0594 the chunked transport ran 0.80x and 0.75x on those two rows, run5.)
+# The threshold sits between the two. Hosts whose driver calls are twice as slow (run9) would put the
+# 52 GFLOP row back under NCCL + cuBLAS.
+MIN_FUSED_GFLOP_AG = 40.0
 
 # AllGather+GEMM transport under transport="auto": below CHUNKED_BELOW_GFLOP_AG of local GEMM work the
 # chunked transport (cuBLAS on the own rows while the shards travel, then on each peer's rows), else the
-# fused kernel. Same run: chunked was faster on 8 of the 9 rows from 100 to 500 GFLOP (1.03-1.32x
-# NCCL+cuBLAS against 0.94-1.26x), the fused kernel faster or within 1% on 12 of the 13 above.
-CHUNKED_BELOW_GFLOP_AG = 500.0
+# fused kernel. Run4: chunked was faster on 8 of the 9 rows from 100 to 500 GFLOP (1.03-1.32x
+# NCCL+cuBLAS against 0.94-1.26x), the fused kernel faster or within 1% on 12 of the 13 above. Run10
+# (mid*, both next to one set of baselines, two processes): chunked faster on the rows of 86-344 GFLOP
+# but llama3-8b qkv M=4096 (103: 0.190 / 0.176 against the kernel's 0.173 / 0.174); on the two rows of
+# 481 GFLOP the kernel: llama3-70b gate_up M=1024 0.745 / 0.750 against 0.768 / 0.786, llama3-8b
+# gate_up M=4096 0.739 / 0.751 against 0.751 / 0.752.
+CHUNKED_BELOW_GFLOP_AG = 400.0
 
 # GEMM+RS, per transport. The store and copy-engine transports were slower than NCCL+cuBLAS on 14 and
 # 15 of 15 rows (bench/results/2026-11-30_h200x2*/), so they are used only when asked for. The chunked
