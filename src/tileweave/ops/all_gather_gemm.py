@@ -108,7 +108,10 @@ class AllGatherGemm(FusedOp):
         ``stream_k`` (every rank alike; ``TILEWEAVE_AG_STREAM_K`` for the shared op): whether the fused
         kernel shares the tiles of its last, partial wave out by K steps over every program, as the plain
         GEMM's stream-K does, instead of leaving the programs without a whole tile idle. None (default):
-        where ``heuristics.all_gather_stream_k`` says so; with a ``config`` given, as that config says."""
+        where ``heuristics.all_gather_stream_k`` says so (from 20 full waves; on 2x H200 1.023x on
+        gpt3-175b fc1 M=4096, 1.012x on llama3-70b gate_up M=8192, slower with fewer waves: NOTES.md,
+        entry 61); with a ``config`` given, as that config says. Only where the partial wave's tiles all
+        lie in the last chunk (``_launch.ag_stream_k_tail``); elsewhere whole tiles."""
         super().__init__(group, **kwargs)
         self.head_split = head_split
         self.stream_k = stream_k
