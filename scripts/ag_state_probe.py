@@ -1,8 +1,9 @@
 """Whether the fused AllGather+GEMM kernel's time on one shape depends on what the process ran before
 (NOTES.md, entry 56): on two GPUs, in one process, cuBLAS and the plain kernel on the gathered GEMM, a
-fresh op's fused call, an op whose workspace grew from a smaller shape first, the fresh op again and
-an op created last, an op given a gather buffer allocated first in the process; then three interleaved rounds of all of them and of both kernels reading each
-op's gather buffer and a regular tensor allocated as late. Run it again with
+fresh op's fused call, an op whose workspace grew from a smaller shape first, the fresh op again, an
+op created last and an op given a gather buffer allocated first in the process; then three interleaved
+rounds of all of them and of both kernels reading each op's gather buffer and a regular tensor
+allocated as late. Run it again with
 ``TORCH_SYMMMEM_IMPLICIT_POOL=0`` (symmetric tensors then bypass torch's pool of them).
 
     python3 scripts/ag_state_probe.py [--out DIR] [--shape 4096x12288x24576] [--first 4096x8192x28672]

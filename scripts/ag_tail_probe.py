@@ -45,7 +45,8 @@ def _rank(rank, world, shapes, rounds):
         dist.all_gather_into_tensor(gathered, a)
         ref = (gathered.float() @ b.float())
         row = {"err_" + name: ((op(a, b).float() - ref).norm() / ref.norm()).item() for name, op in ops.items()}
-        calls = {"cublas": lambda: torch.matmul(gathered, b), **{name: (lambda op=op: op(a, b)) for name, op in ops.items()}}
+        calls = {"cublas": lambda: torch.matmul(gathered, b),
+                 **{name: (lambda op=op: op(a, b)) for name, op in ops.items()}}
         times = {name: [] for name in calls}
         for _ in range(rounds):
             for name, fn in calls.items():

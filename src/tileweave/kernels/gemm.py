@@ -8,7 +8,8 @@ One kernel, three modes (``MODE``, a compile-time switch):
   symmetric buffer ``a_peer[W * Mc, K]``. Tiles run chunk by chunk, own chunk first, then rank+1,
   rank+2, ... (the order in which the producer delivers them). Before a chunk's first tile, the program
   waits for that chunk's ready flag (one wait per program and chunk, outside the tile loop, so the
-  loop stays a plain pipelined loop).
+  loop stays a plain pipelined loop). With ``STREAM_K`` the last chunk's share of the last, partial
+  wave is dealt out by K steps over every program (``_stream_k_tail``).
 * ``RS`` (reduce-scatter producer and reducer): ``a`` is ``[W * Mc, K]``. Chunks owned by rank+1,
   rank+2, ... come first: each finished tile is stored straight into its owner's receive buffer over
   NVLink and counted in the owner's counter for this source (one release per program and chunk). The
@@ -417,9 +418,9 @@ def fused_gemm_kernel(
     ``STREAM_K`` (PLAIN and AG): ``part_ptr`` is the fp32 partial-tile workspace and ``locks_ptr`` the
     per-tile arrival counts of ``_stream_k_tail`` (zero between calls). PLAIN shares out the tiles of
     the last, partial wave by K steps (``_stream_k``); AG the same tiles, which the host has checked
-    all lie in the last chunk (``ag_stream_k_tail``), after that chunk's whole tiles. ``TIMELINE`` (probes only, PLAIN with
-    ``STREAM_K``): ``err_ptr`` is an int64 ``[P, TIMELINE_SLOTS]`` record of when each program reached
-    each phase (``scripts/gemm_probe.py --timeline``).
+    all lie in the last chunk (``ag_stream_k_tail``), after that chunk's whole tiles. ``TIMELINE``
+    (probes only, PLAIN with ``STREAM_K``): ``err_ptr`` is an int64 ``[P, TIMELINE_SLOTS]`` record of
+    when each program reached each phase (``scripts/gemm_probe.py --timeline``).
     """
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk

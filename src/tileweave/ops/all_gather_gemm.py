@@ -49,6 +49,7 @@ from tileweave.ops._fused import FusedOp
 from tileweave.ops.workspace import COUNTERS, READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace, released_start
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
+from tileweave.tune.configs import GemmConfig
 
 _OP = "all_gather_gemm"
 TRANSPORTS = ("auto", "mesh", "ring", "chunked")
@@ -116,7 +117,8 @@ class AllGatherGemm(FusedOp):
         self.head_split = head_split
         self.stream_k = stream_k
 
-    def _stream_k_tail(self, config, m: int, n: int, k: int, backend: Backend) -> bool:
+    def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
+        """The ``stream_k`` option (``__init__``), where the kernel can take the tail at all."""
         w = backend.world_size
         programs = min(config.programs or backend.num_sms, backend.max_programs(False))
         if not _launch.ag_stream_k_tail(m // w, n, config, w, programs):
