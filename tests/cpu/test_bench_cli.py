@@ -16,20 +16,32 @@ def test_defaults():
     assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (0.5, 20, 5)
     assert o.bench.include_torch and o.world_size is None and o.tag is None
     assert str(o.out_dir) == "bench/results"
+    assert not o.bench.ours_first
 
 
 def test_every_option():
     o = cli.parse_args([
         "--op", "rs,ag", "--layer", "llama3-8b qkv", "llama3-70b", "--layer", "down", "--m", "2048,8192",
         "--world-size", "4", "--out", "/tmp/x", "--tag", "h200-tp4", "--warmup-s", "1.5", "--iters", "40",
-        "--reps", "7", "--no-torch",
+        "--reps", "7", "--no-torch", "--ours-first",
     ])
     assert o.bench.ops == ("ag", "rs")
     assert o.bench.layers == ("llama3-8b qkv", "llama3-70b", "down")
     assert o.bench.m_values == (2048, 8192)
     assert o.world_size == 4 and o.tag == "h200-tp4" and str(o.out_dir) == "/tmp/x"
     assert (o.bench.timing.warmup_s, o.bench.timing.iters, o.bench.timing.reps) == (1.5, 40, 7)
-    assert not o.bench.include_torch
+    assert not o.bench.include_torch and o.bench.ours_first
+
+
+def test_rows_time_ours_after_the_baselines_unless_asked():
+    from tileweave.bench.runner import in_row_order
+
+    for ours_first in (False, True):
+        calls = []
+        shared, ours = in_row_order(lambda: calls.append("baselines") or ["b"], lambda: calls.append("ours") or ["o"],
+                                    ours_first=ours_first)
+        assert (shared, ours) == (["b"], ["o"])  # the same results whatever the order
+        assert calls == (["ours", "baselines"] if ours_first else ["baselines", "ours"])
 
 
 def test_block_section_filters():

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-variants", default=",".join(BLOCK_VARIANTS),
                    help="block section: which of floor, base, torch, ours to run in this process (default all; "
                         "scripts/gpu_check.sh runs each in its own process and merges the reports)")
+    p.add_argument("--ours-first", action="store_true",
+                   help="ag and rs sections: time ours before the baselines in each row (default after them), "
+                        "to measure what the order costs on rows that run at the power cap")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
                         "list times each next to one set of baselines (default chunked)")
@@ -134,7 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
                       "rs": _transports(ns.rs_transport, RS_TRANSPORTS, "--rs-transport")}
         block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
-                            include_torch=not ns.no_torch, transports=transports, block_variants=block_variants)
+                            include_torch=not ns.no_torch, transports=transports, block_variants=block_variants,
+                            ours_first=ns.ours_first)
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import sys
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,10 @@ class BenchConfig:
     """``{"ag": (...), "rs": (...)}``: with two or more transports for an op, "ours" runs once per
     transport next to one set of baselines, reported as ``<op>-<transport>``; otherwise "ours" is the
     functional op with the transport of its environment variable."""
+    ours_first: bool = False
+    """Time "ours" before the baselines in each row of the ag and rs sections (by default after them).
+    A GEMM at the power cap runs 2-4% slower later in a sustained run (NOTES.md, entries 35 and 60), so
+    the order within a row can favour whichever variant runs first; this option measures how much."""
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
     """The block section's variants to run in this process. One at a time, each in a fresh process, and
     the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
@@ -220,10 +225,12 @@ def run_main_phase(
     ctx: RankContext,
     progress: Progress,
     transports: dict[str, tuple[str, ...]] | None = None,
+    ours_first: bool = False,
 ) -> dict[str, list[Measurement]]:
-    """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row; merges in the torch phase's
-    rows. With several ``transports`` for an op, ours runs once per transport (one op object each) and
-    each gets its own section ``<op>-<transport>`` holding the shared baseline rows."""
+    """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row (ours first with
+    ``ours_first``); merges in the torch phase's rows. With several ``transports`` for an op, ours runs
+    once per transport (one op object each) and each gets its own section ``<op>-<transport>`` holding
+    the shared baseline rows."""
     transports = transports or {}
     assert ctx.group is not None
     numel = max(
@@ -242,26 +249,37 @@ def run_main_phase(
             for row in op_rows:
                 x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
                 key = _row_key(row, op=op, world_size=ctx.world_size)
-                shared = [run_variant(ctx, v, key=key) for v in (
-                    V.gemm_variant(x),
-                    comm.variant(x),
-                    V.nccl_variant(x, group=ctx.group),
-                    V.base_variant(x, group=ctx.group),
-                )]
+                shared, ours = in_row_order(
+                    lambda: [run_variant(ctx, v, key=key) for v in (
+                        V.gemm_variant(x),
+                        comm.variant(x),
+                        V.nccl_variant(x, group=ctx.group),
+                        V.base_variant(x, group=ctx.group),
+                    )],
+                    lambda: [run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key) for obj in ops],
+                    ours_first=ours_first)
                 if (op, row.layer.name, row.m) in torch_rows:
                     shared.append(torch_rows[(op, row.layer.name, row.m)])
                 else:
                     shared.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
-                for section, obj in zip(sections, ops):
-                    measured = shared + [run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key)]
+                for section, measured in zip(sections, ours):
                     results.setdefault(section, []).extend(
-                        dataclasses.replace(r, op=section) for r in measured)
-                del x
+                        dataclasses.replace(r, op=section) for r in shared + [measured])
+                x = None  # the row's inputs, freed before the next row's are made
                 torch.cuda.empty_cache()
                 progress.step(f"{op} {row.layer.name} M={row.m}")
     finally:
         comm.close()
     return results
+
+
+def in_row_order(baselines: Callable[[], list], ours: Callable[[], list], *, ours_first: bool) -> tuple[list, list]:
+    """``(baselines(), ours())``, called in the row's order: the baselines first unless ``ours_first``."""
+    if ours_first:
+        mine = ours()
+        return baselines(), mine
+    shared = baselines()
+    return shared, ours()
 
 
 def run_block_phase(
@@ -335,7 +353,7 @@ def run_rank(
                             if cfg.include_torch and block_rows and "torch" in cfg.block_variants else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports))
+            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports, cfg.ours_first))
             names = tuple(v for v in ("floor", "base", "ours") if v in cfg.block_variants)
             if block_rows:
                 ours = run_block_phase(block_rows, names, dist_ctx, progress) if names else {}
