@@ -15,6 +15,8 @@
 # (default 4096,8192,16384), each variant in its own processes (BLOCK_ISOLATE=0: all in one). Set
 # TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
 # stale one). BLOCK=1 also runs examples/train_block.py (fused, NCCL, floor), which writes block.txt.
+# ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
+# times ours before the baselines in each row.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -57,6 +59,10 @@ for op in $OPS; do
   # Several transports of one op run next to one set of baselines (sections <op>-<transport>).
   [ "$op" = rs ] && flags=(--rs-transport "$(comma $RS_TRANSPORTS)")
   [ "$op" = ag ] && flags=(--ag-transport "$(comma $AG_TRANSPORTS)")
+  if [ "$op" = ag ] || [ "$op" = rs ]; then
+    flags+=(--rounds "${ROUNDS:-1}")
+    [ "${OURS_FIRST:-0}" != 0 ] && flags+=(--ours-first)
+  fi
   # The block measures what users get: the default policy, unless BLOCK_POLICY says otherwise.
   if [ "$op" = block ]; then
     m="$BLOCK_M"

@@ -44,6 +44,28 @@ def test_rows_time_ours_after_the_baselines_unless_asked():
         assert calls == (["ours", "baselines"] if ours_first else ["baselines", "ours"])
 
 
+def test_rounds_mirror_the_order_and_report_medians():
+    import random
+
+    from tileweave.bench.report import Measurement
+    from tileweave.bench.runner import combine_rounds, ours_first_in_round
+
+    assert cli.parse_args(["--rounds", "3"]).bench.rounds == 3 and cli.parse_args([]).bench.rounds == 1
+    assert [ours_first_in_round(r, False) for r in range(4)] == [False, True, False, True]
+    assert [ours_first_in_round(r, True) for r in range(3)] == [True, False, True]
+    key = dict(op="ag", layer="l", world_size=2, m=1024, k=8, n=8, variant="ours")
+    times = [random.uniform(0.1, 1.0) for _ in range(3)]
+    rounds = [Measurement(**key, status="ok", ms=t, rel_err=1e-3 * i, warmup_calls=10, clock_mhz=1400.0 + i,
+                          host_ms=t / 2, path="fused") for i, t in enumerate(times)]
+    one = combine_rounds(rounds)
+    assert one.ms == sorted(times)[1] and one.host_ms == sorted(times)[1] / 2 and one.clock_mhz == 1401.0
+    assert one.rel_err == 2e-3 and one.warmup_calls == 30 and one.status == "ok" and one.path == "fused"
+    assert all(f"{t:.4f}" in one.note for t in times)
+    assert combine_rounds(rounds[:1]) is rounds[0]
+    failed = Measurement(**key, status="FAILED", note="rel_err 1")
+    assert combine_rounds([rounds[0], failed, rounds[1]]) is failed
+
+
 def test_block_section_filters():
     o = cli.parse_args(["--op", "block,ag", "--layer", "llama3-70b", "--m", "8192,16384"])
     assert o.bench.ops == ("ag", "block")
@@ -92,7 +114,7 @@ def test_quick_sets_a_subset_that_explicit_options_override():
 
 @pytest.mark.parametrize("argv", [
     ["--op", "allreduce"], ["--layer", "llama5"], ["--m", "lots"], ["--iters", "5"], ["--reps", "2"],
-    ["--world-size", "0"], ["--tag", "a b"], ["--warmup-s", "-1"],
+    ["--world-size", "0"], ["--tag", "a b"], ["--warmup-s", "-1"], ["--rounds", "0"],
 ])
 def test_bad_values_exit_with_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ours-first", action="store_true",
                    help="ag and rs sections: time ours before the baselines in each row (default after them), "
                         "to measure what the order costs on rows that run at the power cap")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="ag and rs sections: time each row's variants this many times, the order mirrored each "
+                        "round, and report medians (default 1)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
                         "list times each next to one set of baselines (default chunked)")
@@ -138,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
         block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
                             include_torch=not ns.no_torch, transports=transports, block_variants=block_variants,
-                            ours_first=ns.ours_first)
+                            ours_first=ns.ours_first, rounds=ns.rounds)
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),

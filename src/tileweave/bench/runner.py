@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import sys
 import warnings
 from typing import Callable
@@ -60,6 +61,10 @@ class BenchConfig:
     """Time "ours" before the baselines in each row of the ag and rs sections (by default after them).
     A GEMM at the power cap runs 2-4% slower later in a sustained run (NOTES.md, entries 35 and 60), so
     the order within a row can favour whichever variant runs first; this option measures how much."""
+    rounds: int = 1
+    """Rounds of each ag and rs row: from 2, the row's variants are timed again with the order mirrored
+    each round (baselines then ours, ours then baselines, ...), and each variant reports its median over
+    the rounds, so that no variant always runs last. PyTorch async-TP keeps its own phase."""
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
     """The block section's variants to run in this process. One at a time, each in a fresh process, and
     the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
@@ -68,6 +73,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.ops:
             raise ValueError("ops must name at least one of gemm, ag, rs, block")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         bad = [v for v in self.block_variants if v not in BLOCK_VARIANTS]
         if bad or not self.block_variants or len(set(self.block_variants)) != len(self.block_variants):
             raise ValueError(f"block variants must be distinct names from {', '.join(BLOCK_VARIANTS)}; "
@@ -226,11 +233,12 @@ def run_main_phase(
     progress: Progress,
     transports: dict[str, tuple[str, ...]] | None = None,
     ours_first: bool = False,
+    rounds: int = 1,
 ) -> dict[str, list[Measurement]]:
     """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row (ours first with
-    ``ours_first``); merges in the torch phase's rows. With several ``transports`` for an op, ours runs
-    once per transport (one op object each) and each gets its own section ``<op>-<transport>`` holding
-    the shared baseline rows."""
+    ``ours_first``; ``rounds`` times with the order mirrored each round, medians reported); merges in
+    the torch phase's rows. With several ``transports`` for an op, ours runs once per transport (one
+    op object each) and each gets its own section ``<op>-<transport>`` holding the shared baseline rows."""
     transports = transports or {}
     assert ctx.group is not None
     numel = max(
@@ -249,7 +257,7 @@ def run_main_phase(
             for row in op_rows:
                 x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
                 key = _row_key(row, op=op, world_size=ctx.world_size)
-                shared, ours = in_row_order(
+                measured = [in_row_order(
                     lambda: [run_variant(ctx, v, key=key) for v in (
                         V.gemm_variant(x),
                         comm.variant(x),
@@ -257,7 +265,9 @@ def run_main_phase(
                         V.base_variant(x, group=ctx.group),
                     )],
                     lambda: [run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key) for obj in ops],
-                    ours_first=ours_first)
+                    ours_first=ours_first_in_round(r, ours_first)) for r in range(rounds)]
+                shared = [combine_rounds(list(per_variant)) for per_variant in zip(*(b for b, _ in measured))]
+                ours = [combine_rounds(list(per_variant)) for per_variant in zip(*(o for _, o in measured))]
                 if (op, row.layer.name, row.m) in torch_rows:
                     shared.append(torch_rows[(op, row.layer.name, row.m)])
                 else:
@@ -280,6 +290,37 @@ def in_row_order(baselines: Callable[[], list], ours: Callable[[], list], *, our
         return baselines(), mine
     shared = baselines()
     return shared, ours()
+
+
+def ours_first_in_round(r: int, ours_first: bool) -> bool:
+    """Whether round ``r`` of a row times ours first: ``ours_first`` in even rounds, mirrored in odd ones."""
+    return ours_first != (r % 2 == 1)
+
+
+def combine_rounds(rounds: list[Measurement]) -> Measurement:
+    """One variant's measurements of one row over several rounds as one: the median time (and host
+    time and clock), the largest error and memory, the warm-up calls summed, each round's time in the
+    note. A round that did not run ("FAILED", "n/a") stands for the variant."""
+    if len(rounds) == 1:
+        return rounds[0]
+    failed = next((r for r in rounds if r.status != "ok"), None)
+    if failed is not None:
+        return failed
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def largest(values):
+        values = [v for v in values if v is not None]
+        return max(values) if values else None
+
+    return dataclasses.replace(
+        rounds[-1], ms=median(r.ms for r in rounds), host_ms=median(r.host_ms for r in rounds),
+        clock_mhz=median(r.clock_mhz for r in rounds), rel_err=largest(r.rel_err for r in rounds),
+        mem_peak_mb=largest(r.mem_peak_mb for r in rounds), mem_other_mb=largest(r.mem_other_mb for r in rounds),
+        warmup_calls=sum(r.warmup_calls or 0 for r in rounds),
+        note="rounds: " + ", ".join(f"{r.ms:.4f}" for r in rounds) + " ms")
 
 
 def run_block_phase(
@@ -353,7 +394,8 @@ def run_rank(
                             if cfg.include_torch and block_rows and "torch" in cfg.block_variants else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports, cfg.ours_first))
+            results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports, cfg.ours_first,
+                                          cfg.rounds))
             names = tuple(v for v in ("floor", "base", "ours") if v in cfg.block_variants)
             if block_rows:
                 ours = run_block_phase(block_rows, names, dist_ctx, progress) if names else {}
