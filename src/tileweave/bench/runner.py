@@ -257,7 +257,7 @@ def run_main_phase(
             for row in op_rows:
                 x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
                 key = _row_key(row, op=op, world_size=ctx.world_size)
-                measured = [in_row_order(
+                by_round = [in_row_order(
                     lambda: [run_variant(ctx, v, key=key) for v in (
                         V.gemm_variant(x),
                         comm.variant(x),
@@ -266,15 +266,15 @@ def run_main_phase(
                     )],
                     lambda: [run_variant(ctx, V.ours_variant(x, group=ctx.group, op=obj), key=key) for obj in ops],
                     ours_first=ours_first_in_round(r, ours_first)) for r in range(rounds)]
-                shared = [combine_rounds(list(per_variant)) for per_variant in zip(*(b for b, _ in measured))]
-                ours = [combine_rounds(list(per_variant)) for per_variant in zip(*(o for _, o in measured))]
+                shared = [combine_rounds(list(per_variant)) for per_variant in zip(*(b for b, _ in by_round))]
+                ours = [combine_rounds(list(per_variant)) for per_variant in zip(*(o for _, o in by_round))]
                 if (op, row.layer.name, row.m) in torch_rows:
                     shared.append(torch_rows[(op, row.layer.name, row.m)])
                 else:
                     shared.append(Measurement(**key, variant="torch", status="n/a", note="not run (--no-torch)"))
-                for section, measured in zip(sections, ours):
+                for section, mine in zip(sections, ours):
                     results.setdefault(section, []).extend(
-                        dataclasses.replace(r, op=section) for r in shared + [measured])
+                        dataclasses.replace(r, op=section) for r in shared + [mine])
                 x = None  # the row's inputs, freed before the next row's are made
                 torch.cuda.empty_cache()
                 progress.step(f"{op} {row.layer.name} M={row.m}")
