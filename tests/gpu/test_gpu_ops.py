@@ -153,6 +153,18 @@ def test_graphable_ops_in_a_cuda_graph_gpu(kind):
 
 
 @needs_two
+def test_all_gather_stream_k_tail_in_a_cuda_graph_gpu():
+    # 2 ranks of 132 SMs, 1024 x 5120 tiles of 128 x 256 a chunk: 320 tiles, 56 shared by K steps; the
+    # tail's partials and counts in the graph's own buffers.
+    if torch.cuda.device_count() != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("shape chosen for two ranks of 132 SMs")
+    for result in run_ranks(2, scenarios.cuda_graph_fused_gpu_check, "ag-mesh", 1024, 2048, 5120, True, gpus=True,
+                            timeout_s=300):
+        assert result["path"] == "fused" and result["stream_k"], result
+        assert result["err"] < TOL[torch.bfloat16], result
+
+
+@needs_two
 def test_tp_mlp_forward_in_a_cuda_graph_gpu():
     # TILEWEAVE_GRAPHABLE=1: the TP layers' shared ops take their fused (chunked) paths inside the graph.
     # Two ranks: the sizes are chosen so that "auto" takes both chunked transports at TP=2.

@@ -776,17 +776,23 @@ def cuda_graph_unfused_gpu_check(rank: int, world: int, m_chunk: int = 512, k: i
 
 
 def cuda_graph_fused_gpu_check(rank: int, world: int, kind: str, m_chunk: int = 1024, k: int = 2048,
-                               n: int = 1536) -> dict:
+                               n: int = 1536, stream_k: bool | None = None) -> dict:
     """A graphable op on its fused path (``kind``: "ag-mesh", "ag-ring", "ag-chunked" or "rs-chunked")
     captured in a CUDA graph after eager warm-up calls, replayed on fresh inputs copied into the captured
     buffer: checked after each replay, after replays back to back without a host sync, and in an eager
-    call on the same op after them (the 0/1 flags must be back where every call starts)."""
+    call on the same op after them (the 0/1 flags must be back where every call starts). ``stream_k``:
+    AllGather+GEMM's option; the result says whether a launch took the stream-K tail."""
+    from tileweave.ops import _launch
+
     device = _device()
     dtype = torch.bfloat16
     op_name, transport = kind.split("-")
     rows = m_chunk if op_name == "ag" else m_chunk * world
-    cls = tileweave.AllGatherGemm if op_name == "ag" else tileweave.GemmReduceScatter
-    op = cls(policy="fused", transport=transport, graphable=True)
+    if op_name == "ag":
+        op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=True, stream_k=stream_k)
+    else:
+        op = tileweave.GemmReduceScatter(policy="fused", transport=transport, graphable=True)
+    _launch._fused_plans.clear()
     weights = [_randn((n, k), dtype, "gf-w", p, device=device) / k ** 0.5 for p in range(world)]
     w = weights[rank]
     x = torch.empty((rows, k), dtype=dtype, device=device)
@@ -821,7 +827,8 @@ def cuda_graph_fused_gpu_check(rank: int, world: int, kind: str, m_chunk: int = 
     torch.cuda.synchronize()
     errors.append(_rel_err(eager, ref(parts)))
     dist.barrier()
-    return {"err": max(errors), "errors": errors, "path": path}
+    tail = any(plan.stream_k is not None for plan in _launch._fused_plans.values())
+    return {"err": max(errors), "errors": errors, "path": path, "stream_k": tail}
 
 
 def tp_mlp_graph_gpu_check(rank: int, world: int, tokens: int = 4096, hidden: int = 2048, ffn: int = 8192) -> dict:
