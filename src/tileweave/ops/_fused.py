@@ -226,6 +226,12 @@ class FusedOp:
             self._err_mirror = backend.host_mirror()
         self._err_mirror.refresh(ws.err)
 
+    @staticmethod
+    def _programs(config: GemmConfig, backend: Backend, reducing: bool) -> int:
+        """Persistent programs of a fused launch: the config's count, or one per SM, within what every
+        program resident at once allows (``Backend.max_programs``)."""
+        return min(config.programs or backend.num_sms, backend.max_programs(reducing))
+
     def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
         """Whether the fused kernel shares its partial last wave of tiles by K steps (a subclass's
         choice; none by default)."""

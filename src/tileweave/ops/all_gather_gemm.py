@@ -120,7 +120,7 @@ class AllGatherGemm(FusedOp):
     def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
         """The ``stream_k`` option (``__init__``), where the kernel can take the tail at all."""
         w = backend.world_size
-        programs = min(config.programs or backend.num_sms, backend.max_programs(False))
+        programs = self._programs(config, backend, False)
         if not _launch.ag_stream_k_tail(m // w, n, config, w, programs):
             return False
         if self.stream_k is not None:
@@ -238,7 +238,7 @@ class AllGatherGemm(FusedOp):
         else:
             self._launch_kernel(backend, first, mode=_launch.MODE_AG, a=a_shard, buf=gathered, b=b, c=out,
                                 bias=bias, config=config, m_chunk=mc, rank=rank, world=w,
-                                programs=min(config.programs or backend.num_sms, backend.max_programs(False)),
+                                programs=self._programs(config, backend, False),
                                 flags=ws.flag_slice(READY), err=ws.err, epoch=values.ready,
                                 max_spin=self.max_spin or backend.default_max_spin, ring=ring)
         # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and

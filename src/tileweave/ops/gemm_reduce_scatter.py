@@ -205,7 +205,7 @@ class GemmReduceScatter(FusedOp):
             backend.main_wait(address, epoch - 1)
         self._launch_kernel(backend, first, mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config,
                             m_chunk=mc, rank=rank, world=w,
-                            programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                            programs=self._programs(config, backend, True),
                             buf=recv, peer_offsets=ws.data_offsets(a.element_size()),
                             peer_flags=ws.counter_addresses(), flags=ws.flag_slice(COUNTERS), err=ws.err,
                             epoch=ws.count_expected, max_spin=self.max_spin or backend.default_max_spin)
@@ -252,7 +252,7 @@ class GemmReduceScatter(FusedOp):
             queue_copies()
         self._launch_kernel(backend, first, mode=_launch.MODE_RS, a=a, b=b, c=out, bias=bias, config=config,
                             m_chunk=mc, rank=rank, world=w,
-                            programs=min(config.programs or backend.num_sms, backend.max_programs(True)),
+                            programs=self._programs(config, backend, True),
                             buf=ws.data.view(rank, a.dtype, (2 * (w - 1) * mc, n)), flags=flags, err=ws.err,
                             epoch=epoch, max_spin=self.max_spin or backend.default_max_spin)
         if not backend.launch_blocks:

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from tileweave.tune.configs import wave_use
+
 # AllGather+GEMM is fused (by the transport below) from MIN_FUSED_GFLOP_AG of local GEMM work (2*M*N_loc*K,
 # M the gathered rows). Under that, a fused call's fixed costs, mostly the host's time to issue its
 # copies, stream waits and flag writes (~85-100 us a call for the chunked transport on the benchmark
@@ -98,7 +100,7 @@ def all_gather_stream_k(m_chunk: int, n_local: int, k: int, world: int, block_m:
     tiles = world * math.ceil(m_chunk / block_m) * math.ceil(n_local / block_n)
     if k < AG_STREAM_K_MIN_K or tiles < AG_STREAM_K_MIN_WAVES * programs:
         return False
-    return tiles / (math.ceil(tiles / programs) * programs) < AG_STREAM_K_BELOW
+    return wave_use(tiles, programs) < AG_STREAM_K_BELOW
 
 
 def all_gather_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *,
