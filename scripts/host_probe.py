@@ -199,6 +199,7 @@ def _matmul_rank(rank, world, shapes, configs):
                              "rel_err": err}
             except Exception as exc:  # noqa: BLE001 - a config the shape or the GPU cannot run
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        row["ours"]["launch_us"] = _launch_args_us(a, b, device, table)
         saved = _patch(table, [(torch, "empty"), (matmul_module, "_plan_key"), (_launch, "relaunch"),
                                (_launch, "_launch_compiled"), (_launch, "_cached_scratch")])
         _issue(lambda: tileweave.matmul(a, b), device, table)
@@ -206,6 +207,21 @@ def _matmul_rank(rank, world, shapes, configs):
         _restore(saved)
         results[f"{m}x{n}x{k}"] = row
     return results
+
+
+def _launch_args_us(a, b, device, table):
+    """Host microseconds of the compiled kernel's launch alone, its pointers given as tensors (Triton's
+    launcher then calls data_ptr() and cuPointerGetAttribute for each) and as ints."""
+    out = tileweave.matmul(a, b)
+    plan = matmul_module._plans[matmul_module._plan_key(a, b, None, None, None)]
+    tensors = (a, a, b, out, out, out, out, out, out, out, out)
+    pointers = tuple(t.data_ptr() for t in tensors)
+    timed = {}
+    for name, first in (("tensors", tensors), ("ints", pointers), ("tensors_again", tensors)):
+        args = (*first, 0, 0, *plan.ints)
+        timed[name] = _issue(lambda: _launch._launch_compiled(plan.compiled[0], device.index, plan.programs, args,
+                                                              plan.constexprs), device, table, calls=200)
+    return timed
 
 
 def _profile_rank(rank, world, m, k, n):
@@ -284,6 +300,9 @@ def main():
                 print(f"[r{rank}] {key:18s} issue torch {t['issue_us']:6.1f} ours {o['issue_us']:6.1f} us | "
                       f"graph torch {t['graph_us']:6.1f} ours {o['graph_us']:6.1f} us "
                       f"({t['graph_us'] / o['graph_us']:.2f}x)")
+                if "launch_us" in o:
+                    print(f"[r{rank}]     launch alone, pointers as " +
+                          ", ".join(f"{k} {v:5.1f}" for k, v in o["launch_us"].items()) + " us")
                 _print_parts(f"[r{rank}]", o.get("parts", {}))
                 for name, v in r.items():
                     if name not in ("torch", "ours"):

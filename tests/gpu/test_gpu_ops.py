@@ -40,6 +40,26 @@ def test_matmul(dtype, m, n, k, weight_layout):
 
 
 @needs_gpu
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_replayed_launch_follows_each_calls_tensors_gpu(with_bias):
+    # Later calls of a layout replay the first call's launch plan with the new tensors' addresses
+    # (given to the launcher as ints): every call must read its own inputs and write its own output.
+    m, n, k = 1024, 768, 4096
+    for _ in range(6):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if with_bias else None
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tileweave.matmul(a, w.t(), bias=bias, out=out)
+        ref = a.double() @ w.double().t() + (bias.double() if with_bias else 0)
+        assert _rel(out, ref) < TOL[torch.bfloat16]
+        # A second tensor set alive at the same time: the plan must not keep the first one's pointers.
+        a2 = torch.randn_like(a)
+        assert _rel(tileweave.matmul(a2, w.t(), bias=bias), a2.double() @ w.double().t()
+                    + (bias.double() if with_bias else 0)) < TOL[torch.bfloat16]
+
+
+@needs_gpu
 @pytest.mark.parametrize("m,n,k", [(1024, 768, 4096), (2048, 1280, 8192), (333, 517, 2048), (4096, 4096, 512)])
 def test_stream_k_matmul_gpu(m, n, k):
     from tileweave.tune.configs import STREAM_K_CONFIG

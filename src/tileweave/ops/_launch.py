@@ -216,14 +216,25 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     if plan.b_copied:
         b = b.contiguous()
     parts, locks = stream_k_buffers(c.device, *plan.stream_k) if plan.stream_k else (c, c)
+    unspecialized = (_i32(epoch), max_spin)
+    if plan.compiled and torch.cuda.current_device() == a.device.index:
+        # Pointers go to the launcher as ints: given a tensor, Triton's launcher calls its data_ptr()
+        # and asks the driver for the pointer's attributes (cuPointerGetAttribute), eleven times a
+        # launch. The plan's key guarantees these are CUDA tensors of this device, where (unified
+        # addressing) the device pointer is the address itself.
+        ap, cp = a.data_ptr(), c.data_ptr()
+        pointers = (ap, ap if buf is None else buf.data_ptr(), b.data_ptr(), cp,
+                    cp if bias is None else bias.data_ptr(),
+                    cp if peer_offsets is None else peer_offsets.data_ptr(),
+                    cp if peer_flags is None else peer_flags.data_ptr(),
+                    cp if flags is None else flags.data_ptr(), cp if err is None else err.data_ptr(),
+                    parts.data_ptr(), locks.data_ptr())
+        _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*pointers, *unspecialized, *plan.ints),
+                         plan.constexprs)
+        return
     tensors = (a, buf if buf is not None else a, b, c, bias if bias is not None else c,
                peer_offsets if peer_offsets is not None else c, peer_flags if peer_flags is not None else c,
                flags if flags is not None else c, err if err is not None else c, parts, locks)
-    unspecialized = (_i32(epoch), max_spin)
-    if plan.compiled and torch.cuda.current_device() == a.device.index:
-        _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*tensors, *unspecialized, *plan.ints),
-                         plan.constexprs)
-        return
     kernel = _run(tensors, unspecialized, plan.ints, plan.constexprs, plan.num_warps, plan.num_stages,
                   plan.programs)
     if kernel is not None:
