@@ -119,12 +119,12 @@ def _fused_rank(rank, world, op_name, shape):
         backend = op._backend
         saved = _patch(table, [(driver, name) for name in ("memcpy_async", "stream_wait_u32", "stream_write_u32",
                                                            "event_record", "stream_wait_event")]
-                       + [(torch, "matmul"), (torch, "addmm"), (torch, "empty"), (_launch, "launch"),
+                       + [(torch, "matmul"), (torch, "mm"), (torch, "addmm"), (torch, "empty"), (_launch, "launch"),
                           (dist, "all_gather_into_tensor"), (dist, "reduce_scatter_tensor")])
         # Instance attributes shadow the class's: bound methods and static methods alike.
         for name in VERBS:
             setattr(backend, name, _timed(table, f"backend.{name}", getattr(backend, name)))
-        for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_gemms",
+        for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_pull", "_chunked_gemms",
                      "_decide", "_start", "_push", "_fallback", "_unfused_route"):
             if hasattr(op, name):
                 setattr(op, name, _timed(table, f"op.{name}", getattr(op, name)))
