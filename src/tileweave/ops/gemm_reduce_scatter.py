@@ -112,7 +112,8 @@ class GemmReduceScatter(FusedOp):
         """``pull`` (every rank must set it alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether the
         chunked transport in a group of two pulls instead of pushing. Each rank computes the peer's row
         blocks into its symmetric buffer, and the owner's copy stream pulls them straight into the output
-        rows, on which the own rows' GEMM then accumulates in place. This saves the local device-to-device
+        rows, on which the own rows' GEMM then accumulates in place (with one block per owner, into a
+        private buffer while the own GEMM runs, then one add: see ``_chunked_pull``). This saves the local device-to-device
         copy that an out-of-place ``addmm`` makes of every received partial (0.2 ms a call on 8192 x 6144 x
         49152, NOTES.md entries 45 and 49): faster than pushing on all 15 of the suite's rows with M >= 4096
         on 2x H200. None (the default): pull wherever it applies, which is not in a graphable op (its flags
@@ -308,23 +309,36 @@ class GemmReduceScatter(FusedOp):
         if send_bytes:
             ws.ensure_local(send_bytes)  # before the plans: growing it drops them
         mc = m // backend.world_size
-        rows = self.chunk_rows or chunk_rows_for(mc, a.shape[1], n)
-        blocks = max(1, min(CE_GROUPS, mc // rows))
+        blocks = self._blocks(mc, a.shape[1], n)
         key = (kind, m, n, a.dtype, blocks)
         plan = ws.plans.get(key)
         if plan is None:
             plan = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
         return ws, plan
 
+    def _blocks(self, mc: int, k: int, n: int) -> int:
+        """Row blocks per owner of a chunked call (the same on every rank: from the agreed shape)."""
+        return max(1, min(CE_GROUPS, mc // (self.chunk_rows or chunk_rows_for(mc, k, n))))
+
     def _chunked_pull(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
         """The chunked transport with pulls (``pull``), two ranks. Flags, by epoch: our arrival words
         for the peer's blocks (its caller's stream raises each after the block's GEMM), our landed
-        words (our copy stream raises each once the block is in ``out``), and the RELEASED words of
-        the two send buffers (each owner's copy stream raises the peer's after its last pull)."""
+        words (our copy stream raises each once the block has landed), and the RELEASED words of the
+        two send buffers (each owner's copy stream raises the peer's after its last pull).
+
+        With several blocks per owner each pulled block lands in its rows of ``out`` and the own rows'
+        GEMM of that block adds onto it in place, while the next block is pulled. With one block that
+        would put the whole pull between the two GEMMs, so there the pull lands in a private buffer
+        while the own rows' GEMM writes ``out``, and one add follows: the own partial is then rounded to
+        the output dtype before the sum, like the peer's (the sum itself is in fp32, and the same on
+        every run)."""
         rank = backend.rank
         mc = m // 2
-        ws, plan = self._block_plan(backend, a, m, n, mc * n * a.element_size(), "rs-pull", self._pull_plan)
-        block_rows, send, peer_send, announce, arrivals, landed, release_peer, released = plan
+        nbytes = mc * n * a.element_size()
+        one_block = self._blocks(mc, a.shape[1], n) == 1
+        ws, plan = self._block_plan(backend, a, m, n, nbytes, "rs-pull", self._pull_plan,
+                                    send_bytes=nbytes if one_block else 0)
+        block_rows, send, peer_send, announce, arrivals, landed, release_peer, released, recv = plan
         ws.epoch += 1
         epoch = ws.epoch
         # Issue order matters on the GPU: two streams may share one hardware queue, so a stream wait on
@@ -342,15 +356,21 @@ class GemmReduceScatter(FusedOp):
             else:
                 torch.addmm(bias, peer_rows[r], b, out=send[r])
             backend.main_write(address, epoch)
-            # The peer's block of our rows, once announced, straight into its rows of out.
+            # The peer's block of our rows, once announced, straight into its rows of out (one block:
+            # into recv).
             backend.comm_wait(arrival, epoch)
-            backend.comm_copy(out[r], peer_send[r])
+            backend.comm_copy(out[r] if recv is None else recv, peer_send[r])
             backend.comm_write(done, epoch)
         backend.comm_write(release_peer, epoch)
         own = a[rank * mc:(rank + 1) * mc]
-        for r, done in zip(block_rows, landed):
-            backend.main_wait(done, epoch)
-            torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
+        if recv is None:
+            for r, done in zip(block_rows, landed):
+                backend.main_wait(done, epoch)
+                torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
+        else:
+            torch.mm(own, b, out=out)  # while the copy stream pulls
+            backend.main_wait(landed[0], epoch)
+            out.add_(recv)
         backend.comm_end()
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
@@ -358,15 +378,17 @@ class GemmReduceScatter(FusedOp):
     @staticmethod
     def _pull_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:
         """Per block: its rows; our send buffer and the peer's; our arrival words in the peer's flags
-        and the peer's in ours; our landed words; the peer's RELEASED word for us and ours for it."""
+        and the peer's in ours; our landed words; the peer's RELEASED word for us and ours for it; with
+        one block, the private buffer the pull lands in (None otherwise)."""
         rank, peer = backend.rank, 1 - backend.rank
         bounds = [mc * j // blocks for j in range(blocks + 1)]
         block_rows = tuple(slice(bounds[j], bounds[j + 1]) for j in range(blocks))
+        recv = ws.local[:mc * n * dtype.itemsize].view(dtype).view(mc, n) if blocks == 1 else None
         return (block_rows, ws.data.view(rank, dtype, (mc, n)), ws.data.view(peer, dtype, (mc, n)),
                 tuple(ws.ce_flag_address(peer, CE_ARRIVAL, rank * CE_GROUPS + j) for j in range(blocks)),
                 tuple(ws.ce_flag_address(rank, CE_ARRIVAL, peer * CE_GROUPS + j) for j in range(blocks)),
                 tuple(ws.ce_flag_address(rank, CE_SENT, j) for j in range(blocks)),
-                ws.flag_address(peer, RELEASED, rank), ws.flag_address(rank, RELEASED, peer))
+                ws.flag_address(peer, RELEASED, rank), ws.flag_address(rank, RELEASED, peer), recv)
 
     @staticmethod
     def _chunked_plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:
