@@ -177,6 +177,13 @@ CONFIGS = {
     "sk128x128k128": GemmConfig(block_n=128, block_k=128, num_stages=2, stream_k=True),
     "sk128x256": GemmConfig(stream_k=True),
     "sk64x128": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, stream_k=True),
+    # Split-K as stream-K with a multiple of the tile count for programs: every tile then splits into
+    # equal K ranges (1024x768: 48 tiles of 128 x 128 or 24 of 128 x 256; 2048x768 and 1024x1280: 48
+    # and 40 of 128 x 256).
+    "sk128x128p96": GemmConfig(block_n=128, num_stages=4, stream_k=True, programs=96),
+    "sk128x256p72": GemmConfig(stream_k=True, programs=72),
+    "sk128x256p96": GemmConfig(stream_k=True, programs=96),
+    "sk128x256p120": GemmConfig(stream_k=True, programs=120),
 }
 
 
