@@ -5,7 +5,9 @@ the owner pulling into its output (``pull=True``, the default at two ranks; the 
 
     python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
 
-Shapes are M x K_local x N (the suite's llama3-8b o-proj at M=4096 is 4096x2048x4096).
+Shapes are M x K_local x N (the suite's llama3-8b o-proj at M=4096 is 4096x2048x4096). The default
+shapes: one suite row whose owners' rows are one block (llama3-8b o M=8192) and the four rows of two
+blocks (M=4096 of llama3-8b down, llama3-70b o and down, gpt3-175b fc2).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tileweave.ops.gemm_reduce_scatter import chunk_rows_for  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
 from tileweave.tune.autotune import time_ms  # noqa: E402
 
-SHAPES = [(4096, 2048, 4096), (8192, 2048, 4096), (8192, 4096, 8192), (8192, 7168, 4096)]
+SHAPES = [(8192, 2048, 4096), (4096, 7168, 4096), (4096, 4096, 8192), (4096, 14336, 8192), (4096, 24576, 12288)]
 BLOCK_ROWS = [1024, 2048, -1, 0]  # -1: one block per owner; 0: the library's choice (chunk_rows_for)
 
 
@@ -72,12 +74,15 @@ def _rank(rank, world, shapes):
                 profile = _profile(lambda: op(a, b), device)  # every rank calls the op; rank 0 reports
                 if rank == 0:
                     row["profile_chunked"] = profile
-                # The same blocks with the owner pulling into its output (GemmReduceScatter(pull=True)).
-                pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
-                pulling(a, b)
-                torch.cuda.synchronize(device)
-                dist.barrier()
-                row["chunked_pull_0"] = time_ms(lambda: pulling(a, b), device, warmup=10, iters=20, reps=5)
+            # The same blocks with the owner pulling (GemmReduceScatter(pull=True)): into its output,
+            # or with one block into a private buffer while the own GEMM runs, then an add.
+            pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
+            pulling.chunk_rows = rows and br
+            pulling(a, b)
+            torch.cuda.synchronize(device)
+            dist.barrier()
+            row[f"chunked_pull_{rows}"] = time_ms(lambda: pulling(a, b), device, warmup=10, iters=20, reps=5)
+            if rows == 0:
                 profile = _profile(lambda: pulling(a, b), device)
                 if rank == 0:
                     row["profile_chunked_pull"] = profile
