@@ -124,8 +124,8 @@ def _fused_rank(rank, world, op_name, shape):
         # Instance attributes shadow the class's: bound methods and static methods alike.
         for name in VERBS:
             setattr(backend, name, _timed(table, f"backend.{name}", getattr(backend, name)))
-        for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_pull", "_chunked_gemms",
-                     "_decide", "_start", "_push", "_fallback", "_unfused_route"):
+        for name in ("_finish", "_finish_without_kernel", "_check_previous", "_chunked", "_chunked_pull",
+                     "_chunked_gemms", "_decide", "_start", "_push", "_fallback", "_unfused_route"):
             if hasattr(op, name):
                 setattr(op, name, _timed(table, f"op.{name}", getattr(op, name)))
         total = _issue(lambda: op(a, b), device, table)

@@ -112,12 +112,13 @@ class GemmReduceScatter(FusedOp):
         """``pull`` (every rank must set it alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether the
         chunked transport in a group of two pulls instead of pushing. Each rank computes the peer's row
         blocks into its symmetric buffer, and the owner's copy stream pulls them straight into the output
-        rows, on which the own rows' GEMM then accumulates in place (with one block per owner, into a
-        private buffer while the own GEMM runs, then one add: see ``_chunked_pull``). This saves the local device-to-device
-        copy that an out-of-place ``addmm`` makes of every received partial (0.2 ms a call on 8192 x 6144 x
-        49152, NOTES.md entries 45 and 49): faster than pushing on all 15 of the suite's rows with M >= 4096
-        on 2x H200. None (the default): pull wherever it applies, which is not in a graphable op (its flags
-        carry epochs; True there raises); other group sizes, and an ``out`` with padded rows, push.
+        rows, on which the own rows' GEMM then accumulates in place (with one block per owner: into a
+        private buffer while the own GEMM runs, then one add; see ``_chunked_pull``). This saves the
+        local device-to-device copy that an out-of-place ``addmm`` makes of every received partial (0.2
+        ms a call on 8192 x 6144 x 49152, NOTES.md entries 45 and 49): faster than pushing on all 15 of
+        the suite's rows with M >= 4096 on 2x H200. None (the default): pull wherever it applies, which
+        is not in a graphable op (its flags carry epochs; True there raises); other group sizes, and an
+        ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
         if pull and self.graphable:
