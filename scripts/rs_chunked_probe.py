@@ -64,28 +64,19 @@ def _rank(rank, world, shapes):
             br = m // world if rows == -1 else rows or chunk_rows_for(m // world, k, n)
             row[f"gemm_blocks_{rows}"] = time_ms(lambda: [torch.matmul(a[i:i + br], b) for i in range(0, m, br)],
                                                  device, warmup=10, iters=20, reps=5)
-            op = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=False)
-            op.chunk_rows = rows and br
-            op(a, b)
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            row[f"chunked_{rows}"] = time_ms(lambda: op(a, b), device, warmup=10, iters=20, reps=5)
-            if rows == 0:
-                profile = _profile(lambda: op(a, b), device)  # every rank calls the op; rank 0 reports
-                if rank == 0:
-                    row["profile_chunked"] = profile
-            # The same blocks with the owner pulling (GemmReduceScatter(pull=True)): into its output,
-            # or with one block into a private buffer while the own GEMM runs, then an add.
-            pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
-            pulling.chunk_rows = rows and br
-            pulling(a, b)
-            torch.cuda.synchronize(device)
-            dist.barrier()
-            row[f"chunked_pull_{rows}"] = time_ms(lambda: pulling(a, b), device, warmup=10, iters=20, reps=5)
-            if rows == 0:
-                profile = _profile(lambda: pulling(a, b), device)
-                if rank == 0:
-                    row["profile_chunked_pull"] = profile
+            # Pushing, then the same blocks with the owner pulling (GemmReduceScatter(pull=True)): into
+            # its output, or with one block into a private buffer while the own GEMM runs, then an add.
+            for label, pull in (("chunked", False), ("chunked_pull", True)):
+                op = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=pull)
+                op.chunk_rows = rows and br
+                op(a, b)
+                torch.cuda.synchronize(device)
+                dist.barrier()
+                row[f"{label}_{rows}"] = time_ms(lambda: op(a, b), device, warmup=10, iters=20, reps=5)
+                if rows == 0:
+                    profile = _profile(lambda: op(a, b), device)  # every rank calls the op; rank 0 reports
+                    if rank == 0:
+                        row[f"profile_{label}"] = profile
         out.append(row)
     return out
 
