@@ -228,7 +228,7 @@ def relaunch(plan: PlainLaunch, a: torch.Tensor, b: torch.Tensor, c: torch.Tenso
                     cp if peer_offsets is None else peer_offsets.data_ptr(),
                     cp if peer_flags is None else peer_flags.data_ptr(),
                     cp if flags is None else flags.data_ptr(), cp if err is None else err.data_ptr(),
-                    parts.data_ptr(), locks.data_ptr())
+                    parts.data_ptr() if plan.stream_k else cp, locks.data_ptr() if plan.stream_k else cp)
         _launch_compiled(plan.compiled[0], a.device.index, plan.programs, (*pointers, *unspecialized, *plan.ints),
                          plan.constexprs)
         return

@@ -300,17 +300,18 @@ class GemmReduceScatter(FusedOp):
         _launch.record_path(_OP, "chunked")
 
     def _block_plan(self, backend: Backend, a, m: int, n: int, nbytes: int, kind: str, build, *,
-                    send_bytes: int = 0) -> tuple[Workspace, tuple]:
+                    send_bytes: int = 0, blocks: int = 0) -> tuple[Workspace, tuple]:
         """The workspace (``nbytes`` of symmetric data, the copy-engine flag block and ``send_bytes``
         of private send buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
-        ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``."""
+        ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``; ``blocks``: the caller's
+        ``_blocks`` of this shape, if it has it."""
         self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
         ws = self._ws
         ws.ensure_ce_flags(CE_GROUPS)
         if send_bytes:
             ws.ensure_local(send_bytes)  # before the plans: growing it drops them
         mc = m // backend.world_size
-        blocks = self._blocks(mc, a.shape[1], n)
+        blocks = blocks or self._blocks(mc, a.shape[1], n)
         key = (kind, m, n, a.dtype, blocks)
         plan = ws.plans.get(key)
         if plan is None:
@@ -336,9 +337,9 @@ class GemmReduceScatter(FusedOp):
         rank = backend.rank
         mc = m // 2
         nbytes = mc * n * a.element_size()
-        one_block = self._blocks(mc, a.shape[1], n) == 1
+        blocks = self._blocks(mc, a.shape[1], n)
         ws, plan = self._block_plan(backend, a, m, n, nbytes, "rs-pull", self._pull_plan,
-                                    send_bytes=nbytes if one_block else 0)
+                                    send_bytes=nbytes if blocks == 1 else 0, blocks=blocks)
         block_rows, send, peer_send, announce, arrivals, landed, release_peer, released, recv = plan
         ws.epoch += 1
         epoch = ws.epoch
