@@ -184,6 +184,9 @@ CONFIGS = {
     "sk128x256p72": GemmConfig(stream_k=True, programs=72),
     "sk128x256p96": GemmConfig(stream_k=True, programs=96),
     "sk128x256p120": GemmConfig(stream_k=True, programs=120),
+    "sk128x256p80": GemmConfig(stream_k=True, programs=80),
+    "dp64x256": GemmConfig(block_m=64, num_stages=4),
+    "dp256x128": GemmConfig(block_m=256, block_n=128),
 }
 
 
@@ -206,6 +209,7 @@ def _matmul_rank(rank, world, shapes, configs):
                              "rel_err": err}
             except Exception as exc:  # noqa: BLE001 - a config the shape or the GPU cannot run
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        row["torch"]["kernels"] = _kernel_names(lambda: torch.matmul(a, b))
         row["ours"]["launch_us"] = _launch_args_us(a, b, device, table)
         saved = _patch(table, [(torch, "empty"), (matmul_module, "_plan_key"), (_launch, "relaunch"),
                                (_launch, "_launch_compiled"), (_launch, "_cached_scratch")])
@@ -214,6 +218,16 @@ def _matmul_rank(rank, world, shapes, configs):
         _restore(saved)
         results[f"{m}x{n}x{k}"] = row
     return results
+
+
+def _kernel_names(fn):
+    """Names of the GPU kernels one call of ``fn`` runs (cuBLAS's name its tiles, cluster and split)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
 
 def _launch_args_us(a, b, device, table):
@@ -279,6 +293,7 @@ def main():
     parser.add_argument("--shapes", default="1024x768x4096,2048x768x4096,4096x768x4096,1024x1280x8192,"
                         "1024x3072x4096,1024x4096x512", help="matmul: MxNxK,...")
     parser.add_argument("--configs", default="", help=f"matmul: also time these in graph mode: {','.join(CONFIGS)}")
+    parser.add_argument("--ranks", type=int, default=2, help="matmul: processes, one GPU each (1 on one GPU)")
     parser.add_argument("--profile", default="", help="MxK_locxN: cProfile the functional RS op (auto policy)")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -292,7 +307,7 @@ def main():
     if args.op == "matmul":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         configs = [c for c in args.configs.split(",") if c]
-        ranks = run_ranks(2, _matmul_rank, shapes, configs, gpus=True, timeout_s=500)
+        ranks = run_ranks(args.ranks, _matmul_rank, shapes, configs, gpus=True, timeout_s=500)
     else:
         default = {"ag": "4096x4096x3072", "rs": "4096x2048x4096"}[args.op]
         shape = tuple(int(x) for x in (args.shape or default).split("x"))
@@ -307,6 +322,8 @@ def main():
                 print(f"[r{rank}] {key:18s} issue torch {t['issue_us']:6.1f} ours {o['issue_us']:6.1f} us | "
                       f"graph torch {t['graph_us']:6.1f} ours {o['graph_us']:6.1f} us "
                       f"({t['graph_us'] / o['graph_us']:.2f}x)")
+                for kernel in t.get("kernels", []):
+                    print(f"[r{rank}]     cuBLAS: {kernel[:150]}")
                 if "launch_us" in o:
                     print(f"[r{rank}]     launch alone, pointers as " +
                           ", ".join(f"{k} {v:5.1f}" for k, v in o["launch_us"].items()) + " us")
