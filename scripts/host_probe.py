@@ -187,6 +187,22 @@ CONFIGS = {
     "sk128x256p80": GemmConfig(stream_k=True, programs=80),
     "dp64x256": GemmConfig(block_m=64, num_stages=4),
     "dp256x128": GemmConfig(block_m=256, block_n=128),
+    "dp128x256s4ct0": GemmConfig(num_stages=4, c_tma=False),
+    "dp64x128w4": GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4),
+    "dp64x128w4s6": GemmConfig(block_m=64, block_n=128, num_stages=6, num_warps=4),
+    "dp64x128w8s6": GemmConfig(block_m=64, block_n=128, num_stages=6, num_warps=8),
+    # Tiles of block_n + block_n2 columns: widths cuBLAS picks so that a small grid is ~one tile per SM
+    # (its kernel names: 1024x768 64 x 96, 2048x768 128 x 96, 1024x1280 128 x 80).
+    "w64x96w4s6": GemmConfig(block_m=64, block_n=64, block_n2=32, num_stages=6, num_warps=4),
+    "w64x96w4s8": GemmConfig(block_m=64, block_n=64, block_n2=32, num_stages=8, num_warps=4),
+    "w64x96w8s6": GemmConfig(block_m=64, block_n=64, block_n2=32, num_stages=6, num_warps=8),
+    "w128x96s4": GemmConfig(block_m=128, block_n=64, block_n2=32, num_stages=4, num_warps=8),
+    "w128x96s6": GemmConfig(block_m=128, block_n=64, block_n2=32, num_stages=6, num_warps=8),
+    "w128x80s6": GemmConfig(block_m=128, block_n=64, block_n2=16, num_stages=6, num_warps=8),
+    "w64x160w4s6": GemmConfig(block_m=64, block_n=128, block_n2=32, num_stages=6, num_warps=4),
+    "w128x160s4": GemmConfig(block_m=128, block_n=128, block_n2=32, num_stages=4, num_warps=8),
+    "w128x192s3": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=3, num_warps=8),
+    "w128x192s4": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=4, num_warps=8),
 }
 
 

@@ -86,6 +86,29 @@ def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi
 
 
 @triton.jit
+def _mainloop_wide(a_src, b_src, b2_src, row_a, col_b, k_lo, k_hi,
+                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                   B_NK: tl.constexpr, PRECISION: tl.constexpr):
+    # A tile of BN + BN2 columns (TMA only): one A load feeds two dots, columns [col_b, col_b + BN) and
+    # [col_b + BN, col_b + BN + BN2).
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+    for ki in range(k_lo, k_hi):
+        a = a_src.load([row_a, ki * BK])
+        if B_NK:
+            b = b_src.load([col_b, ki * BK])
+            b2 = b2_src.load([col_b + BN, ki * BK])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            acc2 = tl.dot(a, b2.T, acc2, input_precision=PRECISION)
+        else:
+            b = b_src.load([ki * BK, col_b])
+            b2 = b2_src.load([ki * BK, col_b + BN])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+    return acc, acc2
+
+
+@triton.jit
 def _store_tile(c_ptr, c_desc, acc, row0, tile_m, tile_n, rows_valid, N, stride_cm, stride_cn,
                 BM: tl.constexpr, BN: tl.constexpr, C_TMA: tl.constexpr):
     # TMA stores only where a tile cannot cross into the next chunk's rows (host checks Mc % BM).
@@ -108,12 +131,12 @@ def _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+def _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 row_a0, rows_a, row_c0, m_chunk, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, tail,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                GROUP_M: tl.constexpr, P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
                 LAZY_WAIT: tl.constexpr, CE_RELEASE: tl.constexpr):
@@ -127,10 +150,11 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
     no load can be hoisted above the wait. ``tail``: tiles at the end of the chunk left out, for
     ``_stream_k_tail`` to share by K steps (0: none). ``CE_RELEASE`` (epilogue 3): 0 counts each tile with a
     system-scope release, 1 with a GPU-scope release, 2 counts a program's tiles per row group once,
-    after its last tile of the chunk.
+    after its last tile of the chunk. ``BN2`` > 0 (epilogue 0, TMA loads): tiles are ``BN + BN2``
+    columns wide, the second part in its own accumulator (``b2_src``, ``c2_desc``).
     """
     num_pid_m = tl.cdiv(m_chunk, BM)
-    num_pid_n = tl.cdiv(N, BN)
+    num_pid_n = tl.cdiv(N, BN + BN2)
     tiles = num_pid_m * num_pid_n
     start = _first_tile(pid, step, tiles, P) + skip * tiles
     if EPILOGUE == 1:
@@ -150,14 +174,23 @@ def _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
             start += skip * tiles
     for t in tl.range(start, tiles - tail, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+        col = pid_n * (BN + BN2)
         offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, pid_n * BN, N, K,
-                        0, tl.cdiv(K, BK), stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        offs_n = col + tl.arange(0, BN)
+        if BN2 > 0:
+            acc, acc2 = _mainloop_wide(a_src, b_src, b2_src, row_a0 + pid_m * BM, col, 0, tl.cdiv(K, BK),
+                                       BM, BN, BN2, BK, B_NK, PRECISION)
+        else:
+            acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, col, N, K, 0, tl.cdiv(K, BK),
+                            stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
         if EPILOGUE == 0:
             acc = _add_bias(acc, bias_ptr, offs_n, N, HAS_BIAS)
-            _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, pid_n * BN, m_chunk, N,
+            _store_tile(c_ptr, c_desc, acc, row_c0, pid_m * BM, col, m_chunk, N,
                         stride_cm, stride_cn, BM, BN, C_TMA)
+            if BN2 > 0:
+                acc2 = _add_bias(acc2, bias_ptr, col + BN + tl.arange(0, BN2), N, HAS_BIAS)
+                _store_tile(c_ptr, c2_desc, acc2, row_c0, pid_m * BM, col + BN, m_chunk, N,
+                            stride_cm, stride_cn, BM, BN2, C_TMA)
         elif EPILOGUE == 1:
             mask = (offs_m[:, None] < m_chunk) & (offs_n[None, :] < N)
             rows = (rank * m_chunk + offs_m[:, None]).to(tl.int64) * N
@@ -399,7 +432,7 @@ def fused_gemm_kernel(
         epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
@@ -436,31 +469,43 @@ def fused_gemm_kernel(
     else:
         a_src = a_ptr
         b_src = b_ptr
+    b2_src = b_src
+    if BN2 > 0:
+        if B_NK:
+            b2_src = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                               block_shape=[BN2, BK])
+        else:
+            b2_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                               block_shape=[BK, BN2])
+    c_rows = m_chunk * WORLD if MODE == AG else m_chunk
     if C_TMA:
-        c_rows = m_chunk * WORLD if MODE == AG else m_chunk
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[c_rows, N], strides=[stride_cm, 1],
                                            block_shape=[BM, BN])
     else:
         c_desc = c_ptr
+    c2_desc = c_desc
+    if C_TMA and BN2 > 0:
+        c2_desc = tl.make_tensor_descriptor(c_ptr, shape=[c_rows, N], strides=[stride_cm, 1],
+                                            block_shape=[BM, BN2])
 
     if MODE == PLAIN and STREAM_K:
         _stream_k(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr, m_chunk, N, K,
                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                   BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, FLATTEN, PRECISION, err_ptr, TIMELINE)
     elif MODE == PLAIN:
-        _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+        _chunk_loop(pid, 0, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
     elif MODE == AG:
         # Own shard first, straight from the caller's tensor: nothing to wait for.
-        _chunk_loop(pid, 0, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+        _chunk_loop(pid, 0, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     0, a_rows, rank * m_chunk, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
@@ -480,11 +525,11 @@ def fused_gemm_kernel(
             src = (rank + WORLD - step) % WORLD if RING else (rank + step) % WORLD
             skip = wait_epoch(flags_ptr + src, epoch, err_ptr, 1 + src, max_spin)
             tail = tl.where(step == WORLD - 1, rem, 0)
-            _chunk_loop(pid, step, g_src, b_src, c_desc, buf_ptr, b_ptr, c_ptr, bias_ptr,
+            _chunk_loop(pid, step, g_src, b_src, b2_src, c_desc, c2_desc, buf_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
                         skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, tail, BM, BN, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                        rank, tail, BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         if STREAM_K:
             # The last chunk's `rem` tiles, by K steps over every program (after its flag: `skip`).
@@ -497,15 +542,15 @@ def fused_gemm_kernel(
         # Epilogues 1 and 2 for the store transport, 3 and 4 for the copy engines.
         for step in range(0, WORLD - 1):
             owner = (rank + 1 + step) % WORLD
-            _chunk_loop(pid, step, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+            _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, 0, BM, BN, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
+                        rank, 0, BM, BN, BN2, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
-        _chunk_loop(pid, WORLD - 1, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
+        _chunk_loop(pid, WORLD - 1, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
+                    BM, BN, BN2, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)

@@ -283,7 +283,7 @@ class FusedOp:
                                                 interpreter=backend.interpreter, stream_k=False)
         # The fused kernels deal out whole tiles (a tile's flags and counts assume one producer), but for
         # a consumer's partial last wave (``_stream_k_tail``).
-        proposal = dataclasses.replace(proposal, stream_k=False, **config_overrides)
+        proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0, **config_overrides)
         proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
         fused = self.policy == "fused" or (
             self.policy == "auto" and prefer_fused(m, n, k, backend.world_size, dtype,

@@ -28,6 +28,10 @@ class GemmConfig:
     """Rows of C per tile."""
     block_n: int = 256
     """Columns of C per tile."""
+    block_n2: int = 0
+    """Plain GEMM only: a second block of columns per tile, so that tiles are ``block_n + block_n2``
+    wide (96 = 64 + 32, 80 = 64 + 16). Widths that are not powers of two let a small grid come out at
+    about one tile per SM, as cuBLAS's tiles do (1024 x 768: 128 tiles of 64 x 96). 0: off."""
     block_k: int = 64
     """Depth of one pipelined K step."""
     group_m: int = 8
@@ -68,6 +72,12 @@ class GemmConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {value}")
+        if self.block_n2 and (self.block_n2 < 16 or self.block_n2 & (self.block_n2 - 1)
+                              or self.block_n2 > self.block_n):
+            raise ValueError(f"GemmConfig.block_n2 must be 0 or a power of two from 16 to block_n, "
+                             f"got {self.block_n2}")
+        if self.block_n2 and self.stream_k:
+            raise ValueError("GemmConfig.block_n2 does not combine with stream_k")
         if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig: bad num_stages={self.num_stages} or num_warps={self.num_warps}")
         if self.ce_release not in CE_RELEASES:
@@ -76,7 +86,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.programs must be >= 0, got {self.programs}")
 
     def key(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}"
+        return (f"{self.block_m}x{self.block_n}{'+' + str(self.block_n2) if self.block_n2 else ''}"
+                f"x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
                 f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
                 f"_ce{int(self.copy_engine)}{'' if self.ce_release == 'tile' else '_' + self.ce_release}"
