@@ -203,6 +203,13 @@ CONFIGS = {
     "w128x160s4": GemmConfig(block_m=128, block_n=128, block_n2=32, num_stages=4, num_warps=8),
     "w128x192s3": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=3, num_warps=8),
     "w128x192s4": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=4, num_warps=8),
+    "w64x128as64+64": GemmConfig(block_m=64, block_n=64, block_n2=64, num_stages=6, num_warps=4),
+    "w128x128as64+64": GemmConfig(block_m=128, block_n=64, block_n2=64, num_stages=4, num_warps=8),
+    "w64x96w4s6nf": GemmConfig(block_m=64, block_n=64, block_n2=32, num_stages=6, num_warps=4, flatten=False),
+    "w64x96w4s6ct0": GemmConfig(block_m=64, block_n=64, block_n2=32, num_stages=6, num_warps=4, c_tma=False),
+    "dp64x64w4s6": GemmConfig(block_m=64, block_n=64, num_stages=6, num_warps=4),
+    "dp64x128w4s8": GemmConfig(block_m=64, block_n=128, num_stages=8, num_warps=4),
+    "dp64x128w4s6nf": GemmConfig(block_m=64, block_n=128, num_stages=6, num_warps=4, flatten=False),
 }
 
 
