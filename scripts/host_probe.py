@@ -210,6 +210,16 @@ CONFIGS = {
     "dp64x64w4s6": GemmConfig(block_m=64, block_n=64, num_stages=6, num_warps=4),
     "dp64x128w4s8": GemmConfig(block_m=64, block_n=128, num_stages=8, num_warps=4),
     "dp64x128w4s6nf": GemmConfig(block_m=64, block_n=128, num_stages=6, num_warps=4, flatten=False),
+    "dp64x128w4s5nf": GemmConfig(block_m=64, block_n=128, num_stages=5, num_warps=4, flatten=False),
+    "dp128x256ct0": GemmConfig(c_tma=False),
+    "dp128x256s4ct0nf": GemmConfig(num_stages=4, c_tma=False, flatten=False),
+    "dp128x128s5ct0": GemmConfig(block_n=128, num_stages=5, c_tma=False),
+    "dp128x128nf": GemmConfig(block_n=128, num_stages=4, flatten=False),
+    "w128x96nf": GemmConfig(block_m=128, block_n=64, block_n2=32, num_stages=5, num_warps=8, flatten=False),
+    "w64x160w4nf": GemmConfig(block_m=64, block_n=128, block_n2=32, num_stages=5, num_warps=4, flatten=False),
+    "w128x160nf": GemmConfig(block_m=128, block_n=128, block_n2=32, num_stages=4, num_warps=8, flatten=False),
+    "w128x192nf": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=3, num_warps=8, flatten=False,
+                             c_tma=False),
 }
 
 
