@@ -41,20 +41,44 @@ def test_tuning_pass_stores_a_verified_winner(tmp_path, monkeypatch):
 
 
 def test_default_tile_sizes_follow_the_measured_winners():
-    # Large tiles from two waves of them; under that, the tile size that ran faster on an H200 in graph
-    # replay (bench/results/2026-11-30_h200x2_run5/probes/host_matmul_configs_71d29fe.txt).
-    from tileweave.tune.configs import choose_gemm_config
+    # Large tiles from two waves of them; under that, the tile whose waves take least time at the
+    # measured cost per tile (H200, graph replay: NOTES.md entries 27 and 71).
+    from tileweave.tune.configs import SMALL_TILE, WIDE_TILE, choose_gemm_config
 
-    def tile(m, n, k):
-        c = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132)
-        return c.block_m, c.block_n
+    def tile(m, n, k, **kw):
+        c = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132, **kw)
+        return c.block_m, c.block_n + c.block_n2
 
     for m, n, k in [(16384, 768, 4096), (8192, 4096, 7168), (8192, 1280, 8192), (4096, 4096, 4096)]:
         assert tile(m, n, k) == (128, 256), (m, n, k)
-    for m, n, k in [(4096, 768, 4096), (1024, 3072, 4096), (2048, 4096, 2048), (2048, 1280, 8192)]:
+    for m, n, k in [(4096, 768, 4096), (1024, 3072, 4096), (2048, 4096, 2048)]:
         assert tile(m, n, k) == (128, 256), (m, n, k)
-    for m, n, k in [(1024, 768, 4096), (2048, 768, 4096), (1024, 1280, 8192), (4096, 1280, 8192)]:
+    for m, n, k in [(2048, 768, 4096), (4096, 1280, 8192), (8192, 768, 4096)]:
         assert tile(m, n, k) == (128, 128), (m, n, k)
+    # 1024 x 768: 48 tiles of 128 x 128 (one wave, 1.0) against 96 of 64 x 128 (one wave, 0.69).
+    assert choose_gemm_config(1024, 768, 4096, torch.bfloat16, num_sms=132) == SMALL_TILE
+    # 1024 x 1280: 80 tiles of 128 x 128 against 128 of 64 x 160 (one wave, 0.86); 2048 x 1280: 80 large
+    # tiles (1.8) against 256 of 64 x 160 (two waves, 1.72).
+    assert choose_gemm_config(1024, 1280, 8192, torch.bfloat16, num_sms=132) == WIDE_TILE
+    assert choose_gemm_config(2048, 1280, 8192, torch.bfloat16, num_sms=132) == WIDE_TILE
+    # The fused kernels keep tiles of 128 rows, one accumulator each.
+    for m, n, k in [(1024, 768, 4096), (1024, 1280, 8192), (2048, 1280, 8192), (64, 4096, 4096)]:
+        config = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132, stream_k=False)
+        assert config.block_m == 128 and config.block_n2 == 0 and config.c_tma, (m, n, k)
+    # Large tiles, one per program: stored with pointer stores, not TMA.
+    assert not choose_gemm_config(1024, 4096, 512, torch.bfloat16, num_sms=132).c_tma
+    assert choose_gemm_config(8192, 4096, 4096, torch.bfloat16, num_sms=132).c_tma
+
+
+def test_two_part_tiles_are_checked():
+    import pytest
+
+    assert GemmConfig(block_n=128, block_n2=32, flatten=False).key() != GemmConfig(block_n=128, flatten=False).key()
+    for bad in (dict(block_n2=48, flatten=False), dict(block_n=64, block_n2=128, flatten=False),
+                dict(block_n2=8, flatten=False), dict(block_n2=32, flatten=False, stream_k=True),
+                dict(block_n2=32)):
+        with pytest.raises(ValueError, match="block_n2"):
+            GemmConfig(**bad)
 
 
 def test_grids_that_fill_their_waves_badly_share_out_k():
@@ -82,9 +106,10 @@ def test_grids_that_fill_their_waves_badly_share_out_k():
     for m, n, k in [(1024, 768, 4096), (2048, 1280, 8192), (8192, 4096, 4096), (333, 517, 2048), (4096, 1280, 8192),
                     (1024, 7168, 8192), (1536, 5120, 8192)]:
         config = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132)
-        tiles = -(-m // config.block_m) * -(-n // config.block_n)
+        tiles = -(-m // config.block_m) * -(-n // (config.block_n + config.block_n2))
         if config.stream_k:
             assert k >= STREAM_K_MIN_K and tiles >= 132 and wave_use(tiles, 132) < STREAM_K_BELOW
             assert config.block_n == 128 or -(-m // 128) * -(-n // 256) >= 2 * 132, (m, n, k, config)
-        elif k >= STREAM_K_MIN_K and tiles >= 132:
+        elif config.block_m == 128 and k >= STREAM_K_MIN_K and tiles >= 132:
+            # (Tiles of 64 rows are whole tiles by choice: their waves already took least time.)
             assert wave_use(tiles, 132) >= STREAM_K_BELOW, (m, n, k, config)

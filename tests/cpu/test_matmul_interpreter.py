@@ -40,6 +40,32 @@ def test_persistent_programs_cover_every_tile_once():
     assert _rel(out, a.double() @ b.double()) < 1e-5
 
 
+@pytest.mark.parametrize("m,n,k,block_n2", [(70, 100, 80, 16), (64, 96, 64, 32), (96, 144, 96, 16),
+                                             (40, 200, 48, 32)])
+@pytest.mark.parametrize("layout", ["kn", "weight"])
+def test_two_part_tiles_match_reference(m, n, k, block_n2, layout):
+    # Tiles of block_n + block_n2 columns: the last tile column cut at N, in either part.
+    a = torch.randn(m, k, dtype=torch.float16)
+    b = torch.randn(n, k, dtype=torch.float16).t() if layout == "weight" else torch.randn(k, n, dtype=torch.float16)
+    bias = torch.randn(n, dtype=torch.float16)
+    config = GemmConfig(block_m=32, block_n=32, block_n2=block_n2, block_k=32, group_m=2, num_stages=1,
+                        num_warps=4, flatten=False, programs=3)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    tileweave.matmul(a, b, bias=bias, out=out, config=config)
+    assert _rel(out, a.double() @ b.double() + bias.double()) < TOL[torch.float16]
+
+
+def test_two_part_tiles_are_refused_by_the_fused_kernels():
+    from tileweave.ops import _launch
+
+    a = torch.randn(32, 32)
+    config = GemmConfig(block_m=32, block_n=32, block_n2=16, block_k=32, num_stages=1, num_warps=4, flatten=False)
+    for mode in (_launch.MODE_AG, _launch.MODE_RS):
+        with pytest.raises(ValueError, match="plain GEMM only"):
+            _launch.launch(mode=mode, a=a, b=a, c=a, bias=None, config=config, m_chunk=16, world=2, programs=2,
+                           buf=a)
+
+
 def test_linear_matches_functional_linear():
     x = torch.randn(2, 5, 48, dtype=torch.float32)
     w = torch.randn(24, 48, dtype=torch.float32)

@@ -40,6 +40,29 @@ def test_matmul(dtype, m, n, k, weight_layout):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1024, 768, 4096), (1024, 1280, 8192), (333, 517, 1001), (64, 4000, 4096),
+                                   (1000, 1300, 512)])
+@pytest.mark.parametrize("tile", ["default", "small", "wide"])
+def test_matmul_narrow_tiles_gpu(dtype, m, n, k, tile):
+    # The plain GEMM's 64-row tiles: 64 x 128, and 64 x 160 in two accumulators (128 + 32 columns),
+    # both layouts of B, edges in M and N.
+    from tileweave.tune.configs import SMALL_TILE, WIDE_TILE
+
+    config = {"default": None, "small": SMALL_TILE, "wide": WIDE_TILE}[tile]
+    for weight_layout in (True, False):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = (torch.randn(n, k, device="cuda", dtype=dtype).t() if weight_layout
+             else torch.randn(k, n, device="cuda", dtype=dtype))
+        bias = torch.randn(n, device="cuda", dtype=dtype)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        tileweave.matmul(a, b, bias=bias, out=out, config=config)
+        assert _rel(out, a.double() @ b.double() + bias.double()) < TOL[dtype]
+        again = tileweave.matmul(a, b, bias=bias, config=config)
+        assert torch.equal(out, again)
+
+
+@needs_gpu
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matmul_replayed_launch_follows_each_calls_tensors_gpu(with_bias):
     # Later calls of a layout replay the first call's launch plan with the new tensors' addresses

@@ -78,6 +78,10 @@ class GemmConfig:
                              f"got {self.block_n2}")
         if self.block_n2 and self.stream_k:
             raise ValueError("GemmConfig.block_n2 does not combine with stream_k")
+        if self.block_n2 and self.flatten:
+            # Two accumulators in one flattened tile-and-K loop ran 2x slower per tile on an H200
+            # (NOTES.md, entry 71): the tile loop stays a loop of its own.
+            raise ValueError("GemmConfig.block_n2 needs flatten=False")
         if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig: bad num_stages={self.num_stages} or num_warps={self.num_warps}")
         if self.ce_release not in CE_RELEASES:
@@ -122,6 +126,19 @@ BIG_TILE_COST = 1.8
 """Time of a 128 x 256 tile over a 128 x 128 one at the same K on an H200: 0.67 against 0.375 us a K
 step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work per SM-second."""
 
+SMALL_TILE = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=5, num_warps=4, flatten=False)
+"""Plain GEMM on a grid of 128 x 128 tiles that would leave over half the SMs idle."""
+SMALL_TILE_COST = 0.69
+"""Time of a 64 x 128 tile over a 128 x 128 one at the same K, each program one tile, on an H200:
+16.9 against 24.3 us on 1024 x 768 x 4096 in graph replay (NOTES.md, entry 71)."""
+WIDE_TILE = GemmConfig(block_m=64, block_n=128, block_n2=32, block_k=64, num_stages=5, num_warps=4,
+                       flatten=False)
+"""Plain GEMM: tiles of 64 x 160 (128 + 32 columns), for N = 1280 and its like, where 160 divides N and
+128 x 128 tiles come out at well under one per SM."""
+WIDE_TILE_COST = 0.86
+"""Time of a 64 x 160 tile over a 128 x 128 one at the same K on an H200: 40.8 against 47.5 us on
+1024 x 1280 x 8192 in graph replay, one wave each (NOTES.md, entry 71)."""
+
 
 @functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
@@ -133,7 +150,10 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
     (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against 1.0): 128 x 128. When the
     chosen tiles still fill their last wave badly and K is long, the last wave's K steps are dealt out
-    over all programs (stream-K). ``stream_k=False``: whole tiles only (the fused kernels).
+    over all programs (stream-K). The plain GEMM also weighs two narrower tiles the same way, for grids
+    that 128 x 128 tiles leave mostly idle: 64 x 128 (``SMALL_TILE``; 1024 x 768 is 96 of them, one
+    wave at 0.69, against 48 mid tiles at 1.0) and 64 x 160 (``WIDE_TILE``; 1024 x 1280 is 128, 0.86
+    against 80 mid tiles at 1.0). ``stream_k=False``: whole tiles of 128 rows only (the fused kernels).
     """
     if interpreter:
         return INTERPRETER_CONFIG
@@ -144,13 +164,29 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     # Measured on an H200 in graph replay (NOTES.md, entry 27), the wave count picks the faster tile on
     # all ten shapes probed: 128 x 256 on 4096 x 768 x 4096 (44.6 against 49.8 us), 1024 x 3072 x 4096,
     # 2048 x 4096 x 2048 and 2048 x 1280 x 8192; 128 x 128 on 1024 x 768 x 4096 (24.3 against 42.8 us),
-    # 2048 x 768 x 4096, 1024 x 1280 x 8192 and 4096 x 1280 x 8192. (64 x 128 tiles, the earlier choice
-    # for small grids, were slower than 128 x 128 wherever tried.)
+    # 2048 x 768 x 4096, 1024 x 1280 x 8192 and 4096 x 1280 x 8192. (64 x 128 tiles of 8 warps, the
+    # earlier choice for small grids, were slower than 128 x 128 wherever tried; with 4 warps and a
+    # loop of their own they win where 128 x 128 tiles would leave over half the SMs idle: entry 71.)
     mid = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms):
         config, tiles = GemmConfig(), big_tiles
+        cost = math.ceil(big_tiles / num_sms) * BIG_TILE_COST
     else:
         config, tiles = mid, mid_tiles
+        cost = math.ceil(mid_tiles / num_sms)
+    if stream_k and big_tiles < 2 * num_sms:
+        # The plain GEMM's narrower tiles, weighed the same way.
+        for narrow, width, unit in ((SMALL_TILE, 128, SMALL_TILE_COST), (WIDE_TILE, 160, WIDE_TILE_COST)):
+            narrow_cost = math.ceil(math.ceil(m / 64) * math.ceil(n / width) / num_sms) * unit
+            if narrow_cost < cost:
+                config, cost = narrow, narrow_cost
+        if config.block_m == 64:
+            return config
+    if stream_k and config is not mid and big_tiles <= num_sms:
+        # Plain GEMM, one tile per program: a TMA store has nothing left to overlap, and pointer
+        # stores were as fast or faster on 7 of 8 such shapes (1024 x 4096 x 512: 11.1 against 11.8
+        # us; NOTES.md, entry 71).
+        return dataclasses.replace(config, c_tma=False)
     # Only behind at least one full wave: with fewer tiles than programs every tile would be shared out
     # (1024 x 1280 x 8192: 0.70x cuBLAS against 0.79x with whole tiles).
     if stream_k and k >= STREAM_K_MIN_K and tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW:
