@@ -261,7 +261,9 @@ def _launch_args_us(a, b, device, table):
     launcher then calls data_ptr() and cuPointerGetAttribute for each) and as ints."""
     out = tileweave.matmul(a, b)
     plan = matmul_module._plans[matmul_module._plan_key(a, b, None, None, None)]
-    tensors = (a, a, b, out, out, out, out, out, out, out, out)
+    # A stream-K plan reads its partial-tile workspace and arrival counts: hand it the library's.
+    parts, locks = _launch.stream_k_buffers(device, *plan.stream_k) if plan.stream_k else (out, out)
+    tensors = (a, a, b, out, out, out, out, out, out, parts, locks)
     pointers = tuple(t.data_ptr() for t in tensors)
     timed = {}
     for name, first in (("tensors", tensors), ("ints", pointers), ("tensors_again", tensors)):
