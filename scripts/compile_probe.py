@@ -4,9 +4,8 @@ depth), registers and spills (ptxas), so a slow configuration can be looked at w
 
     python3 scripts/compile_probe.py --configs "64x128w4s6,64x64+32w4s6" [--out DIR]
 
-A configuration is ``BMxBN[+BN2[r]]w<warps>s<stages>[ct0][nf]`` (``r``: A read into registers once per
-K step for both dots, ``ct0``: pointer stores for C, ``nf``: no flattened loop). Writes each TTGIR and
-PTX to ``--out`` and prints one line per configuration.
+A configuration is ``BMxBN[+BN2]w<warps>s<stages>[ct0][nf]`` (``ct0``: pointer stores for C, ``nf``: no
+flattened loop). Writes each TTGIR and PTX to ``--out`` and prints one line per configuration.
 """
 
 from __future__ import annotations
@@ -31,12 +30,11 @@ POINTERS = ("a_ptr", "buf_ptr", "b_ptr", "c_ptr", "bias_ptr", "peer_offs_ptr", "
 
 
 def parse(spec: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?(r)?w(\d+)s(\d+)(ct0)?(nf)?", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?w(\d+)s(\d+)(ct0)?(nf)?", spec)
     if not m:
         raise SystemExit(f"bad configuration {spec!r}")
-    bm, bn, bn2, regs, warps, stages, ct0, nf = m.groups()
-    return dict(BM=int(bm), BN=int(bn), BN2=int(bn2 or 0), A_REGS=bool(regs), num_warps=int(warps),
-                num_stages=int(stages),
+    bm, bn, bn2, warps, stages, ct0, nf = m.groups()
+    return dict(BM=int(bm), BN=int(bn), BN2=int(bn2 or 0), num_warps=int(warps), num_stages=int(stages),
                 C_TMA=not ct0, FLATTEN=not nf)
 
 
@@ -50,8 +48,7 @@ def compile_one(spec: str, b_nk: bool, programs: int = 132):
                  "stride_cm", "stride_cn"):
         signature[name] = "i32"
     signature["max_spin"] = "i64"
-    constexprs = dict(BM=p["BM"], BN=p["BN"], BN2=p["BN2"], A_REGS=p["A_REGS"], BK=64, GROUP_M=8, P=programs,
-                      MODE=0, WORLD=1,
+    constexprs = dict(BM=p["BM"], BN=p["BN"], BN2=p["BN2"], BK=64, GROUP_M=8, P=programs, MODE=0, WORLD=1,
                       B_NK=b_nk, HAS_BIAS=False, USE_TMA=True, C_TMA=p["C_TMA"], FLATTEN=p["FLATTEN"],
                       WARP_SPECIALIZE=False, PRECISION=None, LAZY_WAIT=False, COPY_ENGINE=False, RING=False,
                       CE_RELEASE=0, STREAM_K=False, TIMELINE=False)

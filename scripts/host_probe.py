@@ -211,17 +211,6 @@ CONFIGS = {
     "w128x96nf": GemmConfig(block_m=128, block_n=64, block_n2=32, num_stages=5, num_warps=8, flatten=False),
     "w64x160w4nf": GemmConfig(block_m=64, block_n=128, block_n2=32, num_stages=5, num_warps=4, flatten=False),
     "w128x160nf": GemmConfig(block_m=128, block_n=128, block_n2=32, num_stages=4, num_warps=8, flatten=False),
-    # The same with A read into registers once per K step for both dots (``a_regs``).
-    "w64x96rw4s6nf": GemmConfig(block_m=64, block_n=64, block_n2=32, a_regs=True, num_stages=6, num_warps=4,
-                                flatten=False),
-    "w128x96rnf": GemmConfig(block_m=128, block_n=64, block_n2=32, a_regs=True, num_stages=5, num_warps=8,
-                             flatten=False),
-    "w128x80rnf": GemmConfig(block_m=128, block_n=64, block_n2=16, a_regs=True, num_stages=5, num_warps=8,
-                             flatten=False),
-    "w64x160rw4nf": GemmConfig(block_m=64, block_n=128, block_n2=32, a_regs=True, num_stages=5, num_warps=4,
-                               flatten=False),
-    "w128x160rnf": GemmConfig(block_m=128, block_n=128, block_n2=32, a_regs=True, num_stages=4, num_warps=8,
-                              flatten=False),
     "w128x192nf": GemmConfig(block_m=128, block_n=128, block_n2=64, num_stages=3, num_warps=8, flatten=False,
                              c_tma=False),
 }

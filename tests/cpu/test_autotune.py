@@ -43,7 +43,7 @@ def test_tuning_pass_stores_a_verified_winner(tmp_path, monkeypatch):
 def test_default_tile_sizes_follow_the_measured_winners():
     # Large tiles from two waves of them; under that, the tile whose waves take least time at the
     # measured cost per tile (H200, graph replay: NOTES.md entries 27 and 71).
-    from tileweave.tune.configs import SMALL_TILE, TALL_TILES, WIDE_TILE, choose_gemm_config
+    from tileweave.tune.configs import SMALL_TILE, WIDE_TILE, choose_gemm_config
 
     def tile(m, n, k, **kw):
         c = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132, **kw)
@@ -53,19 +53,14 @@ def test_default_tile_sizes_follow_the_measured_winners():
         assert tile(m, n, k) == (128, 256), (m, n, k)
     for m, n, k in [(4096, 768, 4096), (1024, 3072, 4096), (2048, 4096, 2048)]:
         assert tile(m, n, k) == (128, 256), (m, n, k)
-    for m, n, k in [(4096, 1280, 8192), (8192, 768, 4096)]:
+    for m, n, k in [(2048, 768, 4096), (4096, 1280, 8192), (8192, 768, 4096)]:
         assert tile(m, n, k) == (128, 128), (m, n, k)
     # 1024 x 768: 48 tiles of 128 x 128 (one wave, 1.0) against 96 of 64 x 128 (one wave, 0.69).
     assert choose_gemm_config(1024, 768, 4096, torch.bfloat16, num_sms=132) == SMALL_TILE
-    # 1024 x 1280: 80 tiles of 128 x 128 (1.0), 128 of 64 x 160 (one wave, 0.86) or 112 of 128 x 96 (one
-    # wave, 0.8); 2048 x 768: 96 of 128 x 128 against 128 of 128 x 96; 2048 x 1280: 80 large tiles
-    # (1.8), 256 of 64 x 160 (two waves, 1.72) or 128 of 128 x 160 (one wave, 1.3).
-    (tall96, _), (tall160, _) = TALL_TILES
-    assert choose_gemm_config(1024, 1280, 8192, torch.bfloat16, num_sms=132) == tall96
-    assert choose_gemm_config(2048, 768, 4096, torch.bfloat16, num_sms=132) == tall96
-    assert choose_gemm_config(2048, 1280, 8192, torch.bfloat16, num_sms=132) == tall160
-    # Two-part tiles of 128 rows only where they make one wave: 4096 x 768 keeps 96 large tiles.
-    assert tile(4096, 768, 4096) == (128, 256)
+    # 1024 x 1280: 80 tiles of 128 x 128 against 128 of 64 x 160 (one wave, 0.86); 2048 x 1280: 80 large
+    # tiles (1.8) against 256 of 64 x 160 (two waves, 1.72).
+    assert choose_gemm_config(1024, 1280, 8192, torch.bfloat16, num_sms=132) == WIDE_TILE
+    assert choose_gemm_config(2048, 1280, 8192, torch.bfloat16, num_sms=132) == WIDE_TILE
     # The fused kernels keep tiles of 128 rows, one accumulator each.
     for m, n, k in [(1024, 768, 4096), (1024, 1280, 8192), (2048, 1280, 8192), (64, 4096, 4096)]:
         config = choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132, stream_k=False)
@@ -84,10 +79,6 @@ def test_two_part_tiles_are_checked():
                 dict(block_n2=32)):
         with pytest.raises(ValueError, match="block_n2"):
             GemmConfig(**bad)
-    with pytest.raises(ValueError, match="a_regs"):
-        GemmConfig(block_n=128, a_regs=True)
-    assert (GemmConfig(block_n=128, block_n2=32, flatten=False, a_regs=True).key()
-            != GemmConfig(block_n=128, block_n2=32, flatten=False).key())
 
 
 def test_grids_that_fill_their_waves_badly_share_out_k():

@@ -43,15 +43,13 @@ def test_persistent_programs_cover_every_tile_once():
 @pytest.mark.parametrize("m,n,k,block_n2", [(70, 100, 80, 16), (64, 96, 64, 32), (96, 144, 96, 16),
                                              (40, 200, 48, 32)])
 @pytest.mark.parametrize("layout", ["kn", "weight"])
-@pytest.mark.parametrize("a_regs", [False, True])
-def test_two_part_tiles_match_reference(m, n, k, block_n2, layout, a_regs):
-    # Tiles of block_n + block_n2 columns: the last tile column cut at N, in either part. (``a_regs``
-    # changes only where a GPU's MMAs read A from; the interpreter must take and ignore it.)
+def test_two_part_tiles_match_reference(m, n, k, block_n2, layout):
+    # Tiles of block_n + block_n2 columns: the last tile column cut at N, in either part.
     a = torch.randn(m, k, dtype=torch.float16)
     b = torch.randn(n, k, dtype=torch.float16).t() if layout == "weight" else torch.randn(k, n, dtype=torch.float16)
     bias = torch.randn(n, dtype=torch.float16)
     config = GemmConfig(block_m=32, block_n=32, block_n2=block_n2, block_k=32, group_m=2, num_stages=1,
-                        num_warps=4, flatten=False, programs=3, a_regs=a_regs)
+                        num_warps=4, flatten=False, programs=3)
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
     tileweave.matmul(a, b, bias=bias, out=out, config=config)
     assert _rel(out, a.double() @ b.double() + bias.double()) < TOL[torch.float16]

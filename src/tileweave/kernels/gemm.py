@@ -87,7 +87,7 @@ def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi
 
 @triton.jit
 def _mainloop_wide(a_src, b_src, b2_src, row_a, col_b, k_lo, k_hi,
-                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, A_REGS: tl.constexpr, BK: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                    B_NK: tl.constexpr, PRECISION: tl.constexpr):
     # A tile of BN + BN2 columns (TMA only): one A load feeds two dots, columns [col_b, col_b + BN) and
     # [col_b + BN, col_b + BN + BN2).
@@ -95,10 +95,6 @@ def _mainloop_wide(a_src, b_src, b2_src, row_a, col_b, k_lo, k_hi,
     acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
     for ki in range(k_lo, k_hi):
         a = a_src.load([row_a, ki * BK])
-        if A_REGS:
-            # An identity that Triton cannot see through: A then reaches the MMAs from registers, read
-            # from shared memory once per K step instead of once per dot.
-            a = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [a], dtype=a.dtype, is_pure=True, pack=2)
         if B_NK:
             b = b_src.load([col_b, ki * BK])
             b2 = b2_src.load([col_b + BN, ki * BK])
@@ -139,7 +135,7 @@ def _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, 
                 row_a0, rows_a, row_c0, m_chunk, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, tail,
-                BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, A_REGS: tl.constexpr, BK: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr, P: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
                 B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
                 FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
@@ -183,7 +179,7 @@ def _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, 
         offs_n = col + tl.arange(0, BN)
         if BN2 > 0:
             acc, acc2 = _mainloop_wide(a_src, b_src, b2_src, row_a0 + pid_m * BM, col, 0, tl.cdiv(K, BK),
-                                       BM, BN, BN2, A_REGS, BK, B_NK, PRECISION)
+                                       BM, BN, BN2, BK, B_NK, PRECISION)
         else:
             acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, col, N, K, 0, tl.cdiv(K, BK),
                             stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
@@ -436,7 +432,7 @@ def fused_gemm_kernel(
         epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, A_REGS: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         P: tl.constexpr, MODE: tl.constexpr, WORLD: tl.constexpr,
         B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr, C_TMA: tl.constexpr,
         FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
@@ -501,7 +497,7 @@ def fused_gemm_kernel(
                     0, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BN2, A_REGS, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
     elif MODE == AG:
         # Own shard first, straight from the caller's tensor: nothing to wait for.
@@ -509,7 +505,7 @@ def fused_gemm_kernel(
                     0, a_rows, rank * m_chunk, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BN2, A_REGS, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                    BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
@@ -533,7 +529,7 @@ def fused_gemm_kernel(
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
                         skip, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, tail, BM, BN, BN2, A_REGS, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
+                        rank, tail, BM, BN, BN2, BK, GROUP_M, P, 0, WORLD, B_NK, HAS_BIAS, USE_TMA, C_TMA,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         if STREAM_K:
             # The last chunk's `rem` tiles, by K steps over every program (after its flag: `skip`).
@@ -550,11 +546,11 @@ def fused_gemm_kernel(
                         owner * m_chunk, a_rows, owner, m_chunk, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                         0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin,
-                        rank, 0, BM, BN, BN2, A_REGS, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
+                        rank, 0, BM, BN, BN2, BK, GROUP_M, P, 1 + 2 * COPY_ENGINE, WORLD, B_NK, False, USE_TMA, False,
                         FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)
         _chunk_loop(pid, WORLD - 1, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                     rank * m_chunk, a_rows, 0, m_chunk, N, K,
                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                     0, buf_ptr, peer_offs_ptr, peer_flags_ptr, flags_ptr, err_ptr, epoch, max_spin, rank, 0,
-                    BM, BN, BN2, A_REGS, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
+                    BM, BN, BN2, BK, GROUP_M, P, 2 + 2 * COPY_ENGINE, WORLD, B_NK, HAS_BIAS, USE_TMA, False,
                     FLATTEN, WARP_SPECIALIZE, PRECISION, LAZY_WAIT, CE_RELEASE)

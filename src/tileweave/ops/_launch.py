@@ -171,7 +171,7 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
             raise ValueError("GemmConfig.block_n2 applies to the plain GEMM only")
         if not use_tma:
             # The two-part tile reads through TMA only; strides TMA cannot take get plain tiles.
-            config = dataclasses.replace(config, block_n2=0, a_regs=False)
+            config = dataclasses.replace(config, block_n2=0)
     c_tma = (config.c_tma and use_tma and mode != MODE_RS and _tma_ok(c, 1)
              and m_chunk % config.block_m == 0)
     if a.dtype == torch.float32:
@@ -200,8 +200,8 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
                parts if parts is not None else dummy, locks if locks is not None else dummy)
     unspecialized = (_i32(epoch), max_spin)
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    constexprs = (config.block_m, config.block_n, config.block_n2, config.a_regs and a.is_cuda, config.block_k,
-                  config.group_m, programs, mode, world, b_nk, bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
+    constexprs = (config.block_m, config.block_n, config.block_n2, config.block_k, config.group_m, programs, mode, world, b_nk,
+                  bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release),
                   stream_k is not None, False)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
@@ -292,7 +292,7 @@ def _fused_key(*, mode, a, b, c, bias=None, config, m_chunk, rank=0, world=1, pr
             a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
-_CONSTEXPR_NAMES = ("BM", "BN", "BN2", "A_REGS", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
+_CONSTEXPR_NAMES = ("BM", "BN", "BN2", "BK", "GROUP_M", "P", "MODE", "WORLD", "B_NK", "HAS_BIAS", "USE_TMA", "C_TMA",
                     "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "LAZY_WAIT",
                     "COPY_ENGINE", "RING", "CE_RELEASE", "STREAM_K", "TIMELINE")
 """Every constexpr of ``fused_gemm_kernel``, in order: the direct launch passes them all by position

@@ -32,10 +32,6 @@ class GemmConfig:
     """Plain GEMM only: a second block of columns per tile, so that tiles are ``block_n + block_n2``
     wide (96 = 64 + 32, 80 = 64 + 16). Widths that are not powers of two let a small grid come out at
     about one tile per SM, as cuBLAS's tiles do (1024 x 768: 128 tiles of 64 x 96). 0: off."""
-    a_regs: bool = False
-    """Two-part tiles: read each K step's A tile from shared memory into registers once and feed both
-    dots from there, instead of each dot reading it from shared memory (a GPU launch only; the
-    interpreter computes the same)."""
     block_k: int = 64
     """Depth of one pipelined K step."""
     group_m: int = 8
@@ -82,8 +78,6 @@ class GemmConfig:
                              f"got {self.block_n2}")
         if self.block_n2 and self.stream_k:
             raise ValueError("GemmConfig.block_n2 does not combine with stream_k")
-        if self.a_regs and not self.block_n2:
-            raise ValueError("GemmConfig.a_regs applies to two-part tiles only (block_n2 > 0)")
         if self.block_n2 and self.flatten:
             # Two accumulators in one flattened tile-and-K loop ran 2x slower per tile on an H200
             # (NOTES.md, entry 71): the tile loop stays a loop of its own.
@@ -97,7 +91,6 @@ class GemmConfig:
 
     def key(self) -> str:
         return (f"{self.block_m}x{self.block_n}{'+' + str(self.block_n2) if self.block_n2 else ''}"
-                f"{'r' if self.a_regs else ''}"
                 f"x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
                 f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
@@ -138,23 +131,13 @@ SMALL_TILE = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=5, num_w
 SMALL_TILE_COST = 0.69
 """Time of a 64 x 128 tile over a 128 x 128 one at the same K, each program one tile, on an H200:
 16.9 against 24.3 us on 1024 x 768 x 4096 in graph replay (NOTES.md, entry 71)."""
-WIDE_TILE = GemmConfig(block_m=64, block_n=128, block_n2=32, a_regs=True, block_k=64, num_stages=5,
-                       num_warps=4, flatten=False)
+WIDE_TILE = GemmConfig(block_m=64, block_n=128, block_n2=32, block_k=64, num_stages=5, num_warps=4,
+                       flatten=False)
 """Plain GEMM: tiles of 64 x 160 (128 + 32 columns), for N = 1280 and its like, where 160 divides N and
 128 x 128 tiles come out at well under one per SM."""
 WIDE_TILE_COST = 0.86
 """Time of a 64 x 160 tile over a 128 x 128 one at the same K on an H200: 40.8 against 47.5 us on
 1024 x 1280 x 8192 in graph replay, one wave each (NOTES.md, entry 71)."""
-TALL_TILES = (
-    (GemmConfig(block_m=128, block_n=64, block_n2=32, a_regs=True, block_k=64, num_stages=5, num_warps=8,
-                flatten=False), 0.8),
-    (GemmConfig(block_m=128, block_n=128, block_n2=32, a_regs=True, block_k=64, num_stages=4, num_warps=8,
-                flatten=False), 1.3),
-)
-"""Plain GEMM: 128-row tiles of 96 and 160 columns in two parts, each with its time over a 128 x 128
-tile at the same K, taken only where they make one wave (2048 x 768: 128 tiles of 128 x 96 where 128 x
-128 tiles leave 36 SMs idle; 2048 x 1280: 128 of 128 x 160 against 1.2 waves of 128 x 128), as cuBLAS's
-own tiles do on those shapes (NOTES.md, entry 72)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -197,11 +180,7 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
             narrow_cost = math.ceil(math.ceil(m / 64) * math.ceil(n / width) / num_sms) * unit
             if narrow_cost < cost:
                 config, cost = narrow, narrow_cost
-        for tall, unit in TALL_TILES:
-            tall_tiles = math.ceil(m / tall.block_m) * math.ceil(n / (tall.block_n + tall.block_n2))
-            if tall_tiles <= num_sms and unit < cost:
-                config, cost = tall, unit
-        if config.block_n2 or config.block_m == 64:
+        if config.block_m == 64:
             return config
     if stream_k and config is not mid and big_tiles <= num_sms:
         # Plain GEMM, one tile per program: a TMA store has nothing left to overlap, and pointer
