@@ -3,7 +3,9 @@
 One kernel, three modes (``MODE``, a compile-time switch):
 
 * ``PLAIN``: ``c[M, N] = a[M, K] @ b[K, N] (+ bias)``; with ``STREAM_K`` the last, partial wave of tiles
-  is shared out by K steps (``_stream_k``).
+  is shared out by K steps (``_stream_k``). With ``BN2`` > 0 a tile is ``BN + BN2`` columns wide, two
+  accumulators fed by one A load (``_mainloop_wide``), so that widths like 160 give narrow grids about
+  one tile per SM.
 * ``AG`` (all-gather consumer): ``a`` is this rank's shard ``[Mc, K]``; the peers' shards arrive in the
   symmetric buffer ``a_peer[W * Mc, K]``. Tiles run chunk by chunk, own chunk first, then rank+1,
   rank+2, ... (the order in which the producer delivers them). Before a chunk's first tile, the program
