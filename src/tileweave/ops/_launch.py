@@ -200,8 +200,8 @@ def launch(*, mode: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias
                parts if parts is not None else dummy, locks if locks is not None else dummy)
     unspecialized = (_i32(epoch), max_spin)
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
-    constexprs = (config.block_m, config.block_n, config.block_n2, config.block_k, config.group_m, programs, mode, world, b_nk,
-                  bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
+    constexprs = (config.block_m, config.block_n, config.block_n2, config.block_k, config.group_m, programs, mode,
+                  world, b_nk, bias is not None, use_tma, c_tma, config.flatten, config.warp_specialize, precision,
                   config.lazy_wait, config.copy_engine, ring, CE_RELEASES.index(config.ce_release),
                   stream_k is not None, False)
     _run(tensors, unspecialized, ints, constexprs, config.num_warps, config.num_stages, programs, compile_only)
