@@ -18,6 +18,9 @@ else
     "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
       pytest tqdm matplotlib >&2
   fi
+  # Optional: spreads the CPU tests over the cores (scripts/test.sh); the tests run without it.
+  "$PY" -c "import xdist" 2>/dev/null \
+    || "$PY" -m pip install -q --disable-pip-version-check pytest-xdist >/dev/null 2>&1 || true
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

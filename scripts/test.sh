@@ -3,7 +3,13 @@
 # are visible. They run as two pytest processes, because the CPU tests switch Triton to its
 # interpreter for their whole process. Extra arguments go to both.
 source "$(dirname "$0")/env.sh"
-"$PY" -m pytest -q -p no:cacheprovider tests/cpu "$@"
+# With pytest-xdist the CPU tests run in one process per core (TEST_WORKERS, default auto): on two
+# cores 8 minutes instead of 10.6.
+workers=()
+if [ "${TEST_WORKERS:-auto}" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  workers=(-n "${TEST_WORKERS:-auto}")
+fi
+"$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/cpu "$@"
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
 fi
