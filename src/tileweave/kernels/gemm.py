@@ -111,6 +111,17 @@ def _mainloop_wide(a_src, b_src, b2_src, row_a, col_b, k_lo, k_hi,
 
 
 @triton.jit
+def _b_descriptor(b_ptr, N, K, stride_bk, stride_bn, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+                  B_NK: tl.constexpr):
+    # TMA descriptor of B's tiles of BLOCK_N columns: rows of an nn.Linear weight [N, K] (B_NK) or
+    # columns of a row-major [K, N].
+    if B_NK:
+        return tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BK])
+    else:
+        return tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BK, BLOCK_N])
+
+
+@triton.jit
 def _store_tile(c_ptr, c_desc, acc, row0, tile_m, tile_n, rows_valid, N, stride_cm, stride_cn,
                 BM: tl.constexpr, BN: tl.constexpr, C_TMA: tl.constexpr):
     # TMA stores only where a tile cannot cross into the next chunk's rows (host checks Mc % BM).
@@ -460,25 +471,15 @@ def fused_gemm_kernel(
     pid = tl.program_id(0)
     a_rows = m_chunk * WORLD if MODE == RS else m_chunk
     if USE_TMA:
-        if B_NK:
-            b_src = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
-                                              block_shape=[BN, BK])
-        else:
-            b_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
-                                              block_shape=[BK, BN])
+        b_src = _b_descriptor(b_ptr, N, K, stride_bk, stride_bn, BN, BK, B_NK)
         a_src = tl.make_tensor_descriptor(a_ptr, shape=[a_rows, K], strides=[stride_am, 1],
                                           block_shape=[BM, BK])
     else:
         a_src = a_ptr
         b_src = b_ptr
     b2_src = b_src
-    if BN2 > 0:
-        if B_NK:
-            b2_src = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
-                                               block_shape=[BN2, BK])
-        else:
-            b2_src = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
-                                               block_shape=[BK, BN2])
+    if USE_TMA and BN2 > 0:
+        b2_src = _b_descriptor(b_ptr, N, K, stride_bk, stride_bn, BN2, BK, B_NK)
     c_rows = m_chunk * WORLD if MODE == AG else m_chunk
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[c_rows, N], strides=[stride_cm, 1],
