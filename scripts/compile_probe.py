@@ -2,7 +2,7 @@
 configuration's K loop: the MMA ops (async or not), their waits, the shared-memory buffers (pipeline
 depth), registers and spills (ptxas), so a slow configuration can be looked at without GPU time.
 
-    python3 scripts/compile_probe.py --configs "64x128w4s6,64x64+32w4s6" [--out DIR]
+    python3 scripts/compile_probe.py --configs "64x128w4s6,64x64+32w4s6" [--mode ag --world 2] [--out DIR]
 
 A configuration is ``BMxBN[+BN2]w<warps>s<stages>[ct0][nf]`` (``ct0``: pointer stores for C, ``nf``: no
 flattened loop). Writes each TTGIR and PTX to ``--out`` and prints one line per configuration.
@@ -38,7 +38,7 @@ def parse(spec: str) -> dict:
                 C_TMA=not ct0, FLATTEN=not nf)
 
 
-def compile_one(spec: str, b_nk: bool, programs: int = 132):
+def compile_one(spec: str, b_nk: bool, programs: int = 132, mode: int = 0, world: int = 1):
     p = parse(spec)
     signature = {name: "*bf16" for name in POINTERS}
     for name in ("flags_ptr", "err_ptr", "locks_ptr", "peer_offs_ptr", "peer_flags_ptr"):
@@ -48,7 +48,7 @@ def compile_one(spec: str, b_nk: bool, programs: int = 132):
                  "stride_cm", "stride_cn"):
         signature[name] = "i32"
     signature["max_spin"] = "i64"
-    constexprs = dict(BM=p["BM"], BN=p["BN"], BN2=p["BN2"], BK=64, GROUP_M=8, P=programs, MODE=0, WORLD=1,
+    constexprs = dict(BM=p["BM"], BN=p["BN"], BN2=p["BN2"], BK=64, GROUP_M=8, P=programs, MODE=mode, WORLD=world,
                       B_NK=b_nk, HAS_BIAS=False, USE_TMA=True, C_TMA=p["C_TMA"], FLATTEN=p["FLATTEN"],
                       WARP_SPECIALIZE=False, PRECISION=None, LAZY_WAIT=False, COPY_ENGINE=False, RING=False,
                       CE_RELEASE=0, STREAM_K=False, TIMELINE=False)
@@ -87,10 +87,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", required=True)
     parser.add_argument("--b-nk", action="store_true", help="B as an nn.Linear weight [N, K]")
+    parser.add_argument("--mode", choices=("plain", "ag", "rs"), default="plain")
+    parser.add_argument("--world", type=int, default=1, help="ranks (ag, rs)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    mode = ("plain", "ag", "rs").index(args.mode)
     for spec in args.configs.split(","):
-        kernel = compile_one(spec, args.b_nk)
+        kernel = compile_one(spec, args.b_nk, mode=mode, world=args.world if mode else 1)
         print(f"{spec:18s} {summary(kernel)}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
