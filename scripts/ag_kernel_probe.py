@@ -11,6 +11,13 @@ stream-K tail); ``ag2`` (MODE_AG, two ranks, rank 0, whole tiles); ``ag2_sk`` (t
 stream-K tail where the op's heuristic takes it); ``ag2_r1`` (rank 1: own rows second); ``ag4`` (four
 chunks); ``ag2_copy`` (``ag2`` while a second stream copies a shard's bytes, as the copy engine does
 during the op). Interleaved rounds, CUDA events, medians. Writes ``ag_kernel_probe.json``.
+
+``--set interference`` asks what the transfer's own memory traffic costs the GEMM running next to it:
+``ag2`` and ``cublas`` alone and with a concurrent copy of half the rows' bytes (``_copy``: at full
+speed; ``_spread``: in 16 pieces spaced over half of cuBLAS's time by a one-thread sleep on the copy
+stream, at about the rate NVLink delivers a shard; ``_quarter``: a quarter of the bytes at full speed),
+and ``ag2_symm``, whose gather buffer is symmetric memory (a group of one), without a copy. Writes
+``ag_interference_probe.json``.
 """
 
 from __future__ import annotations
@@ -68,21 +75,74 @@ def probe(m, k, n, rounds, device):
         calls["ag2_sk"], errs["ag2_sk"] = _ag(a, b, out, dataclasses.replace(whole, stream_k=True), 2, 0, sms)
     calls["ag2_r1"], errs["ag2_r1"] = _ag(a, b, out, whole, 2, 1, sms)
     calls["ag4"], errs["ag4"] = _ag(a, b, out, whole, 4, 0, sms)
-    side = torch.cuda.Stream(device)
-    src = a[: m // 2]
-    dst = torch.empty_like(src)
-    ag2 = calls["ag2"]
+    calls["ag2_copy"] = _with_copy(calls["ag2"], a[: m // 2], device)
+    return _measure(calls, errs, a, b, out, rounds, device, {"config": whole.key(), "stream_k_tail": bool(sk)})
 
-    def ag2_copy():
+
+def _with_copy(fn, src, device, pieces=1, gap_cycles=0):
+    """``fn`` on the current stream while a second stream copies ``src`` (the copy engine), in
+    ``pieces`` parts with a one-thread sleep of ``gap_cycles`` clocks before each."""
+    side = torch.cuda.Stream(device)
+    dst = torch.empty_like(src)
+    rows = -(-src.shape[0] // pieces)
+
+    def call():
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            dst.copy_(src)
-        ag2()
+            for lo in range(0, src.shape[0], rows):
+                if gap_cycles:
+                    torch.cuda._sleep(gap_cycles)
+                dst[lo:lo + rows].copy_(src[lo:lo + rows])
+        fn()
         torch.cuda.current_stream(device).wait_stream(side)
-    calls["ag2_copy"] = ag2_copy
+    return call
 
+
+def _symmetric_buffer(like):
+    """A symmetric-memory tensor shaped like ``like`` from a process group of one, or None."""
+    import torch.distributed as dist
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
+                                    device_id=like.device)
+        t = symm_mem.empty(like.shape, dtype=like.dtype, device=like.device)
+        symm_mem.rendezvous(t, dist.group.WORLD.group_name)
+        t.copy_(like)
+        return t
+    except Exception as e:  # the probe reports the variant as missing
+        print(f"symmetric memory unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def interference(m, k, n, rounds, device):
+    g = torch.Generator(device=device).manual_seed(m + k + n)
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
+    b = w.t()
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    whole = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=sms, stream_k=False),
+                                stream_k=False, block_n2=0)
+    calls, errs = {}, {}
+    calls["cublas"] = lambda: torch.matmul(a, b, out=out)
+    calls["ag2"], errs["ag2"] = _ag(a, b, out, whole, 2, 0, sms)
+    t_gemm = time_ms(calls["cublas"], device, warmup=3, iters=5, reps=3)
+    # 16 pieces over half of the GEMM's time (the own rows' share at two ranks), at ~1.7 GHz.
+    gap = int(0.5 * t_gemm * 1e-3 / 16 * 1.7e9)
+    shard = a[: m // 2]
+    for name in ("cublas", "ag2"):
+        calls[name + "_copy"] = _with_copy(calls[name], shard, device)
+        calls[name + "_spread"] = _with_copy(calls[name], shard, device, pieces=16, gap_cycles=gap)
+        calls[name + "_quarter"] = _with_copy(calls[name], shard[: m // 8], device)
+    symm = _symmetric_buffer(a)
+    if symm is not None:
+        calls["ag2_symm"], errs["ag2_symm"] = _ag(symm, b, out, whole, 2, 0, sms)
+    return _measure(calls, errs, a, b, out, rounds, device, {"config": whole.key(), "gap_cycles": gap})
+
+
+def _measure(calls, errs, a, b, out, rounds, device, row):
     ref = (a.float() @ b.float())
-    row = {"config": whole.key(), "stream_k_tail": bool(sk)}
     for name, fn in calls.items():
         out.fill_(float("nan"))
         fn()
@@ -106,17 +166,23 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--set", choices=("kernel", "interference"), default="kernel")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     results = {}
-    names = ("cublas", "plain", "ag2", "ag2_sk", "ag2_r1", "ag4", "ag2_copy")
+    if args.set == "kernel":
+        names, run = ("cublas", "plain", "ag2", "ag2_sk", "ag2_r1", "ag4", "ag2_copy"), probe
+    else:
+        names = ("cublas", "cublas_copy", "cublas_spread", "cublas_quarter", "ag2", "ag2_copy", "ag2_spread",
+                 "ag2_quarter", "ag2_symm")
+        run = interference
     print("shape              config                      " + " ".join(f"{n:>8s}" for n in names)
           + "   (ms; ratios to cublas below)")
     for m, k, n in shapes:
-        row = probe(m, k, n, args.rounds, device)
+        row = run(m, k, n, args.rounds, device)
         results[f"{m}x{k}x{n}"] = row
         print(f"{m}x{k}x{n:<8d} {row['config'][:27]:27s} "
               + " ".join(f"{row[x]:8.3f}" if x in row else f"{'-':>8s}" for x in names))
@@ -125,7 +191,8 @@ def main():
               + "  err " + " ".join(f"{row['err_' + x]:.1e}" for x in names if 'err_' + x in row))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ag_kernel_probe.json"), "w") as f:
+        name = "ag_kernel_probe.json" if args.set == "kernel" else "ag_interference_probe.json"
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
 
 
