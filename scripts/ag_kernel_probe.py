@@ -18,6 +18,11 @@ speed; ``_spread``: in 16 pieces spaced over half of cuBLAS's time by a one-thre
 stream, at about the rate NVLink delivers a shard; ``_quarter``: a quarter of the bytes at full speed),
 and ``ag2_symm``, whose gather buffer is symmetric memory (a group of one), without a copy. Writes
 ``ag_interference_probe.json``.
+
+``--set configs --configs g4,g16,s4ct0,k32s6`` times ``ag2`` alone and next to the full-speed copy for
+the op's configuration and each change of it (``g``: tile rows per L2 group, ``s``: stages, ``k``:
+K step, ``ct0``: pointer stores for C), with cuBLAS alone and next to the copy. Writes
+``ag_configs_probe.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -141,6 +147,35 @@ def interference(m, k, n, rounds, device):
     return _measure(calls, errs, a, b, out, rounds, device, {"config": whole.key(), "gap_cycles": gap})
 
 
+def _changed(config, spec):
+    """``config`` changed as ``spec`` says: ``g<group_m>``, ``s<stages>``, ``k<block_k>``, ``ct0``."""
+    changes = {}
+    for key, value in re.findall(r"(g|s|k|ct)(\d+)", spec):
+        field = {"g": "group_m", "s": "num_stages", "k": "block_k", "ct": "c_tma"}[key]
+        changes[field] = bool(int(value)) if key == "ct" else int(value)
+    return dataclasses.replace(config, **changes)
+
+
+def configs(m, k, n, rounds, device, specs):
+    g = torch.Generator(device=device).manual_seed(m + k + n)
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
+    b = w.t()
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    whole = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=sms, stream_k=False),
+                                stream_k=False, block_n2=0)
+    shard = a[: m // 2]
+    calls, errs = {}, {}
+    calls["cublas"] = lambda: torch.matmul(a, b, out=out)
+    calls["cublas_copy"] = _with_copy(calls["cublas"], shard, device)
+    for spec in ("op", *specs):
+        config = whole if spec == "op" else _changed(whole, spec)
+        calls[spec], errs[spec] = _ag(a, b, out, config, 2, 0, sms)
+        calls[spec + "_copy"] = _with_copy(calls[spec], shard, device)
+    return _measure(calls, errs, a, b, out, rounds, device, {"config": whole.key()})
+
+
 def _measure(calls, errs, a, b, out, rounds, device, row):
     ref = (a.float() @ b.float())
     for name, fn in calls.items():
@@ -166,7 +201,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--set", choices=("kernel", "interference"), default="kernel")
+    parser.add_argument("--set", choices=("kernel", "interference", "configs"), default="kernel")
+    parser.add_argument("--configs", default="g4,g16,s4ct0,k32s6", help="changes to time (--set configs)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
@@ -175,10 +211,16 @@ def main():
     results = {}
     if args.set == "kernel":
         names, run = ("cublas", "plain", "ag2", "ag2_sk", "ag2_r1", "ag4", "ag2_copy"), probe
-    else:
+    elif args.set == "interference":
         names = ("cublas", "cublas_copy", "cublas_spread", "cublas_quarter", "ag2", "ag2_copy", "ag2_spread",
                  "ag2_quarter", "ag2_symm")
         run = interference
+    else:
+        specs = args.configs.split(",")
+        names = ("cublas", "cublas_copy", *[x + y for x in ("op", *specs) for y in ("", "_copy")])
+
+        def run(m, k, n, rounds, device):
+            return configs(m, k, n, rounds, device, specs)
     print("shape              config                      " + " ".join(f"{n:>8s}" for n in names)
           + "   (ms; ratios to cublas below)")
     for m, k, n in shapes:
@@ -191,7 +233,8 @@ def main():
               + "  err " + " ".join(f"{row['err_' + x]:.1e}" for x in names if 'err_' + x in row))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        name = "ag_kernel_probe.json" if args.set == "kernel" else "ag_interference_probe.json"
+        name = {"kernel": "ag_kernel_probe.json", "interference": "ag_interference_probe.json",
+                "configs": "ag_configs_probe.json"}[args.set]
         with open(os.path.join(args.out, name), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
 
