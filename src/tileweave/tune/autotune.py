@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from tileweave.tune.configs import GemmConfig, choose_gemm_config
+from tileweave.tune.configs import BIG_TILE, GemmConfig, choose_gemm_config
 
 CACHE_DIR_ENV = "TILEWEAVE_CACHE_DIR"
 
 CANDIDATES: tuple[GemmConfig, ...] = (
+    BIG_TILE,
     GemmConfig(),
     GemmConfig(warp_specialize=True),
     GemmConfig(num_stages=4),

@@ -126,6 +126,13 @@ BIG_TILE_COST = 1.8
 """Time of a 128 x 256 tile over a 128 x 128 one at the same K on an H200: 0.67 against 0.375 us a K
 step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work per SM-second."""
 
+BIG_TILE = GemmConfig(group_m=16)
+"""128 x 256 x 64 tiles for large problems, in L2 groups of 16 tile rows. The 132 programs running at
+once then cover about 16 rows x 8 columns of tiles: per K step of 64 they read 16 A slices of 16 KB
+and 9 B slices of 32 KB (544 KB) where groups of 8 rows read 8 and 17 (672 KB), so fewer bytes come from
+HBM and the GEMM loses less to a transfer running next to it. On one H200, AllGather+GEMM's kernel over
+12 of the suite's shapes (NOTES.md, entry 75): 1.008x faster alone, 1.006x next to a copy of a shard."""
+
 SMALL_TILE = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=5, num_warps=4, flatten=False)
 """Plain GEMM on a grid of 128 x 128 tiles that would leave over half the SMs idle."""
 SMALL_TILE_COST = 0.69
@@ -145,9 +152,9 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
                        interpreter: bool = False, stream_k: bool = True) -> GemmConfig:
     """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
 
-    Large problems take 128 x 256 x 64 tiles (the shape cuBLAS also favours on Hopper). Under two waves
-    of them, the tile size whose waves take less time: ``waves(128 x 256) * BIG_TILE_COST`` against
-    ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
+    Large problems take 128 x 256 x 64 tiles (``BIG_TILE``, the shape cuBLAS also favours on Hopper).
+    Under two waves of them, the tile size whose waves take less time: ``waves(128 x 256) *
+    BIG_TILE_COST`` against ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
     (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against 1.0): 128 x 128. When the
     chosen tiles still fill their last wave badly and K is long, the last wave's K steps are dealt out
     over all programs (stream-K). The plain GEMM also weighs two narrower tiles the same way, for grids
@@ -169,7 +176,7 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     # loop of their own they win where 128 x 128 tiles would leave over half the SMs idle: entry 71.)
     mid = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms):
-        config, tiles = GemmConfig(), big_tiles
+        config, tiles = BIG_TILE, big_tiles
         cost = math.ceil(big_tiles / num_sms) * BIG_TILE_COST
     else:
         config, tiles = mid, mid_tiles
