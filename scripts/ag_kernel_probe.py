@@ -34,6 +34,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 import torch
 
@@ -187,14 +188,43 @@ def _measure(calls, errs, a, b, out, rounds, device, row):
             row["err_word_" + name] = int(errs[name].item())
     del ref
     times = {name: [] for name in calls}
+    phases = []
     for r in range(rounds):
         # Mirror the order every other round, so that drift under the power cap falls on all alike.
         names = list(calls) if r % 2 == 0 else list(calls)[::-1]
         for name in names:
+            t0 = time.time()
             times[name].append(time_ms(calls[name], device, warmup=5, iters=10, reps=5))
+            phases.append((name, t0, time.time()))
     row.update({name: statistics.median(v) for name, v in times.items()})
     row["rounds"] = times
+    row["phases"] = phases
     return row
+
+
+def clocks_per_variant(results: dict, samples_path: str) -> dict:
+    """Mean SM clock (MHz) and power (W) per shape and variant, from ``nvidia-smi --query-gpu=timestamp,
+    clocks.sm,power.draw --format=csv,noheader,nounits -lms 20`` samples taken during the run, matched
+    to each variant's timed phases (wall clock, this host)."""
+    import datetime
+    samples = []
+    with open(samples_path) as f:
+        for line in f:
+            parts = [x.strip() for x in line.split(",")]
+            try:
+                stamp = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                samples.append((stamp, float(parts[1]), float(parts[2])))
+            except (ValueError, IndexError):
+                continue
+    table = {}
+    for shape, row in results.items():
+        per = {}
+        for name, t0, t1 in row.get("phases", []):
+            inside = [(c, p) for t, c, p in samples if t0 <= t <= t1]
+            per.setdefault(name, []).extend(inside)
+        table[shape] = {name: (statistics.mean(c for c, _ in v), statistics.mean(p for _, p in v), len(v))
+                        for name, v in per.items() if v}
+    return table
 
 
 def main():
@@ -203,6 +233,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--set", choices=("kernel", "interference", "configs"), default="kernel")
     parser.add_argument("--configs", default="g4,g16,s4ct0,k32s6", help="changes to time (--set configs)")
+    parser.add_argument("--clocks", default="", help="nvidia-smi samples taken during the run (see "
+                        "clocks_per_variant): print the mean SM clock and power per variant at the end")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
@@ -237,6 +269,10 @@ def main():
                 "configs": "ag_configs_probe.json"}[args.set]
         with open(os.path.join(args.out, name), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
+    if args.clocks:
+        time.sleep(0.2)
+        for shape, per in clocks_per_variant(results, args.clocks).items():
+            print(f"{shape:18s} " + "  ".join(f"{name} {c:.0f} MHz {p:.0f} W ({n})" for name, (c, p, n) in per.items()))
 
 
 if __name__ == "__main__":
