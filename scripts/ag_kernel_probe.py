@@ -16,8 +16,9 @@ during the op). Interleaved rounds, CUDA events, medians. Writes ``ag_kernel_pro
 ``ag2`` and ``cublas`` alone and with a concurrent copy of half the rows' bytes (``_copy``: at full
 speed; ``_spread``: in 16 pieces spaced over half of cuBLAS's time by a one-thread sleep on the copy
 stream, at about the rate NVLink delivers a shard; ``_quarter``: a quarter of the bytes at full speed),
-and ``ag2_symm``, whose gather buffer is symmetric memory (a group of one), without a copy. Writes
-``ag_interference_probe.json``.
+and ``ag2_symm``, whose gather buffer is symmetric memory (a group of one), without a copy.
+(``cublas_spread`` measures nothing on an H200: cuBLAS's persistent kernel leaves no room for the sleep
+kernel, so the copies run after it.) Writes ``ag_interference_probe.json``.
 
 ``--set configs --configs g4,g16,s4ct0,k32s6`` times ``ag2`` alone and next to the full-speed copy for
 the op's configuration and each change of it (``g``: tile rows per L2 group, ``s``: stages, ``k``:
@@ -62,15 +63,21 @@ def _ag(a_full, b, out, config, world, rank, programs):
     return call, err
 
 
-def probe(m, k, n, rounds, device):
+def _operands(m, k, n, device):
+    """Random bf16 operands (B as an nn.Linear weight read in place), the output, the SM count and the
+    fused op's configuration for this shape (whole tiles)."""
     g = torch.Generator(device=device).manual_seed(m + k + n)
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
-    b = w.t()
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     whole = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=sms, stream_k=False),
                                 stream_k=False, block_n2=0)
+    return a, w.t(), out, sms, whole
+
+
+def probe(m, k, n, rounds, device):
+    a, b, out, sms, whole = _operands(m, k, n, device)
     sk = _launch.ag_stream_k_tail(m // 2, n, whole, 2, sms) and heuristics.all_gather_stream_k(
         m // 2, n, k, 2, whole.block_m, whole.block_n, sms)
     calls, errs = {}, {}
@@ -123,14 +130,7 @@ def _symmetric_buffer(like):
 
 
 def interference(m, k, n, rounds, device):
-    g = torch.Generator(device=device).manual_seed(m + k + n)
-    a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
-    b = w.t()
-    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    whole = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=sms, stream_k=False),
-                                stream_k=False, block_n2=0)
+    a, b, out, sms, whole = _operands(m, k, n, device)
     calls, errs = {}, {}
     calls["cublas"] = lambda: torch.matmul(a, b, out=out)
     calls["ag2"], errs["ag2"] = _ag(a, b, out, whole, 2, 0, sms)
@@ -158,14 +158,7 @@ def _changed(config, spec):
 
 
 def configs(m, k, n, rounds, device, specs):
-    g = torch.Generator(device=device).manual_seed(m + k + n)
-    a = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k ** 0.5
-    b = w.t()
-    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    whole = dataclasses.replace(select_config(m, n, k, torch.bfloat16, device, num_sms=sms, stream_k=False),
-                                stream_k=False, block_n2=0)
+    a, b, out, sms, whole = _operands(m, k, n, device)
     shard = a[: m // 2]
     calls, errs = {}, {}
     calls["cublas"] = lambda: torch.matmul(a, b, out=out)
