@@ -28,7 +28,9 @@ from tileweave.testing.emulated import run_ranks  # noqa: E402
 from tileweave.tune.autotune import time_ms  # noqa: E402
 
 SHAPES = [(8192, 2048, 4096), (4096, 7168, 4096), (4096, 4096, 8192), (4096, 14336, 8192), (4096, 24576, 12288)]
-BLOCK_ROWS = [1024, 2048, -1, 0]  # -1: one block per owner; 0: the library's choice (chunk_rows_for)
+# -1: one block per owner; 0: the library's choice (chunk_rows_for; a pulling call takes at most
+# PULL_MAX_BLOCKS of those blocks per owner, so its `gemm_blocks_0` GEMMs are not the pull's).
+BLOCK_ROWS = [1024, 2048, -1, 0]
 
 
 def _profile(fn, device, calls=5):

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, chunk_rows_for
+from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, chunk_rows_for, pull_blocks_for
 from tileweave.tune import heuristics
 
 
@@ -28,6 +28,18 @@ def test_chunk_rows_reach_the_block_work_or_the_owner_rows():
         assert block_gflop >= CHUNK_GFLOP or rows >= mc
         if rows > CHUNK_ROWS:
             assert 2.0 * (rows // 2) * k * n < CHUNK_GFLOP * 1e9 and rows // 2 < mc
+
+
+def test_pulls_take_the_push_blocks_up_to_two():
+    rng = random.Random()
+    for _ in range(200):
+        mc, k, n = rng.randrange(1, 20000), rng.randrange(1, 30000), rng.randrange(1, 60000)
+        push = max(1, mc // chunk_rows_for(mc, k, n))
+        assert pull_blocks_for(mc, k, n) == min(push, PULL_MAX_BLOCKS)
+    # llama3-70b down M=16384 at two ranks (8192 rows per owner, K_loc 14336): 8 pushed blocks, 2 pulled;
+    # llama3-8b o M=8192 (4096 rows, K_loc 2048): one block either way.
+    assert (max(1, 8192 // chunk_rows_for(8192, 14336, 8192)), pull_blocks_for(8192, 14336, 8192)) == (8, 2)
+    assert pull_blocks_for(4096, 2048, 4096) == 1
 
 
 def test_reduce_scatter_transports_by_default():

@@ -74,6 +74,23 @@ def chunk_rows_for(mc: int, k: int, n: int) -> int:
     return rows
 
 
+PULL_MAX_BLOCKS = 2
+"""The pulling transport's blocks per owner at most. Its caller's stream runs the peer's blocks, then the
+own blocks added in place onto the pulled ones, so a pull hides behind the own blocks before it
+whenever a block's pull is no slower than its GEMM (K_loc above ~1800 at ~650 TFLOP/s and ~365 GB/s),
+and more blocks only cut the GEMMs smaller. On one H200, the caller's stream of a pulling call without
+its transfer (``scripts/rs_blocks_probe.py``, NOTES.md entry 77): two blocks per owner were the fastest
+or within 0.2% of it on all 15 of the suite's rows with M >= 4096, and 0.4-3.7% faster than the 4 or 8
+blocks of :func:`chunk_rows_for` on the 8 rows where it takes them. (The pushing transport keeps those:
+its last block's copy is exposed, so smaller blocks pay there.)"""
+
+
+def pull_blocks_for(mc: int, k: int, n: int) -> int:
+    """Blocks per owner of a pulling call (two ranks): :func:`chunk_rows_for`'s, at most
+    ``PULL_MAX_BLOCKS``."""
+    return max(1, min(PULL_MAX_BLOCKS, mc // chunk_rows_for(mc, k, n)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _CopyPlan:
     """Views and flag addresses of one shape for the copy-engine transport."""
@@ -328,8 +345,9 @@ class GemmReduceScatter(FusedOp):
         words (our copy stream raises each once the block has landed), and the RELEASED words of the
         two send buffers (each owner's copy stream raises the peer's after its last pull).
 
-        With several blocks per owner each pulled block lands in its rows of ``out`` and the own rows'
-        GEMM of that block adds onto it in place, while the next block is pulled. With one block that
+        With several blocks per owner (two at most, ``PULL_MAX_BLOCKS``) each pulled block lands in its
+        rows of ``out`` and the own rows' GEMM of that block adds onto it in place, while the next block
+        is pulled. With one block that
         would put the whole pull between the two GEMMs, so there the pull lands in a private buffer
         while the own rows' GEMM writes ``out``, and one add follows: the own partial is then rounded to
         the output dtype before the sum, like the peer's (the sum itself is in fp32, and the same on
@@ -337,7 +355,7 @@ class GemmReduceScatter(FusedOp):
         rank = backend.rank
         mc = m // 2
         nbytes = mc * n * a.element_size()
-        blocks = self._blocks(mc, a.shape[1], n)
+        blocks = self._blocks(mc, a.shape[1], n) if self.chunk_rows else pull_blocks_for(mc, a.shape[1], n)
         ws, plan = self._block_plan(backend, a, m, n, nbytes, "rs-pull", self._pull_plan,
                                     send_bytes=nbytes if blocks == 1 else 0, blocks=blocks)
         block_rows, send, peer_send, announce, arrivals, landed, release_peer, released, recv = plan
