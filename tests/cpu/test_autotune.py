@@ -68,7 +68,7 @@ def test_default_tile_sizes_follow_the_measured_winners():
     # Large tiles, one per program: stored with pointer stores, not TMA.
     assert not choose_gemm_config(1024, 4096, 512, torch.bfloat16, num_sms=132).c_tma
     assert choose_gemm_config(8192, 4096, 4096, torch.bfloat16, num_sms=132).c_tma
-    # Large tiles run in L2 groups of 16 tile rows (entry 75), the mid tiles in groups of 8.
+    # Large tiles run in L2 groups of 16 tile rows (entry 76), the mid tiles in groups of 8.
     for m, n, k in [(8192, 28672, 8192), (16384, 5120, 8192)]:
         for stream_k in (True, False):
             assert choose_gemm_config(m, n, k, torch.bfloat16, num_sms=132, stream_k=stream_k).group_m == 16

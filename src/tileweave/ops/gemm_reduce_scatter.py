@@ -347,11 +347,10 @@ class GemmReduceScatter(FusedOp):
 
         With several blocks per owner (two at most, ``PULL_MAX_BLOCKS``) each pulled block lands in its
         rows of ``out`` and the own rows' GEMM of that block adds onto it in place, while the next block
-        is pulled. With one block that
-        would put the whole pull between the two GEMMs, so there the pull lands in a private buffer
-        while the own rows' GEMM writes ``out``, and one add follows: the own partial is then rounded to
-        the output dtype before the sum, like the peer's (the sum itself is in fp32, and the same on
-        every run)."""
+        is pulled. With one block that would put the whole pull between the two GEMMs, so there the pull
+        lands in a private buffer while the own rows' GEMM writes ``out``, and one add follows: the own
+        partial is then rounded to the output dtype before the sum, like the peer's (the sum itself is
+        in fp32, and the same on every run)."""
         rank = backend.rank
         mc = m // 2
         nbytes = mc * n * a.element_size()

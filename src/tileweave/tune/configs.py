@@ -129,9 +129,10 @@ step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work pe
 BIG_TILE = GemmConfig(group_m=16)
 """128 x 256 x 64 tiles for large problems, in L2 groups of 16 tile rows. The 132 programs running at
 once then cover about 16 rows x 8 columns of tiles: per K step of 64 they read 16 A slices of 16 KB
-and 9 B slices of 32 KB (544 KB) where groups of 8 rows read 8 and 17 (672 KB), so fewer bytes come from
-HBM and the GEMM loses less to a transfer running next to it. On one H200, AllGather+GEMM's kernel over
-12 of the suite's shapes (NOTES.md, entry 75): 1.008x faster alone, 1.006x next to a copy of a shard."""
+and 9 B slices of 32 KB (544 KB of distinct data) where groups of 8 rows read 8 and 17 (672 KB), and
+the GEMM loses less to a transfer running next to it. On one H200 (NOTES.md, entry 76), against groups
+of 8, AllGather+GEMM's kernel next to a copy of a shard: 1.006x and 1.018x on two machine starts (alone
+1.008x and 1.001x); the plain GEMM's suite shapes of 0.5 ms or more then ran 1.006-1.008x cuBLAS."""
 
 SMALL_TILE = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=5, num_warps=4, flatten=False)
 """Plain GEMM on a grid of 128 x 128 tiles that would leave over half the SMs idle."""
@@ -154,13 +155,14 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
 
     Large problems take 128 x 256 x 64 tiles (``BIG_TILE``, the shape cuBLAS also favours on Hopper).
     Under two waves of them, the tile size whose waves take less time: ``waves(128 x 256) *
-    BIG_TILE_COST`` against ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one wave, 1.8) or 192 mid tiles
-    (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against 1.0): 128 x 128. When the
-    chosen tiles still fill their last wave badly and K is long, the last wave's K steps are dealt out
-    over all programs (stream-K). The plain GEMM also weighs two narrower tiles the same way, for grids
-    that 128 x 128 tiles leave mostly idle: 64 x 128 (``SMALL_TILE``; 1024 x 768 is 96 of them, one
-    wave at 0.69, against 48 mid tiles at 1.0) and 64 x 160 (``WIDE_TILE``; 1024 x 1280 is 128, 0.86
-    against 80 mid tiles at 1.0). ``stream_k=False``: whole tiles of 128 rows only (the fused kernels).
+    BIG_TILE_COST`` against ``waves(128 x 128)``. Worked example: 4096 x 768 is 96 large tiles (one
+    wave, 1.8) or 192 mid tiles (two waves, 2.0): large tiles; 2048 x 768 is 48 or 96 tiles (1.8 against
+    1.0): 128 x 128. When the chosen tiles still fill their last wave badly and K is long, the last
+    wave's K steps are dealt out over all programs (stream-K). The plain GEMM also weighs two narrower
+    tiles the same way, for grids that 128 x 128 tiles leave mostly idle: 64 x 128 (``SMALL_TILE``; 1024
+    x 768 is 96 of them, one wave at 0.69, against 48 mid tiles at 1.0) and 64 x 160 (``WIDE_TILE``;
+    1024 x 1280 is 128, 0.86 against 80 mid tiles at 1.0). ``stream_k=False``: whole tiles of 128 rows
+    only (the fused kernels).
     """
     if interpreter:
         return INTERPRETER_CONFIG
