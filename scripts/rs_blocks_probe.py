@@ -26,18 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from tileweave.ops.gemm_reduce_scatter import CE_GROUPS, chunk_rows_for  # noqa: E402
+from tileweave.ops.gemm_reduce_scatter import blocks_for  # noqa: E402
 from tileweave.tune.autotune import time_ms  # noqa: E402
 
 # The suite's GEMM+ReduceScatter rows with M >= 4096 at TP=2 (llama3-8b o and down, llama3-70b o and
 # down, gpt3-175b fc2).
 ROWS = ",".join(f"{m}x{k}x{n}" for k, n in ((2048, 4096), (7168, 4096), (4096, 8192), (14336, 8192), (24576, 12288))
                 for m in (4096, 8192, 16384))
-
-
-def library_blocks(mc: int, k: int, n: int) -> int:
-    """Blocks per owner that the library takes for this shape (``GemmReduceScatter._blocks``)."""
-    return max(1, min(CE_GROUPS, mc // chunk_rows_for(mc, k, n)))
 
 
 def sequence(a, b, send, out, recv, blocks):
@@ -82,7 +77,8 @@ def probe(m, k, n, block_counts, rounds, device):
         for name in names:
             times[name].append(time_ms(calls[name], device, warmup=3, iters=10, reps=5))
     row = {name: statistics.median(v) for name, v in times.items()}
-    row["library_blocks"] = library_blocks(mc, k, n)
+    # The pushing transport's blocks, which a pull took too before it took at most two (04b7582).
+    row["library_blocks"] = blocks_for(mc, k, n)
     row["rounds"] = times
     return row
 

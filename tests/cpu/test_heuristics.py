@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, chunk_rows_for, pull_blocks_for
+from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for, chunk_rows_for
 from tileweave.tune import heuristics
 
 
@@ -35,11 +35,14 @@ def test_pulls_take_the_push_blocks_up_to_two():
     for _ in range(200):
         mc, k, n = rng.randrange(1, 20000), rng.randrange(1, 30000), rng.randrange(1, 60000)
         push = max(1, mc // chunk_rows_for(mc, k, n))
-        assert pull_blocks_for(mc, k, n) == min(push, PULL_MAX_BLOCKS)
+        assert blocks_for(mc, k, n) == push
+        assert blocks_for(mc, k, n, pull=True) == min(push, PULL_MAX_BLOCKS)
+        # Rows per block given by the caller are kept, pulling or not.
+        assert blocks_for(mc, k, n, pull=True, chunk_rows=16) == max(1, min(256, mc // 16))
     # llama3-70b down M=16384 at two ranks (8192 rows per owner, K_loc 14336): 8 pushed blocks, 2 pulled;
     # llama3-8b o M=8192 (4096 rows, K_loc 2048): one block either way.
-    assert (max(1, 8192 // chunk_rows_for(8192, 14336, 8192)), pull_blocks_for(8192, 14336, 8192)) == (8, 2)
-    assert pull_blocks_for(4096, 2048, 4096) == 1
+    assert (max(1, 8192 // chunk_rows_for(8192, 14336, 8192)), blocks_for(8192, 14336, 8192, pull=True)) == (8, 2)
+    assert blocks_for(4096, 2048, 4096, pull=True) == 1
 
 
 def test_reduce_scatter_transports_by_default():

@@ -85,10 +85,12 @@ blocks of :func:`chunk_rows_for` on the 8 rows where it takes them. (The pushing
 its last block's copy is exposed, so smaller blocks pay there.)"""
 
 
-def pull_blocks_for(mc: int, k: int, n: int) -> int:
-    """Blocks per owner of a pulling call (two ranks): :func:`chunk_rows_for`'s, at most
-    ``PULL_MAX_BLOCKS``."""
-    return max(1, min(PULL_MAX_BLOCKS, mc // chunk_rows_for(mc, k, n)))
+def blocks_for(mc: int, k: int, n: int, *, pull: bool = False, chunk_rows: int = 0) -> int:
+    """Row blocks per owner of a chunked call (the same on every rank: from the agreed shape): blocks of
+    ``chunk_rows`` rows, or of :func:`chunk_rows_for`'s, at most ``CE_GROUPS``; a pulling call (two
+    ranks) takes at most ``PULL_MAX_BLOCKS`` of the latter."""
+    blocks = max(1, min(CE_GROUPS, mc // (chunk_rows or chunk_rows_for(mc, k, n))))
+    return min(blocks, PULL_MAX_BLOCKS) if pull and not chunk_rows else blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,9 +337,9 @@ class GemmReduceScatter(FusedOp):
             plan = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
         return ws, plan
 
-    def _blocks(self, mc: int, k: int, n: int) -> int:
-        """Row blocks per owner of a chunked call (the same on every rank: from the agreed shape)."""
-        return max(1, min(CE_GROUPS, mc // (self.chunk_rows or chunk_rows_for(mc, k, n))))
+    def _blocks(self, mc: int, k: int, n: int, *, pull: bool = False) -> int:
+        """Row blocks per owner of a chunked call (:func:`blocks_for`, with this op's ``chunk_rows``)."""
+        return blocks_for(mc, k, n, pull=pull, chunk_rows=self.chunk_rows)
 
     def _chunked_pull(self, backend: Backend, a, b, bias, out, m: int, n: int) -> None:
         """The chunked transport with pulls (``pull``), two ranks. Flags, by epoch: our arrival words
@@ -354,7 +356,7 @@ class GemmReduceScatter(FusedOp):
         rank = backend.rank
         mc = m // 2
         nbytes = mc * n * a.element_size()
-        blocks = self._blocks(mc, a.shape[1], n) if self.chunk_rows else pull_blocks_for(mc, a.shape[1], n)
+        blocks = self._blocks(mc, a.shape[1], n, pull=True)
         ws, plan = self._block_plan(backend, a, m, n, nbytes, "rs-pull", self._pull_plan,
                                     send_bytes=nbytes if blocks == 1 else 0, blocks=blocks)
         block_rows, send, peer_send, announce, arrivals, landed, release_peer, released, recv = plan

@@ -185,8 +185,9 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
         cost = math.ceil(mid_tiles / num_sms)
     if stream_k and big_tiles < 2 * num_sms:
         # The plain GEMM's narrower tiles, weighed the same way.
-        for narrow, width, unit in ((SMALL_TILE, 128, SMALL_TILE_COST), (WIDE_TILE, 160, WIDE_TILE_COST)):
-            narrow_cost = math.ceil(math.ceil(m / 64) * math.ceil(n / width) / num_sms) * unit
+        for narrow, unit in ((SMALL_TILE, SMALL_TILE_COST), (WIDE_TILE, WIDE_TILE_COST)):
+            narrow_tiles = math.ceil(m / narrow.block_m) * math.ceil(n / (narrow.block_n + narrow.block_n2))
+            narrow_cost = math.ceil(narrow_tiles / num_sms) * unit
             if narrow_cost < cost:
                 config, cost = narrow, narrow_cost
         if config.block_m == 64:
