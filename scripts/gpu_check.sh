@@ -5,9 +5,11 @@
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
-# TESTS="copy_engine or block" selects GPU tests (pytest -k); CE_VARIANTS="tile_gpu chunk" runs
-# scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark, TESTS=none
-# the tests.
+# TESTS="copy_engine or block" selects GPU tests (pytest -k); TEST_SHARD=1/2 runs every second of them
+# from the first (all 86 take ~8.5 minutes at 568d201, more than TEST_TIMEOUT's default: two shards fit
+# two calls, each with room for one op's benchmark, ~2 minutes with one transport). CE_VARIANTS="tile_gpu
+# chunk" runs scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark,
+# TESTS=none the tests.
 # RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked": the transports each
 # op's "ours" runs with, next to one set of baselines (one report section per transport). POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
@@ -40,9 +42,20 @@ mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv | tee "$OUT/gpus.txt"
 status=0
 if [ "${TESTS:-}" != none ]; then
+  selection=(tests/gpu)
+  if [ -n "${TEST_SHARD:-}" ]; then
+    [[ "$TEST_SHARD" =~ ^[1-9][0-9]*/[1-9][0-9]*$ ]] && [ "${TEST_SHARD%/*}" -le "${TEST_SHARD#*/}" ] \
+      || { echo "gpu_check.sh: TEST_SHARD=$TEST_SHARD is not i/n with 1 <= i <= n (for example 1/2)" >&2; exit 1; }
+    # Every n-th test from the i-th (TEST_SHARD=i/n), so the slow ones spread over the shards.
+    mapfile -t selection < <(python3 -m pytest --collect-only -q -p no:cacheprovider tests/gpu \
+      ${TESTS:+-k "$TESTS"} 2>/dev/null | grep "::" | awk -v i="${TEST_SHARD%/*}" -v n="${TEST_SHARD#*/}" 'NR % n == i % n')
+    echo "gpu_check.sh: test shard $TEST_SHARD: ${#selection[@]} tests"
+    # An empty shard would let pytest fall back to every test path, the CPU tests among them.
+    [ "${#selection[@]}" -gt 0 ] || { echo "gpu_check.sh: no GPU tests collected for $TEST_SHARD" >&2; exit 1; }
+  fi
   # One line per test (-v), so a run cut short by the time limit still shows which tests passed.
-  timeout "$TEST_TIMEOUT" python3 -m pytest -v --durations=15 -p no:cacheprovider tests/gpu ${TESTS:+-k "$TESTS"} \
-    > "$OUT/gpu_tests.txt" 2>&1 || status=1
+  timeout "$TEST_TIMEOUT" python3 -m pytest -v --durations=15 -p no:cacheprovider "${selection[@]}" \
+    ${TESTS:+-k "$TESTS"} > "$OUT/gpu_tests.txt" 2>&1 || status=1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 fi
 for variant in ${CE_VARIANTS:-}; do
