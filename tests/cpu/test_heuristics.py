@@ -4,7 +4,8 @@ import random
 
 import torch
 
-from tileweave.ops.gemm_reduce_scatter import CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for, chunk_rows_for
+from tileweave.ops.gemm_reduce_scatter import (CE_GROUPS, CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for,
+                                               chunk_rows_for)
 from tileweave.tune import heuristics
 
 
@@ -34,11 +35,11 @@ def test_pulls_take_the_push_blocks_up_to_two():
     rng = random.Random()
     for _ in range(200):
         mc, k, n = rng.randrange(1, 20000), rng.randrange(1, 30000), rng.randrange(1, 60000)
-        push = max(1, mc // chunk_rows_for(mc, k, n))
+        push = max(1, min(CE_GROUPS, mc // chunk_rows_for(mc, k, n)))
         assert blocks_for(mc, k, n) == push
         assert blocks_for(mc, k, n, pull=True) == min(push, PULL_MAX_BLOCKS)
         # Rows per block given by the caller are kept, pulling or not.
-        assert blocks_for(mc, k, n, pull=True, chunk_rows=16) == max(1, min(256, mc // 16))
+        assert blocks_for(mc, k, n, pull=True, chunk_rows=16) == max(1, min(CE_GROUPS, mc // 16))
     # llama3-70b down M=16384 at two ranks (8192 rows per owner, K_loc 14336): 8 pushed blocks, 2 pulled;
     # llama3-8b o M=8192 (4096 rows, K_loc 2048): one block either way.
     assert (max(1, 8192 // chunk_rows_for(8192, 14336, 8192)), blocks_for(8192, 14336, 8192, pull=True)) == (8, 2)
