@@ -31,7 +31,6 @@ OPS=${OPS-ag rs gemm block}
 BLOCK_M=${BLOCK_M:-4096,8192,16384}
 RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine chunked}
 AG_TRANSPORTS=${AG_TRANSPORTS:-mesh chunked}
-# All 86 GPU tests took ~8.5 minutes at 568d201 (77 in 420 s), a shard of two ~4.5.
 TEST_TIMEOUT=${TEST_TIMEOUT:-$([ -n "${TEST_SHARD:-}" ] && echo 330 || echo 560)}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
 if [ -z "${TILEWEAVE_GIT_COMMIT:-}" ]; then
@@ -43,20 +42,20 @@ mkdir -p "$OUT/results"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit --format=csv | tee "$OUT/gpus.txt"
 status=0
 if [ "${TESTS:-}" != none ]; then
-  selection=(tests/gpu)
+  selection=(tests/gpu ${TESTS:+-k "$TESTS"})
   if [ -n "${TEST_SHARD:-}" ]; then
     [[ "$TEST_SHARD" =~ ^[1-9][0-9]*/[1-9][0-9]*$ ]] && [ "${TEST_SHARD%/*}" -le "${TEST_SHARD#*/}" ] \
       || { echo "gpu_check.sh: TEST_SHARD=$TEST_SHARD is not i/n with 1 <= i <= n (for example 1/2)" >&2; exit 1; }
-    # Every n-th test from the i-th (TEST_SHARD=i/n), so the slow ones spread over the shards.
-    mapfile -t selection < <(python3 -m pytest --collect-only -q -p no:cacheprovider tests/gpu \
-      ${TESTS:+-k "$TESTS"} 2>/dev/null | grep "::" | awk -v i="${TEST_SHARD%/*}" -v n="${TEST_SHARD#*/}" 'NR % n == i % n')
+    # Every n-th test from the i-th (TEST_SHARD=i/n), so the slow ones spread over the shards; the ids
+    # already reflect TESTS.
+    mapfile -t selection < <(python3 -m pytest --collect-only -q -p no:cacheprovider "${selection[@]}" 2>/dev/null | grep "::" | awk -v i="${TEST_SHARD%/*}" -v n="${TEST_SHARD#*/}" 'NR % n == i % n')
     echo "gpu_check.sh: test shard $TEST_SHARD: ${#selection[@]} tests"
     # An empty shard would let pytest fall back to every test path, the CPU tests among them.
     [ "${#selection[@]}" -gt 0 ] || { echo "gpu_check.sh: no GPU tests collected for $TEST_SHARD" >&2; exit 1; }
   fi
   # One line per test (-v), so a run cut short by the time limit still shows which tests passed.
   timeout "$TEST_TIMEOUT" python3 -m pytest -v --durations=15 -p no:cacheprovider "${selection[@]}" \
-    ${TESTS:+-k "$TESTS"} > "$OUT/gpu_tests.txt" 2>&1 || status=1
+    > "$OUT/gpu_tests.txt" 2>&1 || status=1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 fi
 for variant in ${CE_VARIANTS:-}; do
