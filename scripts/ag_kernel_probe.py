@@ -22,8 +22,8 @@ kernel, so the copies run after it.) Writes ``ag_interference_probe.json``.
 
 ``--set configs --configs g4,g16,s4ct0,k32s6`` times ``ag2`` alone and next to the full-speed copy for
 the op's configuration and each change of it (``g``: tile rows per L2 group, ``s``: stages, ``k``:
-K step, ``ct0``: pointer stores for C), with cuBLAS alone and next to the copy. Writes
-``ag_configs_probe.json``.
+K step, ``n``: tile columns, ``w``: warps, ``ct0``: pointer stores for C), with cuBLAS alone and next
+to the copy. Writes ``ag_configs_probe.json``.
 """
 
 from __future__ import annotations
@@ -149,10 +149,12 @@ def interference(m, k, n, rounds, device):
 
 
 def _changed(config, spec):
-    """``config`` changed as ``spec`` says: ``g<group_m>``, ``s<stages>``, ``k<block_k>``, ``ct0``."""
+    """``config`` changed as ``spec`` says: ``g<group_m>``, ``s<stages>``, ``k<block_k>``, ``n<block_n>``,
+    ``w<num_warps>``, ``ct0``."""
     changes = {}
-    for key, value in re.findall(r"(g|s|k|ct)(\d+)", spec):
-        field = {"g": "group_m", "s": "num_stages", "k": "block_k", "ct": "c_tma"}[key]
+    for key, value in re.findall(r"(g|s|k|n|w|ct)(\d+)", spec):
+        field = {"g": "group_m", "s": "num_stages", "k": "block_k", "n": "block_n", "w": "num_warps",
+                 "ct": "c_tma"}[key]
         changes[field] = bool(int(value)) if key == "ct" else int(value)
     return dataclasses.replace(config, **changes)
 
