@@ -20,7 +20,8 @@ def _check(rows_per_rank, extra_key):
     for rows in rows_per_rank:
         for row in rows:
             chunked = "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])
-            assert row["path"] == ("chunked" if chunked else "fused"), row
+            expected = "oneshot" if row["case"]["transport"] == "oneshot" else "chunked" if chunked else "fused"
+            assert row["path"] == expected, row
             assert row["err"] < TOL[row["case"]["dtype"]], row
             assert row[extra_key], row
 
@@ -161,7 +162,7 @@ def test_all_gather_gemm_ring(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_gemm_reduce_scatter(world, transport):
     cases = [
         C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport=transport),
@@ -297,15 +298,27 @@ def test_reduce_scatter_shape_changes_in_one_workspace(transport):
         assert all(row["local_bytes"] == largest for rows in ranks for row in rows), ranks
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
+def test_oneshot_reduce_scatter_buffer_grows_between_shapes():
+    # Small, larger (the one-shot buffer grows, collectively, after every rank's earlier calls), small
+    # again in the grown buffer; a late rank on the larger shape. A short spin budget turns a wait
+    # for a signal that never comes into a failure.
+    cases = [C(m_chunk=20, k=32, n=24, iters=2, transport="oneshot"),
+             C(m_chunk=70, k=16, n=40, iters=3, transport="oneshot", straggler=1, delay_s=0.2, bias=True),
+             C(m_chunk=20, k=32, n=24, iters=2, transport="oneshot", seed=1)]
+    _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases, env={"TILEWEAVE_MAX_SPIN": "20000"}),
+           "deterministic")
+
+
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result
 
 
-def test_missing_peer_raises_instead_of_hanging():
-    outcomes = run_ranks(2, scenarios.missing_peer_check, 200, timeout_s=120)
-    assert outcomes[0]["raised"], "rank 0 waited on a shard that never came and did not raise"
+@pytest.mark.parametrize("op_kind", ["ag", "rs_oneshot"])
+def test_missing_peer_raises_instead_of_hanging(op_kind):
+    outcomes = run_ranks(2, scenarios.missing_peer_check, 200, op_kind, timeout_s=120)
+    assert outcomes[0]["raised"], "rank 0 waited on data that never came and did not raise"
     assert "rank 1" in outcomes[0]["message"]
 
 

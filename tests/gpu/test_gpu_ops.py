@@ -218,10 +218,12 @@ def test_tp_mlp_forward_in_a_cuda_graph_gpu():
 
 
 @needs_two
-def test_missing_peer_reported_by_the_next_call_gpu():
+@pytest.mark.parametrize("op_kind", ["ag", "rs_oneshot"])
+def test_missing_peer_reported_by_the_next_call_gpu(op_kind):
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
-    # as an error in the third, from the error word mirrored to the host.
-    outcomes = run_ranks(torch.cuda.device_count(), scenarios.missing_peer_check, 1 << 16, gpus=True,
+    # as an error in the third, from the error word mirrored to the host (the one-shot path: written by
+    # the kernel into pinned host memory).
+    outcomes = run_ranks(torch.cuda.device_count(), scenarios.missing_peer_check, 1 << 16, op_kind, gpus=True,
                          timeout_s=300)
     assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]
     assert "rank 1" in outcomes[0]["message"], outcomes[0]
@@ -244,7 +246,7 @@ def test_small_calls_replay_graphs_gpu(op_name):
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "chunked-pull"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "chunked-pull", "oneshot"])
 def test_gemm_reduce_scatter_gpu(transport):
     transport, pull = transport.split("-")[0], transport.endswith("pull")
     if pull and torch.cuda.device_count() != 2:
@@ -256,7 +258,7 @@ def test_gemm_reduce_scatter_gpu(transport):
                straggler=1, delay_s=0.05, pull=pull)]
     for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
         for row in rank_rows:
-            assert row["path"] == ("chunked" if "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])
+            assert row["path"] == ("oneshot" if transport == "oneshot" else "chunked" if transport == "chunked"
                                    else "fused"), row
             assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
             assert row["deterministic"], row
@@ -278,7 +280,7 @@ def test_copy_engine_release_modes_gpu(release):
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
+@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_back_to_back_without_sync(transport):
     for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
                             "bfloat16", transport, gpus=True):

@@ -17,6 +17,7 @@ from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
 POLICIES = ("auto", "fused", "fallback")
+"""Every op's policies; an op with more paths lists them in its ``policies``."""
 
 REPLAY_BELOW_GFLOP = 128.0
 """With ``replay``: calls of less local GEMM work than this replay a CUDA graph of the chunked path. On
@@ -48,6 +49,7 @@ class FusedOp:
     """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, reused."""
 
     op_name = ""
+    policies: tuple[str, ...] = POLICIES
     transports: tuple[str, ...] = ()
     transport_env = ""
     """Environment variable that picks the transport of the ops the functional API shares."""
@@ -102,8 +104,11 @@ class FusedOp:
         if graphable and replay:
             raise ValueError(f"{type(self).__name__}: replay=True captures its own graphs; a graphable op is "
                              "for graphs of the caller's")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
+        policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
+        if policy not in self.policies:
+            raise ValueError(f"{type(self).__name__}: policy must be one of {self.policies}, got {policy!r}"
+                             + (" (from TILEWEAVE_POLICY)" if os.environ.get("TILEWEAVE_POLICY") == policy else ""))
         transport = transport or self.default_transport
         if transport not in self.transports:
             raise ValueError(f"transport must be one of {self.transports}, got {transport!r}")
@@ -119,8 +124,7 @@ class FusedOp:
         self._graphs_workspace: tuple = ()
         self.transport = transport
         self.group = group if group is not None else dist.group.WORLD
-        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
-        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
+        self.policy = policy
         self.config = config
         self.max_spin = max_spin
         self._ws: Workspace | None = None
@@ -261,9 +265,10 @@ class FusedOp:
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                 prefer_fused: Callable[..., bool], shape: tuple, has_bias: bool, capturing: bool = False,
-                **config_overrides) -> tuple[bool, GemmConfig, bool]:
-        """Fused or not, with which config, and whether this is the first call of its signature:
-        rank 0's choice, checked against every rank's shapes.
+                **config_overrides) -> tuple[str, GemmConfig, bool]:
+        """The path (the policy's, or under "auto" "fused" where ``prefer_fused`` says so, else
+        "fallback"), with which config, and whether this is the first call of its signature: rank 0's
+        choice, checked against every rank's shapes.
 
         ``m, n, k`` are the local GEMM's; ``shape`` is what must match across ranks. Under CUDA-graph
         capture only the unfused path runs (NCCL and cuBLAS capture; the fused paths' host-side epochs
@@ -276,7 +281,7 @@ class FusedOp:
                 tuple(sorted(config_overrides.items())))
         decided = self._decisions.get(memo)
         if decided is not None:
-            if capturing and decided[0] and not self.graphable:
+            if capturing and decided[0] == "fused" and not self.graphable:
                 raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
             return decided[0], decided[1], False
         proposal = self.config or select_config(m, n, k, dtype, device, num_sms=backend.num_sms,
@@ -285,21 +290,23 @@ class FusedOp:
         # a consumer's partial last wave (``_stream_k_tail``).
         proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0, **config_overrides)
         proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
-        fused = self.policy == "fused" or (
-            self.policy == "auto" and prefer_fused(m, n, k, backend.world_size, dtype,
-                                                   interpreter=backend.interpreter))
-        signature = (self.op_name, *shape, str(dtype), has_bias, fused)
+        path = self.policy
+        if path == "auto":
+            prefer = prefer_fused(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter)
+            path = "fused" if prefer else "fallback"
+        signature = (self.op_name, *shape, str(dtype), has_bias, path)
         first = signature not in self._agreed
-        if capturing and fused and not self.graphable:
+        if capturing and path == "fused" and not self.graphable:
             raise TileweaveError(f"{self.op_name}: {_launch.CAPTURE_FUSED}")
         if capturing and first:
             raise TileweaveError(f"{self.op_name}: the first call of each shape checks it with the other "
                                  "ranks (a collective that a CUDA graph cannot hold): call it once with "
                                  "these shapes before capturing")
         config = agree(backend, self._agreed, self.op_name, signature, proposal)
-        fused = fused and m > 0 and n > 0 and k > 0
-        self._decisions[memo] = (fused, config)
-        return fused, config, first
+        if not (m > 0 and n > 0 and k > 0):
+            path = "fallback"
+        self._decisions[memo] = (path, config)
+        return path, config, first
 
     @staticmethod
     def _launch_kernel(backend: Backend, first: bool, **launch_args) -> None:

@@ -12,6 +12,7 @@ import triton
 from triton.runtime import _allocation
 
 from tileweave.kernels.gemm import fused_gemm_kernel
+from tileweave.kernels.reduce import reduce_rows_kernel
 from tileweave.runtime.backend import TileweaveError
 from tileweave.tune.configs import CE_RELEASES, GemmConfig
 
@@ -24,7 +25,8 @@ _last_path: dict[str, str] = {}
 def last_path(op: str) -> str | None:
     """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took:
     "fused" (the fused kernel), "chunked" (cuBLAS per chunk with the copy-engine transport),
-    "fallback" (NCCL collective and GEMM), "local" (a group of one) or "triton" (matmul)."""
+    "oneshot" (GEMM+ReduceScatter: cuBLAS, then the one-shot reduction kernel), "fallback" (NCCL
+    collective and GEMM), "local" (a group of one) or "triton" (matmul)."""
     return _last_path.get(op)
 
 
@@ -413,6 +415,65 @@ def _cached_scratch(launcher, device: int, stream: int, programs: int):
         buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=torch.device("cuda", device))
         entry = _scratch_buffers[(device, stream)] = (buffer.data_ptr(), buffer)
     return entry[0]
+
+
+REDUCE_BLOCK = (32, 256, 4)
+"""The one-shot reduce-scatter's tiles: rows, columns, warps (16 KB of bf16 per rank and tile)."""
+
+
+@dataclasses.dataclass
+class ReducePlan:
+    """The launches of ``reduce_rows_kernel`` for one shape and workspace: every argument but the
+    partial's slot, the output, the bias and the epoch fixed, so that after the first launch of a
+    layout (which compiles through Triton) a call costs the host one launch with its pointers as
+    ints, as ``relaunch`` does. This launch is most of the one-shot path's host time."""
+
+    peer_offsets: torch.Tensor
+    signals: torch.Tensor
+    ready: torch.Tensor
+    err: torch.Tensor
+    host_err: torch.Tensor
+    rank: int
+    world: int
+    rows: int
+    n: int
+    row0: int
+    max_spin: int
+    programs: int
+    compiled: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bm, bn, self.warps = REDUCE_BLOCK
+        self.programs = max(1, min(self.programs, -(-self.rows // bm) * -(-self.n // bn)))
+        self.blocks = (bm, bn)
+        self.fixed = (self.peer_offsets.data_ptr(), self.signals.data_ptr(), self.ready.data_ptr())
+        self.errs = (self.err.data_ptr(), self.host_err.data_ptr())
+
+
+def launch_reduce_rows(plan: ReducePlan, part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                       epoch: int) -> None:
+    """``out`` = this rank's rows of the sum of every rank's ``part`` (``reduce_rows_kernel``)."""
+    stride_p, stride_out = part.stride(0), out.stride(0)
+    has_bias = bias is not None
+    if _fast_launch and out.is_cuda:
+        # What Triton specialises on that can change between calls: alignments, the output's row stride.
+        key = (part.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, stride_out, has_bias,
+               has_bias and bias.data_ptr() % 16 == 0, stride_p)
+        kernel = plan.compiled.get(key)
+        if kernel is not None and torch.cuda.current_device() == out.device.index:
+            out_ptr = out.data_ptr()
+            args = (part.data_ptr(), *plan.fixed, out_ptr, bias.data_ptr() if has_bias else out_ptr, *plan.errs,
+                    _i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.n, plan.row0, stride_p, stride_out)
+            _launch_compiled(kernel, out.device.index, plan.programs, args,
+                             (plan.world, *plan.blocks, plan.programs, has_bias))
+            return
+    args = (part, plan.peer_offsets, plan.signals, plan.ready, out, bias if has_bias else out, plan.err,
+            plan.host_err, _i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.n, plan.row0, stride_p, stride_out)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        kernel = reduce_rows_kernel[(plan.programs,)](*args, WORLD=plan.world, BM=plan.blocks[0], BN=plan.blocks[1],
+                                                      P=plan.programs, HAS_BIAS=has_bias, num_warps=plan.warps)
+    if _fast_launch and out.is_cuda:
+        plan.compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
 
 
 _stream_k_kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

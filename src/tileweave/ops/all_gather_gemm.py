@@ -203,10 +203,10 @@ class AllGatherGemm(FusedOp):
             if replayed is not None:
                 return replayed
 
-        fused, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
-                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
-                                            _launch.capturing(a_shard))
-        if not fused:
+        path, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
+                                           heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
+                                           _launch.capturing(a_shard))
+        if path != "fused":
             if signature is not None:
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered, gathered_out)

@@ -16,6 +16,10 @@ Transports. ``chunked`` (the default) runs cuBLAS per owner and row block and mo
 block with the copy engines, overlapping it with the next block's GEMM; ``store`` and ``copy_engine``
 are the fused kernel described next. ``policy="auto"`` takes the chunked transport where
 ``tune.heuristics`` measured it faster than GEMM + NCCL reduce-scatter, the unfused path elsewhere.
+``policy="oneshot"`` (opt-in until measured on two GPUs) is an unfused path without NCCL: one cuBLAS
+GEMM into a symmetric buffer, then one kernel that sums this rank's rows of every rank's partial
+(``GemmReduceScatter._oneshot``): two launches a call, for the small rows, where the host's time to
+issue a call bounds both the chunked transport and NCCL + cuBLAS.
 
 The store transport, in one persistent kernel. Each rank computes the rows owned by rank r+1 first, then
 r+2, ..., its own rows last. A finished tile of a peer's rows is stored in the output dtype straight
@@ -47,9 +51,9 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, FlagValues, Workspace,
-                                     ensure_workspace, released_start)
-from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, READY, RELEASED, FlagValues,
+                                     Workspace, ensure_workspace, released_start)
+from tileweave.runtime.backend import Backend, HostWord, TileweaveError
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 
@@ -108,7 +112,8 @@ class GemmReduceScatter(FusedOp):
     """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
-    shape; ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"store"`` (the epilogue stores
+    shape; ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` takes the one-shot path on every
+    call (module docstring; NCCL under CUDA-graph capture, where its epochs would not advance). ``transport``: ``"store"`` (the epilogue stores
     peer tiles into their owners' buffers over NVLink), ``"copy_engine"`` (local send buffer, copied
     by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (the default; no fused
     kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
@@ -117,6 +122,7 @@ class GemmReduceScatter(FusedOp):
     """
 
     op_name = _OP
+    policies = ("auto", "fused", "oneshot", "fallback")
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_RS_TRANSPORT"
     default_transport = "chunked"
@@ -144,6 +150,9 @@ class GemmReduceScatter(FusedOp):
             raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
                                  "use graphable=True without pull")
         self.pull = (not self.graphable) if pull is None else pull
+        self._host_err: HostWord | None = None
+        self._oneshot_routes: dict[tuple, Backend] = {}
+        """Signatures decided for the one-shot path (as ``_unfused`` for the unfused one)."""
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,6 +163,12 @@ class GemmReduceScatter(FusedOp):
         signature, backend = self._unfused_route(a, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             return self._fallback(backend, a, b, None, a.new_empty((a.shape[0] // backend.world_size, b.shape[1])))
+        if self._oneshot_routes and signature is not None and not _launch.capturing(a):
+            backend = self._oneshot_routes.get(signature)
+            if backend is not None:  # decided before: no checks, no decision (host time is the point)
+                out = a.new_empty((a.shape[0] // backend.world_size, b.shape[1]))
+                self._oneshot(backend, a, b, None, out)
+                return out
         _launch.check_matrix("a", a)
         _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
         m, k = a.shape
@@ -184,12 +199,17 @@ class GemmReduceScatter(FusedOp):
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
         # The pulling thresholds go by the op's setting: a call into an ``out`` with padded rows, which
         # pushes, is decided as if it pulled (right either way, a little slower on the smallest rows).
-        fused, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
-                                            functools.partial(heuristics.prefer_fused_reduce_scatter,
-                                                              transport=self.transport, pull=self.pull),
-                                            (m, k, n), bias is not None, _launch.capturing(a),
-                                            **overrides)
-        if not fused:
+        path, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
+                                           functools.partial(heuristics.prefer_fused_reduce_scatter,
+                                                             transport=self.transport, pull=self.pull),
+                                           (m, k, n), bias is not None, _launch.capturing(a),
+                                           **overrides)
+        if path == "oneshot" and not _launch.capturing(a):  # under capture: NCCL, as every rank does
+            if signature is not None:
+                self._oneshot_routes[signature] = backend
+            self._oneshot(backend, a, b, bias, out)
+            return out
+        if path != "fused":
             if signature is not None:
                 self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
@@ -235,6 +255,61 @@ class GemmReduceScatter(FusedOp):
         self._finish(backend, ws)
         _launch.record_path(_OP, "fused")
         return out
+
+    def _oneshot(self, backend: Backend, a, b, bias, out) -> None:
+        """The one-shot path (``policy="oneshot"``): one cuBLAS GEMM over all M rows into this call's slot
+        of the one-shot buffer, then one kernel (``tileweave.kernels.reduce``) that signals the peers,
+        waits for theirs and sums this rank's rows of every rank's partial, the peers' read over NVLink.
+        Two slots, used in turn: a rank writes a slot again two calls later, when its previous call's
+        kernel has seen every peer's signal of that call, which each peer sent only after its own reads
+        of the slot (its kernel two calls back) were done. So no call waits for anything but the peers'
+        partials of the same call. The partials are rounded to the output dtype, as NCCL's are; the sum
+        is fp32 in rank order, the same bitwise on every run. An expired wait is reported by the next
+        call from a word the kernel writes into pinned host memory (at once in debug mode and on the
+        CPU), which costs no driver call, unlike the fused paths' mirrored error word."""
+        m, n = a.shape[0], b.shape[1]
+        ws = self._ws
+        plan = ws.plans.get(("oneshot", m, n, a.dtype)) if ws is not None else None
+        if plan is None:
+            plan = self._oneshot_plan(backend, m, n, a.dtype)
+            ws = self._ws
+        slots, reduce_plan = plan
+        self._oneshot_check(ws, backend.rank)
+        ws.oneshot_epoch += 1
+        epoch = ws.oneshot_epoch
+        part = slots[epoch & 1]
+        torch.mm(a, b, out=part)
+        _launch.launch_reduce_rows(reduce_plan, part, out, bias, epoch)
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()  # bounded: the kernel's waits are
+            self._oneshot_check(ws, backend.rank)
+        _launch.record_path(_OP, "oneshot")
+
+    def _oneshot_check(self, ws: Workspace, rank: int) -> None:
+        """Raise if an earlier one-shot kernel's wait expired (its host word is set)."""
+        code = self._host_err.read()
+        if code:
+            self._host_err.clear()
+            ws.err.zero_()  # the device word too, which the fused paths' check would report again
+            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), _OP, rank)
+
+    def _oneshot_plan(self, backend: Backend, m: int, n: int, dtype: torch.dtype) -> tuple:
+        """The workspace's one-shot buffer sized for ``[M, N]`` partials, and one shape's two slots and
+        launch plan."""
+        self._ws = ensure_workspace(self._ws, backend, 0, released=released_start(self.graphable))
+        ws = self._ws
+        if self._host_err is None:
+            self._host_err = HostWord(backend.device)
+        nbytes = m * n * dtype.itemsize
+        buffer = ws.ensure_oneshot(2 * nbytes)
+        w, rank = backend.world_size, backend.rank
+        slots = tuple(buffer.view(rank, dtype, (m, n), offset=s * nbytes) for s in range(2))
+        reduce_plan = _launch.ReducePlan(peer_offsets=ws.oneshot_offsets(dtype.itemsize), signals=ws.ready_addresses(),
+                                         ready=ws.flag_slice(READY), err=ws.err, host_err=self._host_err.tensor,
+                                         rank=rank, world=w, rows=m // w, n=n, row0=rank * (m // w),
+                                         max_spin=self.max_spin or backend.default_max_spin, programs=backend.num_sms)
+        plan = ws.plans[("oneshot", m, n, dtype)] = (slots, reduce_plan)
+        return plan
 
     def _fused_copy_engine(self, backend: Backend, a, b, bias, out, config: GemmConfig, m: int, n: int,
                            first: bool) -> None:

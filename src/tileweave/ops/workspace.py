@@ -7,10 +7,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.runtime.backend import Backend, SymmetricBuffer, TileweaveError
 
 # Flag array layout, in int32 words, for a group of W ranks:
-#   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
+#   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather;
+#                         the one-shot reduce-scatter's partials, with its own epoch)
 #   [W, 2W)     RELEASED: released[p] = epoch whose use of p's own buffer p has finished, so that
 #                         writers may fill it for the next epoch
 #   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
@@ -44,6 +45,10 @@ class Workspace:
         self.ce_counts: dict[tuple[int, int], int] = {}
         self.plans: dict[tuple, object] = {}
         self.local: torch.Tensor | None = None
+        self.oneshot: SymmetricBuffer | None = None
+        self.oneshot_epoch = 0
+        """The one-shot reduce-scatter's own call count (its READY words carry it): the transports'
+        RELEASED waits expect ``epoch`` to advance only with their own calls."""
         self._ptr_tables: dict[str, torch.Tensor] = {}
 
     def ensure_local(self, nbytes: int) -> torch.Tensor:
@@ -60,6 +65,22 @@ class Workspace:
             self.local = torch.empty(nbytes, dtype=torch.uint8, device=self.backend.device)
             self.plans.clear()
         return self.local
+
+    def ensure_oneshot(self, nbytes: int) -> SymmetricBuffer:
+        """The one-shot reduce-scatter's symmetric buffer (two slots of partials), allocated on first use
+        and grown on demand. Growing is collective and first waits for every rank's earlier calls, since
+        peers may still be reading the old one; it drops the plans that view it."""
+        if self.oneshot is None or self.oneshot.nbytes < nbytes:
+            if self.backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise TileweaveError("the one-shot reduce-scatter's buffer cannot grow during CUDA-graph capture")
+            if self.oneshot is not None:
+                self.backend.synchronize()
+                dist.barrier(group=self.backend.group)
+                nbytes = max(nbytes, 2 * self.oneshot.nbytes)
+            self.oneshot = self.backend.allocate(nbytes)
+            self.plans = {key: plan for key, plan in self.plans.items() if key[0] != "oneshot"}
+            self._ptr_tables = {key: t for key, t in self._ptr_tables.items() if not key.startswith("oneshot")}
+        return self.oneshot
 
     def flag_address(self, rank: int, kind: int, index: int) -> int:
         return self.flags.address(rank, 4 * (kind * self.backend.world_size + index))
@@ -81,6 +102,16 @@ class Workspace:
         copy-engine flag block."""
         return self.ce_flags.address(rank, 4 * (region * self.backend.world_size * self.ce_groups + index))
 
+    def ready_addresses(self) -> torch.Tensor:
+        """Every rank's READY word for this rank as int64 addresses (where the one-shot reduce-scatter
+        signals that this rank's partial is complete)."""
+        return self._table("ready", [self.flag_address(p, READY, self.backend.rank)
+                                     for p in range(self.backend.world_size)])
+
+    def oneshot_offsets(self, itemsize: int) -> torch.Tensor:
+        """``data_offsets`` for the one-shot buffer (``ensure_oneshot``, which must have run)."""
+        return self._offsets(self.oneshot, itemsize, "oneshot")
+
     def counter_addresses(self) -> torch.Tensor:
         """Every rank's COUNTERS array as int64 addresses (for the kernel's release atomics)."""
         return self._table("counters", [self.flag_address(p, COUNTERS, 0)
@@ -90,11 +121,14 @@ class Workspace:
         """Every rank's data buffer as an int64 offset, in elements of ``itemsize`` bytes, from this
         rank's own: the kernel addresses peers from its own aligned pointer, which keeps its stores
         vectorised."""
-        local = self.data.address(self.backend.rank)
-        deltas = [self.data.address(p) - local for p in range(self.backend.world_size)]
+        return self._offsets(self.data, itemsize, "offsets")
+
+    def _offsets(self, buffer: SymmetricBuffer, itemsize: int, name: str) -> torch.Tensor:
+        local = buffer.address(self.backend.rank)
+        deltas = [buffer.address(p) - local for p in range(self.backend.world_size)]
         if any(d % 16 for d in deltas):
             raise TileweaveError(f"symmetric buffers are not 16-byte aligned relative to each other: {deltas}")
-        return self._table(f"offsets{itemsize}", [d // itemsize for d in deltas])
+        return self._table(f"{name}{itemsize}", [d // itemsize for d in deltas])
 
     def _table(self, key: str, values: list[int]) -> torch.Tensor:
         table = self._ptr_tables.get(key)

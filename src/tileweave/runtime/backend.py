@@ -156,6 +156,22 @@ class HostMirror:
         self._value.value = 0
 
 
+class HostWord:
+    """An int32 in pinned host memory that kernels write directly (under unified addressing a pinned
+    allocation's address is valid on the device too) and the host reads with no driver call: an error
+    word that costs a call nothing to check. A CPU tensor on the CPU (the interpreter writes it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.tensor = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._value = ctypes.c_int32.from_address(self.tensor.data_ptr())
+
+    def read(self) -> int:
+        return self._value.value
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+
 def _group_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise TileweaveError("torch.distributed is not initialised: call dist.init_process_group first "

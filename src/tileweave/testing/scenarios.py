@@ -36,7 +36,8 @@ class Case:
     delay_s: float = 0.0
     seed: int = 0
     transport: str = "store"
-    """Reduce-scatter transport: "store", "copy_engine" or "chunked"."""
+    """Reduce-scatter transport: "store", "copy_engine" or "chunked"; "oneshot": the one-shot path
+    (``policy="oneshot"``), whose straggler sleeps before each call instead (it has no producer)."""
     ag_transport: str = "mesh"
     """All-gather transport: "mesh", "ring" or "chunked"."""
     ce_release: str = "tile"
@@ -208,6 +209,7 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
     # "chunked" cases push (pull=False); pulling is the default at two ranks, and cases with pull=True take it.
     ops = {t: tileweave.GemmReduceScatter(policy="fused", transport=t, pull=False)
            for t in ("store", "copy_engine", "chunked")}
+    ops["oneshot"] = tileweave.GemmReduceScatter(policy="oneshot")
     graphable = tileweave.GemmReduceScatter(policy="fused", transport="chunked", graphable=True)
     pulling = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
     results = []
@@ -233,6 +235,8 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
             b_all = [_b(case, case.k, case.n, dtype, *seed, "b", p, device=device) for p in range(world)]
             bias = _randn((case.n,), dtype, *seed, "bias", device=device) if case.bias else None
             out = torch.full((case.m_chunk, case.n), float("nan"), dtype=dtype, device=device)
+            if case.transport == "oneshot" and rank == case.straggler:
+                time.sleep(case.delay_s)  # the others' kernels wait in their flag spin meanwhile
             out = op(a_all[rank], b_all[rank], bias=bias, out=out)
             ref = sum(a.double() @ b.double() for a, b in zip(a_all, b_all))
             if bias is not None:
@@ -316,15 +320,19 @@ def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n
     return _rel_err(out, ref)
 
 
-def missing_peer_check(rank: int, world: int, max_spin: int) -> dict:
-    """Rank 0 calls the fused all-gather GEMM, the others never do: rank 0 must get a clear error.
+def missing_peer_check(rank: int, world: int, max_spin: int, op_kind: str = "ag") -> dict:
+    """Rank 0 calls the fused all-gather GEMM (``op_kind="ag"``; "rs_oneshot": the one-shot
+    reduce-scatter), the others never do: rank 0 must get a clear error.
 
     On the CPU (and in debug mode) the call that misses its data raises. On GPUs a call does not wait
     for its kernel: the kernel's bounded wait expires, and the next call raises, once the GPU is done
     (here after a synchronize), from the error word mirrored to the host."""
     device = _device()
-    op = tileweave.AllGatherGemm(policy="fused", transport="mesh", max_spin=max_spin)
-    a = _randn((8, 32), torch.float16, "missing", rank, device=device)
+    if op_kind == "ag":
+        op = tileweave.AllGatherGemm(policy="fused", transport="mesh", max_spin=max_spin)
+    else:
+        op = tileweave.GemmReduceScatter(policy="oneshot", max_spin=max_spin)
+    a = _randn((8 * (world if op_kind != "ag" else 1), 32), torch.float16, "missing", rank, device=device)
     b = _randn((32, 16), torch.float16, "missing-b", rank, device=device)
     outcome = {"raised": False, "message": "", "calls": 0}
     # Agree on shapes first (the op's first call does this collectively), so that only the data of
@@ -353,7 +361,8 @@ def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, call
     device = _device()
     dt = getattr(torch, dtype)
     ag = tileweave.AllGatherGemm(policy="fused")
-    rs = tileweave.GemmReduceScatter(policy="fused", transport=transport)
+    rs = (tileweave.GemmReduceScatter(policy="oneshot") if transport == "oneshot" else
+          tileweave.GemmReduceScatter(policy="fused", transport=transport))
     inputs = []
     for i in range(calls):
         shards = [_randn((m_chunk, k), dt, "b2b", i, "a", p, device=device) for p in range(world)]

@@ -1,0 +1,205 @@
+"""GEMM+ReduceScatter's one-shot path (``GemmReduceScatter(policy="oneshot")``) on ONE GPU, its peer
+played by itself, for what one GPU can say before two do: the host time of a call and the GPU time of
+the GEMM and the reduction kernel.
+
+    python3 scripts/oneshot_probe.py [--shapes MxK_locxN,...] [--blocks 32x256x4,...] [--out DIR]
+
+A backend of two ranks that both live on this GPU stands in for the group: rank 0's "peer" buffers are
+its own, its signal to the peer lands in the READY word it waits on, and the agreement between ranks is
+skipped. Columns, per shape (bf16, B an ``nn.Linear`` weight):
+
+``host_us``: the op's host time per call, issued behind 0.3 s of GPU work so that no call waits for the
+GPU (the repeat route, as the benchmark's steady state calls it); ``hand_us``: ``torch.matmul`` then
+``dist.reduce_scatter_tensor`` on a one-rank NCCL group, the same way (NCCL's host path at one rank);
+``gemm_us`` and ``oneshot_us``: GPU time per call with the host out of the way (20 calls in a CUDA
+graph), the GEMM alone and the GEMM with the reduction kernel, whose "peer" partial is the other slot
+(distinct memory, read from this GPU's HBM instead of over NVLink); per ``--blocks`` entry (rows x
+columns x warps of the kernel's tiles) the same. ``steady_us``: the op's time per call back to back
+(CUDA events, median of 5 x 20 calls), bound by the larger of host and GPU. Writes
+``oneshot_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import tileweave  # noqa: E402
+from tileweave.ops import _fused, _launch  # noqa: E402
+from tileweave.ops.workspace import READY, ensure_workspace  # noqa: E402
+from tileweave.runtime.backend import Backend, HostMirror, SymmetricBuffer  # noqa: E402
+
+# The suite's reduce-scatter rows that run NCCL + cuBLAS under "auto" at TP=2 (M x K_loc x N).
+SHAPES = ("1024x2048x4096,2048x2048x4096,1024x7168x4096,1024x4096x8192,1024x14336x8192,1024x24576x12288,"
+          "2048x7168x4096,2048x4096x8192")
+
+
+class SelfPeerBackend(Backend):
+    """Two ranks on one GPU: rank 0, whose peer's symmetric memory is its own."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.group = dist.group.WORLD
+        self.rank, self.world_size, self.device = 0, 2, device
+        self.interpreter = False
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.default_max_spin = 1 << 26
+
+    def allocate(self, nbytes: int) -> SymmetricBuffer:
+        t = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        return SymmetricBuffer(nbytes=nbytes, addresses=(t.data_ptr(),) * 2, views=(t, t))
+
+    def _unused(self, *args) -> None:
+        raise NotImplementedError("the one-shot path issues no stream memory op or copy")
+
+    comm_begin = comm_copy = comm_wait = comm_write = comm_end = main_wait = main_write = _unused
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def host_mirror(self) -> HostMirror:
+        return HostMirror(self.device)
+
+
+def _op(device: torch.device) -> tileweave.GemmReduceScatter:
+    backend = SelfPeerBackend(device)
+    op = tileweave.GemmReduceScatter(policy="oneshot")
+    op._backend = backend
+    op._ws = ensure_workspace(None, backend, 0)
+    # Rank 1's signal would land in our READY[1], which is what rank 0 waits on.
+    op._ws._ptr_tables["ready"] = torch.tensor([op._ws.flag_address(0, READY, 1)] * 2, dtype=torch.int64,
+                                               device=device)
+    return op
+
+
+def _host_us(fn, calls: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(0.3 * 1.4e9))
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    total = (time.perf_counter_ns() - start) / calls / 1e3
+    torch.cuda.synchronize()
+    return total
+
+
+def _graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def _steady_us(fn, reps: int = 5, calls: int = 20) -> float:
+    for _ in range(30):
+        fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: torch.device) -> dict:
+    torch.manual_seed(m + k + n)
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+    op = _op(device)
+    row = {"shape": f"{m}x{k}x{n}"}
+    got = op(a, b)
+    ref = (2 * (a.float() @ b.float()))[: m // 2]  # rank 0's rows of two equal partials
+    row["rel_err"] = float((got.float() - ref).norm() / ref.norm())
+    row["path"] = tileweave.last_path("gemm_reduce_scatter")
+    row["host_us"] = _host_us(lambda: op(a, b))
+    row["steady_us"] = _steady_us(lambda: op(a, b))
+    partial, out = torch.empty(m, n, device=device, dtype=torch.bfloat16), torch.empty(m // 2, n, device=device,
+                                                                                        dtype=torch.bfloat16)
+    row["hand_us"] = _host_us(lambda: dist.reduce_scatter_tensor(partial, torch.matmul(a, b)))
+    row["gemm_us"] = _graph_us(lambda: torch.mm(a, b, out=partial))
+    # Internals with a fixed epoch (a graph repeats its arguments): the flag holds it after the first run.
+    slots = torch.empty(2, m, n, device=device, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, m * n], dtype=torch.int64, device=device)
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+    signals = torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device)
+    err = torch.zeros(1, dtype=torch.int32, device=device)
+    default = _launch.REDUCE_BLOCK
+    for block in [default] + [x for x in blocks if x != default]:
+        _launch.REDUCE_BLOCK = block
+
+        def call():
+            torch.mm(a, b, out=slots[0])
+            _launch.launch_reduce_rows(part=slots[0], peer_offsets=offsets, signals=signals, ready=flags[:2],
+                                       out=out, bias=None, err=err, epoch=1, max_spin=1 << 26, rank=0, world=2,
+                                       row0=0, programs=op._backend.num_sms)
+        name = "oneshot_us" if block == default else "oneshot_us_" + "x".join(map(str, block))
+        row[name] = _graph_us(call)
+    _launch.REDUCE_BLOCK = default
+    row["err_word"] = int(err.item())
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--blocks", default="16x512x4,64x256x8,32x512x8")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, device_id=device)
+    # One rank stands for two: rank 0's proposal is everyone's.
+    _fused.agree = lambda backend, cache, op, signature, proposal: cache.setdefault(signature, proposal)
+    blocks = [tuple(int(v) for v in x.split("x")) for x in args.blocks.split(",") if x]
+    rows = []
+    for shape in args.shapes.split(","):
+        m, k, n = (int(v) for v in shape.split("x"))
+        rows.append(probe(m, k, n, blocks, device))
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "oneshot_probe.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                   "commit": os.environ.get("TILEWEAVE_GIT_COMMIT", ""), "rows": rows}, f, indent=1)
+    keys = [key for key in rows[0] if key.endswith("_us")]
+    print(f"{'shape':20s}" + "".join(f"{key:>22s}" for key in keys) + "   rel_err")
+    for row in rows:
+        print(f"{row['shape']:20s}" + "".join(f"{row[key]:22.1f}" for key in keys) + f"   {row['rel_err']:.1e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
