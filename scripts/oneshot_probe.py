@@ -11,6 +11,8 @@ skipped. Columns, per shape (bf16, B an ``nn.Linear`` weight):
 ``host_us``: the op's host time per call, issued behind 0.3 s of GPU work so that no call waits for the
 GPU (the repeat route, as the benchmark's steady state calls it); ``hand_us``: ``torch.matmul`` then
 ``dist.reduce_scatter_tensor`` on a one-rank NCCL group, the same way (NCCL's host path at one rank);
+``part_*_us``: the op's parts alone, the same way (the GEMM, the output's allocation, the kernel's
+launch, the check of the error word);
 ``gemm_us`` and ``oneshot_us``: GPU time per call with the host out of the way (20 calls in a CUDA
 graph), the GEMM alone and the GEMM with the reduction kernel, whose "peer" partial is the other slot
 (distinct memory, read from this GPU's HBM instead of over NVLink); per ``--blocks`` entry (rows x
@@ -147,26 +149,33 @@ def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: to
     partial, out = torch.empty(m, n, device=device, dtype=torch.bfloat16), torch.empty(m // 2, n, device=device,
                                                                                         dtype=torch.bfloat16)
     row["hand_us"] = _host_us(lambda: dist.reduce_scatter_tensor(partial, torch.matmul(a, b)))
+    # The op's host time by part (each issued alone, as above).
+    ws = op._ws
+    slots, reduce_plan = ws.plans[("oneshot", m, n, a.dtype)]
+    row["part_mm_us"] = _host_us(lambda: torch.mm(a, b, out=slots[0]))
+    row["part_new_empty_us"] = _host_us(lambda: a.new_empty((m // 2, n)))
+    row["part_launch_us"] = _host_us(lambda: _launch.launch_reduce_rows(reduce_plan, slots[0], out, None,
+                                                                        ws.oneshot_epoch))
+    row["part_check_us"] = _host_us(lambda: op._oneshot_check(ws, 0))
     row["gemm_us"] = _graph_us(lambda: torch.mm(a, b, out=partial))
     # Internals with a fixed epoch (a graph repeats its arguments): the flag holds it after the first run.
     slots = torch.empty(2, m, n, device=device, dtype=torch.bfloat16)
-    offsets = torch.tensor([0, m * n], dtype=torch.int64, device=device)
     flags = torch.zeros(4, dtype=torch.int32, device=device)
-    signals = torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device)
-    err = torch.zeros(1, dtype=torch.int32, device=device)
     default = _launch.REDUCE_BLOCK
     for block in [default] + [x for x in blocks if x != default]:
         _launch.REDUCE_BLOCK = block
+        plan = _launch.ReducePlan(peer_offsets=torch.tensor([0, m * n], dtype=torch.int64, device=device),
+                                  signals=torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device),
+                                  ready=flags[:2], err=flags[3:], host_err=op._host_err.tensor, rank=0, world=2,
+                                  rows=m // 2, n=n, row0=0, max_spin=1 << 26, programs=op._backend.num_sms)
 
         def call():
             torch.mm(a, b, out=slots[0])
-            _launch.launch_reduce_rows(part=slots[0], peer_offsets=offsets, signals=signals, ready=flags[:2],
-                                       out=out, bias=None, err=err, epoch=1, max_spin=1 << 26, rank=0, world=2,
-                                       row0=0, programs=op._backend.num_sms)
+            _launch.launch_reduce_rows(plan, slots[0], out, None, 1)
         name = "oneshot_us" if block == default else "oneshot_us_" + "x".join(map(str, block))
         row[name] = _graph_us(call)
     _launch.REDUCE_BLOCK = default
-    row["err_word"] = int(err.item())
+    row["err_word"] = int(flags[3].item()) + op._host_err.read()
     return row
 
 
@@ -194,7 +203,7 @@ def main() -> None:
     with open(os.path.join(args.out, "oneshot_probe.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                    "commit": os.environ.get("TILEWEAVE_GIT_COMMIT", ""), "rows": rows}, f, indent=1)
-    keys = [key for key in rows[0] if key.endswith("_us")]
+    keys = [key for key in rows[0] if key.endswith("_us") and not key.startswith("oneshot_us_")]
     print(f"{'shape':20s}" + "".join(f"{key:>22s}" for key in keys) + "   rel_err")
     for row in rows:
         print(f"{row['shape']:20s}" + "".join(f"{row[key]:22.1f}" for key in keys) + f"   {row['rel_err']:.1e}")
