@@ -168,7 +168,8 @@ class FusedOp:
         apply. The graphs belong to an inner graphable op with its own workspace. Collective like any
         call: every rank replays (or, for a shape's first call, runs eagerly) exactly once per call;
         a rank that meets a new weight address captures first, which runs nothing on the GPU."""
-        if not self.replay or self.policy == "fallback" or gflop >= REPLAY_BELOW_GFLOP or _launch.capturing(a):
+        if (not self.replay or self.policy not in ("auto", "fused") or gflop >= REPLAY_BELOW_GFLOP
+                or _launch.capturing(a)):
             return None
         if self._replay_op is None:
             self._replay_op = type(self)(self.group, policy="fused", transport="chunked", config=self.config,

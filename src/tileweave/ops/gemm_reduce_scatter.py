@@ -210,7 +210,7 @@ class GemmReduceScatter(FusedOp):
             self._oneshot(backend, a, b, bias, out)
             return out
         if path != "fused":
-            if signature is not None:
+            if signature is not None and path == "fallback":  # not a one-shot signature met under capture
                 self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
 

@@ -731,6 +731,17 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
         attempt(f"graphable ag-{transport} before eager", calls["ag"], op)
         calls["ag"](op)
         attempt(f"graphable ag-{transport} after eager", calls["ag"], op)
+    # The one-shot path's epochs would not advance on replay: under capture it runs NCCL + cuBLAS, and
+    # the next eager call of the signature takes the one-shot path again.
+    op = tileweave.GemmReduceScatter(policy="oneshot")
+    for name in ("rs", "rs_bias"):
+        attempt(f"oneshot {name} before eager", calls[name], op)
+        calls[name](op)
+        attempt(f"oneshot {name} after eager", calls[name], op)
+        captured = tileweave.last_path("gemm_reduce_scatter")
+        calls[name](op)
+        outcomes[f"oneshot-paths {name} capture-then-eager"] = \
+            f"{captured} {tileweave.last_path('gemm_reduce_scatter')}"
     return outcomes
 
 
