@@ -100,12 +100,12 @@ def test_transports_for_ours():
             cli.parse_args(bad)
 
 
-def test_oneshot_policy_is_for_the_reduce_scatter_only():
-    assert cli.parse_args(["--op", "rs", "--policy", "oneshot"]).policy == "oneshot"
-    for bad in (["--policy", "oneshot"], ["--op", "ag", "--policy", "oneshot"],
-                ["--op", "rs,block", "--policy", "oneshot"]):
-        with pytest.raises(SystemExit):
-            cli.parse_args(bad)
+def test_policies_for_ours():
+    assert cli.parse_args([]).policy == "auto"
+    assert [cli.parse_args(["--policy", p]).policy for p in ("fused", "oneshot", "fallback")] == \
+        ["fused", "oneshot", "fallback"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--policy", "chunked"])
 
 
 def test_tokens_is_m_for_torchrun():

@@ -114,7 +114,7 @@ C = scenarios.Case
 
 
 @needs_two
-@pytest.mark.parametrize("transport", ["mesh", "ring", "chunked"])
+@pytest.mark.parametrize("transport", ["mesh", "ring", "chunked", "oneshot"])
 def test_all_gather_gemm_gpu(transport):
     t = transport
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, ag_transport=t),
@@ -124,8 +124,7 @@ def test_all_gather_gemm_gpu(transport):
                ag_transport=t)]
     for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_gemm_check, cases, gpus=True):
         for row in rank_rows:
-            assert row["path"] == ("chunked" if "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])
-                                   else "fused"), row
+            assert row["path"] == (t if t in ("chunked", "oneshot") else "fused"), row
             assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
             assert row["gathered_exact"], row
 
@@ -218,11 +217,11 @@ def test_tp_mlp_forward_in_a_cuda_graph_gpu():
 
 
 @needs_two
-@pytest.mark.parametrize("op_kind", ["ag", "rs_oneshot"])
+@pytest.mark.parametrize("op_kind", ["ag", "ag_oneshot", "rs_oneshot"])
 def test_missing_peer_reported_by_the_next_call_gpu(op_kind):
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
-    # as an error in the third, from the error word mirrored to the host (the one-shot path: written by
-    # the kernel into pinned host memory).
+    # as an error in the third, from the error word mirrored to the host (the one-shot paths: written by
+    # their kernel into pinned host memory).
     outcomes = run_ranks(torch.cuda.device_count(), scenarios.missing_peer_check, 1 << 16, op_kind, gpus=True,
                          timeout_s=300)
     assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]

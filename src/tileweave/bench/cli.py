@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-torch", action="store_true",
                    help="skip PyTorch async-TP (only to work around a hang in that peer)")
     p.add_argument("--policy", choices=("auto", "fused", "oneshot", "fallback"), default="auto",
-                   help="tileweave's path choice for 'ours' (default auto: what users get; oneshot: "
-                        "GEMM+ReduceScatter's one-shot path, --op rs only)")
+                   help="tileweave's path choice for 'ours' (default auto: what users get; oneshot: the "
+                        "one-shot paths, opt-in)")
     p.add_argument("--ag-transport", default="auto",
                    help="AllGather+GEMM transport(s) for 'ours', from auto, mesh, ring, chunked; a comma list "
                         "times each next to one set of baselines (default auto: chunked or mesh per shape)")
@@ -137,9 +137,6 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
             raise ValueError(f"--tag may use letters, digits, '.', '_' and '-' only; got {ns.tag!r}")
         # Filters are checked here, before any process starts, so a typo costs nothing.
         _check_filters(ops, layers, m_values, world_size=1)
-        if ns.policy == "oneshot" and set(ops) != {"rs"}:
-            raise ValueError("--policy oneshot is GEMM+ReduceScatter's path: use it with --op rs only "
-                             f"(got {','.join(ops)})")
         transports = {"ag": _transports(ns.ag_transport, AG_TRANSPORTS, "--ag-transport"),
                       "rs": _transports(ns.rs_transport, RS_TRANSPORTS, "--rs-transport")}
         block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())

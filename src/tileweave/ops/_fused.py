@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops.workspace import Workspace, agree
-from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+from tileweave.runtime.backend import Backend, HostWord, TileweaveError, get_backend
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
@@ -136,6 +136,9 @@ class FusedOp:
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
         tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
+        self._oneshot_routes: dict[tuple, Backend] = {}
+        """The same for the one-shot path (the subclasses that have it)."""
+        self._host_err: HostWord | None = None
 
     @staticmethod
     def _replay_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -230,6 +233,34 @@ class FusedOp:
         if self._err_mirror is None:
             self._err_mirror = backend.host_mirror()
         self._err_mirror.refresh(ws.err)
+
+    def _oneshot_launch_plan(self, backend: Backend, ws: Workspace, dtype: torch.dtype, **shape) -> _launch.OneshotPlan:
+        """The launch plan of a one-shot kernel on ``ws``'s one-shot buffer (which must hold the call's
+        slots); ``shape``: ``OneshotPlan``'s rows, cols, row0, parts."""
+        if self._host_err is None:
+            self._host_err = HostWord(backend.device)
+        return _launch.OneshotPlan(peer_offsets=ws.oneshot_offsets(dtype.itemsize), signals=ws.oneshot_signals(),
+                                   ready=ws.oneshot_flags(), err=ws.err, host_err=self._host_err.tensor,
+                                   rank=backend.rank, world=backend.world_size,
+                                   max_spin=self.max_spin or backend.default_max_spin, programs=backend.num_sms,
+                                   **shape)
+
+    def _oneshot_check(self, ws: Workspace, rank: int) -> None:
+        """Raise if an earlier one-shot kernel's wait expired: its word in pinned host memory is set (no
+        driver call, unlike ``_check_previous``'s mirror)."""
+        code = self._host_err.read()
+        if code:
+            self._host_err.clear()
+            ws.err.zero_()  # the device word too, which the fused paths' check would report again
+            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, rank)
+
+    def _oneshot_finish(self, backend: Backend, ws: Workspace) -> None:
+        """After a one-shot launch: in debug mode (and on the CPU) wait for it, bounded as its waits
+        are, and raise at once if one expired; otherwise the next call reports it."""
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            self._oneshot_check(ws, backend.rank)
+        _launch.record_path(self.op_name, "oneshot")
 
     @staticmethod
     def _programs(config: GemmConfig, backend: Backend, reducing: bool) -> int:

@@ -12,7 +12,7 @@ import triton
 from triton.runtime import _allocation
 
 from tileweave.kernels.gemm import fused_gemm_kernel
-from tileweave.kernels.reduce import reduce_rows_kernel
+from tileweave.kernels.oneshot import gather_rows_kernel, reduce_rows_kernel
 from tileweave.runtime.backend import TileweaveError
 from tileweave.tune.configs import CE_RELEASES, GemmConfig
 
@@ -417,16 +417,19 @@ def _cached_scratch(launcher, device: int, stream: int, programs: int):
     return entry[0]
 
 
-REDUCE_BLOCK = (32, 256, 4)
-"""The one-shot reduce-scatter's tiles: rows, columns, warps (16 KB of bf16 per rank and tile)."""
+ONESHOT_BLOCK = (32, 256, 4)
+"""The one-shot kernels' tiles: rows, columns, warps (16 KB of bf16 per rank and tile; 16 x 512 and
+64 x 256 were no faster, NOTES.md entry 81)."""
 
 
 @dataclasses.dataclass
-class ReducePlan:
-    """The launches of ``reduce_rows_kernel`` for one shape and workspace: every argument but the
-    partial's slot, the output, the bias and the epoch fixed, so that after the first launch of a
-    layout (which compiles through Triton) a call costs the host one launch with its pointers as
-    ints, as ``relaunch`` does. This launch is most of the one-shot path's host time."""
+class OneshotPlan:
+    """The launches of one of ``tileweave.kernels.oneshot``'s kernels for one shape and workspace: every
+    argument but the buffers that change per call and the epoch fixed, so that after the first launch
+    of a layout (which compiles through Triton) a call costs the host one launch with its pointers as
+    ints, as ``relaunch`` does; that launch is most of a one-shot call's host time. ``rows, cols``: the
+    output's rows and columns (reduce) or a shard's (gather); ``row0``: this rank's first row (reduce);
+    ``parts``: blocks of ``rows x cols`` the kernel moves (gather: one per peer)."""
 
     peer_offsets: torch.Tensor
     signals: torch.Tensor
@@ -436,44 +439,61 @@ class ReducePlan:
     rank: int
     world: int
     rows: int
-    n: int
-    row0: int
+    cols: int
     max_spin: int
     programs: int
+    row0: int = 0
+    parts: int = 1
     compiled: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        bm, bn, self.warps = REDUCE_BLOCK
-        self.programs = max(1, min(self.programs, -(-self.rows // bm) * -(-self.n // bn)))
+        bm, bn, self.warps = ONESHOT_BLOCK
         self.blocks = (bm, bn)
+        tiles = -(-self.rows // bm) * -(-self.cols // bn) * self.parts
+        self.programs = max(1, min(self.programs, tiles))
         self.fixed = (self.peer_offsets.data_ptr(), self.signals.data_ptr(), self.ready.data_ptr())
         self.errs = (self.err.data_ptr(), self.host_err.data_ptr())
 
+    def launch(self, kernel_fn, key: tuple, tensors: tuple, scalars: tuple, constexprs: dict) -> None:
+        """Launch ``kernel_fn`` with ``tensors`` (pointer arguments) then ``scalars``: the compiled
+        kernel of ``key`` with the pointers as ints if there is one, else through Triton (kept)."""
+        device = tensors[0].device
+        fast = _fast_launch and device.type == "cuda"
+        kernel = self.compiled.get(key) if fast else None
+        if kernel is not None and torch.cuda.current_device() == device.index:
+            _launch_compiled(kernel, device.index, self.programs, (*(t.data_ptr() for t in tensors), *scalars),
+                             tuple(constexprs.values()))
+            return
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            kernel = kernel_fn[(self.programs,)](*tensors, *scalars, **constexprs, num_warps=self.warps)
+        if fast:
+            self.compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
 
-def launch_reduce_rows(plan: ReducePlan, part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+
+def launch_reduce_rows(plan: OneshotPlan, part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                        epoch: int) -> None:
     """``out`` = this rank's rows of the sum of every rank's ``part`` (``reduce_rows_kernel``)."""
-    stride_p, stride_out = part.stride(0), out.stride(0)
     has_bias = bias is not None
-    if _fast_launch and out.is_cuda:
-        # What Triton specialises on that can change between calls: alignments, the output's row stride.
-        key = (part.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, stride_out, has_bias,
-               has_bias and bias.data_ptr() % 16 == 0, stride_p)
-        kernel = plan.compiled.get(key)
-        if kernel is not None and torch.cuda.current_device() == out.device.index:
-            out_ptr = out.data_ptr()
-            args = (part.data_ptr(), *plan.fixed, out_ptr, bias.data_ptr() if has_bias else out_ptr, *plan.errs,
-                    _i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.n, plan.row0, stride_p, stride_out)
-            _launch_compiled(kernel, out.device.index, plan.programs, args,
-                             (plan.world, *plan.blocks, plan.programs, has_bias))
-            return
-    args = (part, plan.peer_offsets, plan.signals, plan.ready, out, bias if has_bias else out, plan.err,
-            plan.host_err, _i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.n, plan.row0, stride_p, stride_out)
-    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
-        kernel = reduce_rows_kernel[(plan.programs,)](*args, WORLD=plan.world, BM=plan.blocks[0], BN=plan.blocks[1],
-                                                      P=plan.programs, HAS_BIAS=has_bias, num_warps=plan.warps)
-    if _fast_launch and out.is_cuda:
-        plan.compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+    stride_p, stride_out = part.stride(0), out.stride(0)
+    # What Triton specialises on that can change between calls: alignments, the row strides.
+    key = (part.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, stride_out, has_bias,
+           has_bias and bias.data_ptr() % 16 == 0, stride_p)
+    tensors = (part, plan.peer_offsets, plan.signals, plan.ready, out, bias if has_bias else out, plan.err,
+               plan.host_err)
+    scalars = (_i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.cols, plan.row0, stride_p, stride_out)
+    plan.launch(reduce_rows_kernel, key, tensors, scalars,
+                {"WORLD": plan.world, "BM": plan.blocks[0], "BN": plan.blocks[1], "P": plan.programs,
+                 "HAS_BIAS": has_bias})
+
+
+def launch_gather_rows(plan: OneshotPlan, buf: torch.Tensor, epoch: int) -> None:
+    """Every peer's rows of its gather buffer into the same rows of this rank's ``buf``
+    (``gather_rows_kernel``)."""
+    stride = buf.stride(0)
+    tensors = (buf, plan.peer_offsets, plan.signals, plan.ready, plan.err, plan.host_err)
+    scalars = (_i32(epoch), plan.max_spin, plan.rank, plan.rows, plan.cols, stride)
+    plan.launch(gather_rows_kernel, (buf.data_ptr() % 16 == 0, stride), tensors, scalars,
+                {"WORLD": plan.world, "BM": plan.blocks[0], "BN": plan.blocks[1], "P": plan.programs})
 
 
 _stream_k_kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

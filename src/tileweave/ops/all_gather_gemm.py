@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import COUNTERS, READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace, released_start
+from tileweave.ops.workspace import (COUNTERS, READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace,
+                                     oneshot_slots, released_start)
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
@@ -75,7 +76,10 @@ class AllGatherGemm(FusedOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
-    ``"fused"`` and ``"fallback"`` force one. ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
+    ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` (opt-in until measured on two GPUs) takes
+    the one-shot path on every call: the shard into a symmetric gather buffer, one kernel that copies
+    the peers' shards out of theirs over NVLink, one cuBLAS GEMM (``_oneshot``; NCCL under CUDA-graph
+    capture, where its epochs would not advance). ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
     or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
     rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
     ``"auto"`` (default): chunked or mesh per shape (``heuristics.all_gather_transport``).
@@ -84,6 +88,7 @@ class AllGatherGemm(FusedOp):
     """
 
     op_name = _OP
+    policies = ("auto", "fused", "oneshot", "fallback")
     transports = TRANSPORTS
     transport_env = "TILEWEAVE_AG_TRANSPORT"
     default_transport = "auto"
@@ -177,6 +182,12 @@ class AllGatherGemm(FusedOp):
             if gathered_out is not None:
                 _check_gathered_out(gathered_out, a_shard, backend.world_size)
             return self._fallback(backend, a_shard, b, None, None, return_gathered, gathered_out)
+        if self._oneshot_routes and signature is not None and not _launch.capturing(a_shard):
+            backend = self._oneshot_routes.get(signature)
+            if backend is not None:  # decided before: no checks, no decision (host time is the point)
+                if gathered_out is not None:
+                    _check_gathered_out(gathered_out, a_shard, backend.world_size)
+                return self._oneshot(backend, a_shard, b, None, None, return_gathered, gathered_out)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
         mc, k = a_shard.shape
@@ -206,8 +217,12 @@ class AllGatherGemm(FusedOp):
         path, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
                                            _launch.capturing(a_shard))
-        if path != "fused":
+        if path == "oneshot" and not _launch.capturing(a_shard):  # under capture: NCCL, as every rank does
             if signature is not None:
+                self._oneshot_routes[signature] = backend
+            return self._oneshot(backend, a_shard, b, bias, out, return_gathered, gathered_out)
+        if path != "fused":
+            if signature is not None and path == "fallback":  # not a one-shot signature met under capture
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered, gathered_out)
         if out is None:
@@ -257,6 +272,53 @@ class AllGatherGemm(FusedOp):
         if gathered_out is not None:
             return out, gathered_out
         return (out, gathered) if return_gathered else out
+
+    def _oneshot(self, backend: Backend, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+        """The one-shot path (``policy="oneshot"``): the shard into its rows of this call's slot of the
+        one-shot buffer (a symmetric ``[M, K]`` gather buffer), then one kernel
+        (``tileweave.kernels.oneshot``) that
+        signals the peers, waits for theirs and copies their rows of their slots into ours over NVLink,
+        then one cuBLAS GEMM over the whole slot. Two slots, used in
+        turn (``oneshot_slots``): no call waits for anything but the peers' shards of the same call, and
+        a returned gathered view stays intact until this rank's call after next (more than the op
+        promises: until its next call)."""
+        self._return_lent()
+        mc, k = a_shard.shape
+        w, rank = backend.world_size, backend.rank
+        m = mc * w
+        ws = self._ws
+        plan = ws.plans.get(("oneshot", m, k, a_shard.dtype)) if ws is not None else None
+        if plan is None:
+            plan = self._oneshot_plan(backend, m, k, a_shard.dtype)
+            ws = self._ws
+        slots, gather_plan = plan
+        self._oneshot_check(ws, rank)
+        ws.oneshot_epoch += 1
+        epoch = ws.oneshot_epoch
+        gathered = slots[epoch & 1]
+        # Tensor.copy_: 9-15 us of host time on one H200's host, a driver copy 14-22 (NOTES.md, entry 82).
+        gathered[rank * mc:(rank + 1) * mc].copy_(a_shard)
+        _launch.launch_gather_rows(gather_plan, gathered, epoch)
+        if out is None:  # cuBLAS allocating its output costs the host less than writing into one (_fallback)
+            out = torch.mm(gathered, b) if bias is None else torch.addmm(bias, gathered, b)
+        elif bias is None:
+            torch.mm(gathered, b, out=out)
+        else:
+            torch.addmm(bias, gathered, b, out=out)
+        self._oneshot_finish(backend, ws)
+        if gathered_out is not None:
+            return out, gathered_out.copy_(gathered)
+        return (out, gathered) if return_gathered else out
+
+    def _oneshot_plan(self, backend: Backend, m: int, k: int, dtype: torch.dtype) -> tuple:
+        """The workspace's one-shot buffer sized for two ``[M, K]`` gather buffers, and one shape's two
+        slots and launch plan."""
+        ws = self._workspace(backend, 0)
+        slots = oneshot_slots(ws, (m, k), dtype)
+        w = backend.world_size
+        plan = ws.plans[("oneshot", m, k, dtype)] = (slots, self._oneshot_launch_plan(
+            backend, ws, dtype, rows=m // w, cols=k, parts=w - 1))
+        return plan
 
     @staticmethod
     def _copy_out(backend: Backend, ws: Workspace, plan: "_Plan", a_shard, gathered_out, ready: int) -> None:

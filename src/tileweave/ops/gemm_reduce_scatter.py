@@ -51,9 +51,9 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops._fused import FusedOp
-from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, READY, RELEASED, FlagValues,
-                                     Workspace, ensure_workspace, released_start)
-from tileweave.runtime.backend import Backend, HostWord, TileweaveError
+from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, FlagValues, Workspace,
+                                     ensure_workspace, oneshot_slots, released_start)
+from tileweave.runtime.backend import Backend, TileweaveError
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 
@@ -150,9 +150,6 @@ class GemmReduceScatter(FusedOp):
             raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
                                  "use graphable=True without pull")
         self.pull = (not self.graphable) if pull is None else pull
-        self._host_err: HostWord | None = None
-        self._oneshot_routes: dict[tuple, Backend] = {}
-        """Signatures decided for the one-shot path (as ``_unfused`` for the unfused one)."""
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,10 +257,8 @@ class GemmReduceScatter(FusedOp):
         """The one-shot path (``policy="oneshot"``): one cuBLAS GEMM over all M rows into this call's slot
         of the one-shot buffer, then one kernel (``tileweave.kernels.reduce``) that signals the peers,
         waits for theirs and sums this rank's rows of every rank's partial, the peers' read over NVLink.
-        Two slots, used in turn: a rank writes a slot again two calls later, when its previous call's
-        kernel has seen every peer's signal of that call, which each peer sent only after its own reads
-        of the slot (its kernel two calls back) were done. So no call waits for anything but the peers'
-        partials of the same call. The partials are rounded to the output dtype, as NCCL's are; the sum
+        Two slots, used in turn (``oneshot_slots``): no call waits for anything but the peers' partials
+        of the same call. The partials are rounded to the output dtype, as NCCL's are; the sum
         is fp32 in rank order, the same bitwise on every run. An expired wait is reported by the next
         call from a word the kernel writes into pinned host memory (at once in debug mode and on the
         CPU), which costs no driver call, unlike the fused paths' mirrored error word."""
@@ -280,35 +275,16 @@ class GemmReduceScatter(FusedOp):
         part = slots[epoch & 1]
         torch.mm(a, b, out=part)
         _launch.launch_reduce_rows(reduce_plan, part, out, bias, epoch)
-        if backend.interpreter or _launch.debug_mode():
-            backend.synchronize()  # bounded: the kernel's waits are
-            self._oneshot_check(ws, backend.rank)
-        _launch.record_path(_OP, "oneshot")
-
-    def _oneshot_check(self, ws: Workspace, rank: int) -> None:
-        """Raise if an earlier one-shot kernel's wait expired (its host word is set)."""
-        code = self._host_err.read()
-        if code:
-            self._host_err.clear()
-            ws.err.zero_()  # the device word too, which the fused paths' check would report again
-            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), _OP, rank)
+        self._oneshot_finish(backend, ws)
 
     def _oneshot_plan(self, backend: Backend, m: int, n: int, dtype: torch.dtype) -> tuple:
-        """The workspace's one-shot buffer sized for ``[M, N]`` partials, and one shape's two slots and
-        launch plan."""
+        """The workspace's one-shot buffer sized for two ``[M, N]`` partials, and one shape's two slots
+        and launch plan."""
         self._ws = ensure_workspace(self._ws, backend, 0, released=released_start(self.graphable))
-        ws = self._ws
-        if self._host_err is None:
-            self._host_err = HostWord(backend.device)
-        nbytes = m * n * dtype.itemsize
-        buffer = ws.ensure_oneshot(2 * nbytes)
-        w, rank = backend.world_size, backend.rank
-        slots = tuple(buffer.view(rank, dtype, (m, n), offset=s * nbytes) for s in range(2))
-        reduce_plan = _launch.ReducePlan(peer_offsets=ws.oneshot_offsets(dtype.itemsize), signals=ws.ready_addresses(),
-                                         ready=ws.flag_slice(READY), err=ws.err, host_err=self._host_err.tensor,
-                                         rank=rank, world=w, rows=m // w, n=n, row0=rank * (m // w),
-                                         max_spin=self.max_spin or backend.default_max_spin, programs=backend.num_sms)
-        plan = ws.plans[("oneshot", m, n, dtype)] = (slots, reduce_plan)
+        ws, w, rank = self._ws, backend.world_size, backend.rank
+        slots = oneshot_slots(ws, (m, n), dtype)
+        plan = ws.plans[("oneshot", m, n, dtype)] = (slots, self._oneshot_launch_plan(
+            backend, ws, dtype, rows=m // w, cols=n, row0=rank * (m // w)))
         return plan
 
     def _fused_copy_engine(self, backend: Backend, a, b, bias, out, config: GemmConfig, m: int, n: int,

@@ -10,13 +10,15 @@ import torch.distributed as dist
 from tileweave.runtime.backend import Backend, SymmetricBuffer, TileweaveError
 
 # Flag array layout, in int32 words, for a group of W ranks:
-#   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather;
-#                         the one-shot reduce-scatter's partials, with its own epoch)
+#   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
 #   [W, 2W)     RELEASED: released[p] = epoch whose use of p's own buffer p has finished, so that
 #                         writers may fill it for the next epoch
 #   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
 #   3W          ERR:      nonzero when a bounded in-kernel wait expired
 READY, RELEASED, COUNTERS = 0, 1, 2
+ONESHOT_HEADER = 256
+"""Bytes at the start of the one-shot buffer (``Workspace.ensure_oneshot``) for its flag words: word
+``src`` holds the one-shot epoch at which src's data for this rank is complete. Its data follows."""
 # The copy-engine flag block (``Workspace.ensure_ce_flags``), W x groups words per region; the kernel's
 # side of the layout is at ``tileweave.kernels.gemm.CE_GROUPS``.
 CE_COUNTERS, CE_ARRIVAL, CE_SENT = 0, 1, 2
@@ -47,8 +49,8 @@ class Workspace:
         self.local: torch.Tensor | None = None
         self.oneshot: SymmetricBuffer | None = None
         self.oneshot_epoch = 0
-        """The one-shot reduce-scatter's own call count (its READY words carry it): the transports'
-        RELEASED waits expect ``epoch`` to advance only with their own calls."""
+        """The one-shot paths' own call count, which their flag words carry (the transports' waits
+        expect ``epoch`` to advance only with their own calls); restarts with each new buffer."""
         self._ptr_tables: dict[str, torch.Tensor] = {}
 
     def ensure_local(self, nbytes: int) -> torch.Tensor:
@@ -67,20 +69,32 @@ class Workspace:
         return self.local
 
     def ensure_oneshot(self, nbytes: int) -> SymmetricBuffer:
-        """The one-shot reduce-scatter's symmetric buffer (two slots of partials), allocated on first use
-        and grown on demand. Growing is collective and first waits for every rank's earlier calls, since
-        peers may still be reading the old one; it drops the plans that view it."""
-        if self.oneshot is None or self.oneshot.nbytes < nbytes:
+        """The one-shot paths' symmetric buffer: ``ONESHOT_HEADER`` bytes of flag words, then at least
+        ``nbytes`` of data (two slots, see the ops), allocated on first use and grown on demand. Growing
+        is collective and first waits for every rank's earlier calls, since peers may still be reading
+        the old one; it drops the plans and tables that point into it, and the epoch restarts with the
+        new buffer's zeroed flags."""
+        if self.oneshot is None or self.oneshot.nbytes < ONESHOT_HEADER + nbytes:
             if self.backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise TileweaveError("the one-shot reduce-scatter's buffer cannot grow during CUDA-graph capture")
+                raise TileweaveError("the one-shot buffer cannot grow during CUDA-graph capture")
             if self.oneshot is not None:
                 self.backend.synchronize()
                 dist.barrier(group=self.backend.group)
-                nbytes = max(nbytes, 2 * self.oneshot.nbytes)
-            self.oneshot = self.backend.allocate(nbytes)
+                nbytes = max(nbytes, 2 * (self.oneshot.nbytes - ONESHOT_HEADER))
+            self.oneshot = self.backend.allocate(ONESHOT_HEADER + nbytes)
+            self.oneshot_epoch = 0
             self.plans = {key: plan for key, plan in self.plans.items() if key[0] != "oneshot"}
             self._ptr_tables = {key: t for key, t in self._ptr_tables.items() if not key.startswith("oneshot")}
         return self.oneshot
+
+    def oneshot_flags(self) -> torch.Tensor:
+        """This rank's one-shot flag words, one per source rank."""
+        return self.oneshot.view(self.backend.rank, torch.int32, (self.backend.world_size,))
+
+    def oneshot_signals(self) -> torch.Tensor:
+        """Every rank's one-shot flag word for this rank, as int64 addresses (where this rank signals)."""
+        return self._table("oneshot-signals", [self.oneshot.address(p, 4 * self.backend.rank)
+                                               for p in range(self.backend.world_size)])
 
     def flag_address(self, rank: int, kind: int, index: int) -> int:
         return self.flags.address(rank, 4 * (kind * self.backend.world_size + index))
@@ -101,12 +115,6 @@ class Workspace:
         """Address of word ``index`` of ``region`` (CE_COUNTERS, CE_ARRIVAL, CE_SENT) in ``rank``'s
         copy-engine flag block."""
         return self.ce_flags.address(rank, 4 * (region * self.backend.world_size * self.ce_groups + index))
-
-    def ready_addresses(self) -> torch.Tensor:
-        """Every rank's READY word for this rank as int64 addresses (where the one-shot reduce-scatter
-        signals that this rank's partial is complete)."""
-        return self._table("ready", [self.flag_address(p, READY, self.backend.rank)
-                                     for p in range(self.backend.world_size)])
 
     def oneshot_offsets(self, itemsize: int) -> torch.Tensor:
         """``data_offsets`` for the one-shot buffer (``ensure_oneshot``, which must have run)."""
@@ -168,6 +176,17 @@ class FlagValues:
                 backend.main_write(address, 0)
         for address in releases:
             backend.main_write(address, self.ready)
+
+
+def oneshot_slots(ws: Workspace, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's two slots of ``shape`` in the one-shot buffer (grown to hold them), used in turn by
+    a one-shot path's calls: a rank writes a slot again two calls later, when its previous call's
+    kernel has seen every peer's signal of that call, which each peer sent only after its own kernel
+    that read the slot (two calls back) was done. So a call waits only for the peers' data of the same
+    call, on the same stream as all of this op's calls."""
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    buffer = ws.ensure_oneshot(2 * nbytes)
+    return tuple(buffer.view(ws.backend.rank, dtype, shape, offset=ONESHOT_HEADER + s * nbytes) for s in range(2))
 
 
 def released_start(constant: bool) -> int:

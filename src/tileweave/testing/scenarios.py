@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import tileweave
+from tileweave.ops.workspace import ONESHOT_HEADER
 from tileweave.runtime.backend import set_producer_delay
 
 
@@ -39,7 +40,8 @@ class Case:
     """Reduce-scatter transport: "store", "copy_engine" or "chunked"; "oneshot": the one-shot path
     (``policy="oneshot"``), whose straggler sleeps before each call instead (it has no producer)."""
     ag_transport: str = "mesh"
-    """All-gather transport: "mesh", "ring" or "chunked"."""
+    """All-gather transport: "mesh", "ring" or "chunked"; "oneshot": the one-shot path
+    (``policy="oneshot"``), whose straggler sleeps before each call instead (it has no producer)."""
     ce_release: str = "tile"
     """Copy-engine reduce-scatter: ``GemmConfig.ce_release`` (a case with another value gets its own op)."""
     chunk_rows: int = 0
@@ -87,10 +89,15 @@ def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str
     b = _b(case, case.k, case.n, dtype, *seed, "b", rank, device=device)
     bias = _randn((case.n,), dtype, *seed, "bias", rank, device=device) if case.bias else None
     out = torch.full((m, case.n), float("nan"), dtype=dtype, device=device)
-    # Poison the gather buffer too: a consumer that does not wait for a shard reads NaN.
+    # Poison the gather buffers too: a consumer that does not wait for a shard reads NaN.
     op.gather_buffer(m, case.k, dtype, torch.device(device)).fill_(float("nan"))
+    oneshot = case.ag_transport == "oneshot"
+    if oneshot and op._ws.oneshot is not None:
+        op._ws.oneshot.views[rank][ONESHOT_HEADER:].fill_(255)  # NaN in every float dtype
     gathered_out = torch.full((m, case.k), float("nan"), dtype=dtype, device=device) if it % 2 else None
     dist.barrier()
+    if oneshot and rank == case.straggler:
+        time.sleep(case.delay_s)  # the others' kernels wait in their flag spin meanwhile
     if gathered_out is None:
         out, gathered = op(shards[rank], b, bias=bias, out=out, return_gathered=True)
     else:
@@ -100,6 +107,8 @@ def _all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str
     exact = torch.equal(gathered.double(), full_a) and (gathered_out is None or gathered is gathered_out)
     result = {"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("all_gather_gemm"),
               "err": _rel_err(out, ref), "gathered_exact": bool(exact)}
+    if oneshot and device != "cpu":
+        torch.cuda.synchronize()  # before the next call poisons a buffer a peer may still be reading
     dist.barrier()
     set_producer_delay(0.0)
     return result
@@ -111,6 +120,7 @@ def all_gather_gemm_check(rank: int, world: int, cases: list[Case]) -> list[dict
     ops = {(t, False): tileweave.AllGatherGemm(policy="fused", transport=t) for t in ("mesh", "ring", "chunked")}
     ops.update({(t, True): tileweave.AllGatherGemm(policy="fused", transport=t, graphable=True)
                 for t in ("mesh", "ring", "chunked")})
+    ops["oneshot", False] = tileweave.AllGatherGemm(policy="oneshot")
     return [_all_gather_call(ops[case.ag_transport, case.graphable], case, it, rank, world, device)
             for case in cases for it in range(case.iters)]
 
@@ -321,18 +331,19 @@ def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n
 
 
 def missing_peer_check(rank: int, world: int, max_spin: int, op_kind: str = "ag") -> dict:
-    """Rank 0 calls the fused all-gather GEMM (``op_kind="ag"``; "rs_oneshot": the one-shot
-    reduce-scatter), the others never do: rank 0 must get a clear error.
+    """Rank 0 calls the fused all-gather GEMM (``op_kind="ag"``; "ag_oneshot", "rs_oneshot": the
+    one-shot paths), the others never do: rank 0 must get a clear error.
 
     On the CPU (and in debug mode) the call that misses its data raises. On GPUs a call does not wait
     for its kernel: the kernel's bounded wait expires, and the next call raises, once the GPU is done
     (here after a synchronize), from the error word mirrored to the host."""
     device = _device()
-    if op_kind == "ag":
-        op = tileweave.AllGatherGemm(policy="fused", transport="mesh", max_spin=max_spin)
-    else:
+    if op_kind == "rs_oneshot":
         op = tileweave.GemmReduceScatter(policy="oneshot", max_spin=max_spin)
-    a = _randn((8 * (world if op_kind != "ag" else 1), 32), torch.float16, "missing", rank, device=device)
+    else:
+        op = tileweave.AllGatherGemm(policy="oneshot" if op_kind == "ag_oneshot" else "fused", transport="mesh",
+                                     max_spin=max_spin)
+    a = _randn((8 * (world if op_kind == "rs_oneshot" else 1), 32), torch.float16, "missing", rank, device=device)
     b = _randn((32, 16), torch.float16, "missing-b", rank, device=device)
     outcome = {"raised": False, "message": "", "calls": 0}
     # Agree on shapes first (the op's first call does this collectively), so that only the data of
@@ -360,7 +371,7 @@ def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, call
     them; every output is checked afterwards."""
     device = _device()
     dt = getattr(torch, dtype)
-    ag = tileweave.AllGatherGemm(policy="fused")
+    ag = tileweave.AllGatherGemm(policy="oneshot" if transport == "oneshot" else "fused")
     rs = (tileweave.GemmReduceScatter(policy="oneshot") if transport == "oneshot" else
           tileweave.GemmReduceScatter(policy="fused", transport=transport))
     inputs = []
@@ -733,15 +744,17 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
         attempt(f"graphable ag-{transport} after eager", calls["ag"], op)
     # The one-shot path's epochs would not advance on replay: under capture it runs NCCL + cuBLAS, and
     # the next eager call of the signature takes the one-shot path again.
-    op = tileweave.GemmReduceScatter(policy="oneshot")
-    for name in ("rs", "rs_bias"):
+    ops = {"ag": tileweave.AllGatherGemm(policy="oneshot"), "rs": tileweave.GemmReduceScatter(policy="oneshot")}
+    for name in calls:
+        kind = name.split("_")[0]
+        op = ops[kind]
         attempt(f"oneshot {name} before eager", calls[name], op)
         calls[name](op)
         attempt(f"oneshot {name} after eager", calls[name], op)
-        captured = tileweave.last_path("gemm_reduce_scatter")
+        op_name = "all_gather_gemm" if kind == "ag" else "gemm_reduce_scatter"
+        captured = tileweave.last_path(op_name)
         calls[name](op)
-        outcomes[f"oneshot-paths {name} capture-then-eager"] = \
-            f"{captured} {tileweave.last_path('gemm_reduce_scatter')}"
+        outcomes[f"oneshot-paths {name} capture-then-eager"] = f"{captured} {tileweave.last_path(op_name)}"
     return outcomes
 
 
