@@ -1,12 +1,11 @@
-"""GEMM+ReduceScatter's one-shot path (``GemmReduceScatter(policy="oneshot")``) on ONE GPU, its peer
-played by itself, for what one GPU can say before two do: the host time of a call and the GPU time of
-the GEMM and the reduction kernel.
+"""The one-shot paths (``policy="oneshot"``) on ONE GPU, its peer played by itself, for what one GPU can
+say before two do: the host time of a call and the GPU time of the GEMM and the one-shot kernel.
 
-    python3 scripts/oneshot_probe.py [--shapes MxK_locxN,...] [--blocks 32x256x4,...] [--out DIR]
+    python3 scripts/oneshot_probe.py [--op rs|ag] [--shapes MxKxN,...] [--blocks 32x256x4,...] [--out DIR]
 
 A backend of two ranks that both live on this GPU stands in for the group: rank 0's "peer" buffers are
-its own, its signal to the peer lands in the READY word it waits on, and the agreement between ranks is
-skipped. Columns, per shape (bf16, B an ``nn.Linear`` weight):
+its own, its signal to the peer lands in the flag word it waits on, and the agreement between ranks is
+skipped. Columns, per shape (bf16, B an ``nn.Linear`` weight), for GEMM+ReduceScatter (``--op rs``):
 
 ``host_us``: the op's host time per call, issued behind 0.3 s of GPU work so that no call waits for the
 GPU (the repeat route, as the benchmark's steady state calls it); ``hand_us``: ``torch.matmul`` then
@@ -18,7 +17,9 @@ graph), the GEMM alone and the GEMM with the reduction kernel, whose "peer" part
 (distinct memory, read from this GPU's HBM instead of over NVLink); per ``--blocks`` entry (rows x
 columns x warps of the kernel's tiles) the same. ``steady_us``: the op's time per call back to back
 (CUDA events, median of 5 x 20 calls), bound by the larger of host and GPU. Writes
-``oneshot_probe.json``.
+``oneshot_probe_<op>.json``. ``--op ag``: AllGather+GEMM's one-shot path the same way (its parts: the
+GEMM, the shard's copy into the gather buffer by ``Tensor.copy_`` and by one driver call, the kernel's
+launch; ``hand_us``: NCCL's all-gather on a one-rank group and ``torch.matmul``).
 """
 
 from __future__ import annotations
@@ -38,12 +39,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import tileweave  # noqa: E402
 from tileweave.ops import _fused, _launch  # noqa: E402
-from tileweave.ops.workspace import READY, ensure_workspace  # noqa: E402
+from tileweave.ops.workspace import ensure_workspace  # noqa: E402
+from tileweave.runtime import driver  # noqa: E402
 from tileweave.runtime.backend import Backend, HostMirror, SymmetricBuffer  # noqa: E402
 
-# The suite's reduce-scatter rows that run NCCL + cuBLAS under "auto" at TP=2 (M x K_loc x N).
+# The suite's reduce-scatter rows that run NCCL + cuBLAS under "auto" at TP=2, and two chunked ones
+# (M x K_loc x N).
 SHAPES = ("1024x2048x4096,2048x2048x4096,1024x7168x4096,1024x4096x8192,1024x14336x8192,1024x24576x12288,"
           "2048x7168x4096,2048x4096x8192")
+# The suite's all-gather rows of M <= 2048 that run NCCL + cuBLAS or the chunked transport at TP=2
+# (M x K x N_loc).
+AG_SHAPES = "1024x4096x3072,2048x4096x3072,1024x4096x14336,2048x4096x14336,1024x8192x5120,2048x8192x5120"
 
 
 class SelfPeerBackend(Backend):
@@ -72,14 +78,13 @@ class SelfPeerBackend(Backend):
         return HostMirror(self.device)
 
 
-def _op(device: torch.device) -> tileweave.GemmReduceScatter:
+def _op(device: torch.device, cls=tileweave.GemmReduceScatter):
     backend = SelfPeerBackend(device)
-    op = tileweave.GemmReduceScatter(policy="oneshot")
+    op = cls(policy="oneshot")
     op._backend = backend
-    op._ws = ensure_workspace(None, backend, 0)
-    # Rank 1's signal would land in our READY[1], which is what rank 0 waits on.
-    op._ws._ptr_tables["ready"] = torch.tensor([op._ws.flag_address(0, READY, 1)] * 2, dtype=torch.int64,
-                                               device=device)
+    ws = op._ws = ensure_workspace(None, backend, 0)
+    # Rank 1's signal would land in our flag word 1, which is what rank 0 waits on.
+    ws.oneshot_signals = lambda: torch.tensor([ws.oneshot.address(0, 4)] * 2, dtype=torch.int64, device=device)
     return op
 
 
@@ -161,27 +166,75 @@ def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: to
     # Internals with a fixed epoch (a graph repeats its arguments): the flag holds it after the first run.
     slots = torch.empty(2, m, n, device=device, dtype=torch.bfloat16)
     flags = torch.zeros(4, dtype=torch.int32, device=device)
-    default = _launch.REDUCE_BLOCK
+    default = _launch.ONESHOT_BLOCK
     for block in [default] + [x for x in blocks if x != default]:
-        _launch.REDUCE_BLOCK = block
-        plan = _launch.ReducePlan(peer_offsets=torch.tensor([0, m * n], dtype=torch.int64, device=device),
-                                  signals=torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device),
-                                  ready=flags[:2], err=flags[3:], host_err=op._host_err.tensor, rank=0, world=2,
-                                  rows=m // 2, n=n, row0=0, max_spin=1 << 26, programs=op._backend.num_sms)
+        _launch.ONESHOT_BLOCK = block
+        plan = _launch.OneshotPlan(peer_offsets=torch.tensor([0, m * n], dtype=torch.int64, device=device),
+                                   signals=torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device),
+                                   ready=flags[:2], err=flags[3:], host_err=op._host_err.tensor, rank=0, world=2,
+                                   rows=m // 2, cols=n, max_spin=1 << 26, programs=op._backend.num_sms)
 
         def call():
             torch.mm(a, b, out=slots[0])
             _launch.launch_reduce_rows(plan, slots[0], out, None, 1)
         name = "oneshot_us" if block == default else "oneshot_us_" + "x".join(map(str, block))
         row[name] = _graph_us(call)
-    _launch.REDUCE_BLOCK = default
+    _launch.ONESHOT_BLOCK = default
+    row["err_word"] = int(flags[3].item()) + op._host_err.read()
+    return row
+
+
+def probe_ag(m: int, k: int, n: int, device: torch.device) -> dict:
+    """AllGather+GEMM's one-shot path: ``m`` gathered rows, ``n`` this rank's columns."""
+    torch.manual_seed(m + k + n)
+    mc = m // 2
+    shard = torch.randn(mc, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=device, dtype=torch.bfloat16).t()
+    op = _op(device, tileweave.AllGatherGemm)
+    row = {"shape": f"{m}x{k}x{n}"}
+    op(shard, b)
+    # No peer writes the "peer" rows here: put its shard (this rank's own) there, in both slots.
+    for slot in op._ws.plans[("oneshot", m, k, shard.dtype)][0]:
+        slot[mc:].copy_(shard)
+    got = op(shard, b)
+    ref = torch.cat([shard, shard]).float() @ b.float()
+    row["rel_err"] = float((got.float() - ref).norm() / ref.norm())
+    row["path"] = tileweave.last_path("all_gather_gemm")
+    row["host_us"] = _host_us(lambda: op(shard, b))
+    row["steady_us"] = _steady_us(lambda: op(shard, b))
+    gathered, whole = torch.empty(m, k, device=device, dtype=torch.bfloat16), torch.cat([shard, shard])
+    row["hand_us"] = _host_us(lambda: (dist.all_gather_into_tensor(gathered, whole), torch.matmul(gathered, b)))
+    ws = op._ws
+    slots, gather_plan = ws.plans[("oneshot", m, k, shard.dtype)]
+    row["part_mm_us"] = _host_us(lambda: torch.mm(slots[0], b))
+    stream = torch.cuda.current_stream().cuda_stream
+    row["part_copy_us"] = _host_us(lambda: slots[0][:mc].copy_(shard))
+    row["part_driver_copy_us"] = _host_us(lambda: driver.memcpy_async(slots[0][:mc].data_ptr(), shard.data_ptr(),
+                                                                      shard.nbytes, stream))
+    row["part_launch_us"] = _host_us(lambda: _launch.launch_gather_rows(gather_plan, slots[0], ws.oneshot_epoch))
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    row["gemm_us"] = _graph_us(lambda: torch.mm(gathered, b, out=out))
+    # Internals with a fixed epoch; the "peer" rows come from the other slot (distinct memory).
+    both = torch.empty(2, m, k, device=device, dtype=torch.bfloat16)
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+    plan = _launch.OneshotPlan(peer_offsets=torch.tensor([0, m * k], dtype=torch.int64, device=device),
+                               signals=torch.tensor([flags[1:2].data_ptr()] * 2, dtype=torch.int64, device=device),
+                               ready=flags[:2], err=flags[3:], host_err=op._host_err.tensor, rank=0, world=2,
+                               rows=mc, cols=k, parts=1, max_spin=1 << 26, programs=op._backend.num_sms)
+
+    def call():
+        both[0][:mc].copy_(shard)
+        _launch.launch_gather_rows(plan, both[0], 1)
+        torch.mm(both[0], b, out=out)
+    row["oneshot_us"] = _graph_us(call)
     row["err_word"] = int(flags[3].item()) + op._host_err.read()
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--op", choices=("rs", "ag"), default="rs")
+    parser.add_argument("--shapes", default="", help=f"MxKxN,... (default rs: {SHAPES}; ag: {AG_SHAPES})")
     parser.add_argument("--blocks", default="16x512x4,64x256x8,32x512x8")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -195,12 +248,12 @@ def main() -> None:
     _fused.agree = lambda backend, cache, op, signature, proposal: cache.setdefault(signature, proposal)
     blocks = [tuple(int(v) for v in x.split("x")) for x in args.blocks.split(",") if x]
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in (args.shapes or (SHAPES if args.op == "rs" else AG_SHAPES)).split(","):
         m, k, n = (int(v) for v in shape.split("x"))
-        rows.append(probe(m, k, n, blocks, device))
+        rows.append(probe(m, k, n, blocks, device) if args.op == "rs" else probe_ag(m, k, n, device))
         print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "oneshot_probe.json"), "w") as f:
+    with open(os.path.join(args.out, f"oneshot_probe_{args.op}.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                    "commit": os.environ.get("TILEWEAVE_GIT_COMMIT", ""), "rows": rows}, f, indent=1)
     keys = [key for key in rows[0] if key.endswith("_us") and not key.startswith("oneshot_us_")]
