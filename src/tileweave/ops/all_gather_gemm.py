@@ -296,7 +296,7 @@ class AllGatherGemm(FusedOp):
         ws.oneshot_epoch += 1
         epoch = ws.oneshot_epoch
         gathered = slots[epoch & 1]
-        # Tensor.copy_: 9-15 us of host time on one H200's host, a driver copy 14-22 (NOTES.md, entry 82).
+        # Tensor.copy_: one driver copy was no cheaper on the host (NOTES.md, entry 82).
         gathered[rank * mc:(rank + 1) * mc].copy_(a_shard)
         _launch.launch_gather_rows(gather_plan, gathered, epoch)
         if out is None:  # cuBLAS allocating its output costs the host less than writing into one (_fallback)
