@@ -536,6 +536,7 @@ def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save
         "round_trip": bool(torch.equal(saved["up"]["weight"], full_up["weight"])
                            and torch.equal(saved["down"]["weight"], full_down["weight"])),
         "graphable": _shared_ops_graphable(),
+        "paths": f"{tileweave.last_path('all_gather_gemm')} {tileweave.last_path('gemm_reduce_scatter')}",
         "shared_options": sorted({f"{name}={getattr(op, name)}" for cls in (tileweave.AllGatherGemm,
                                                                              tileweave.GemmReduceScatter)
                                   for op in cls._shared.values() for name in cls.option_envs}),
