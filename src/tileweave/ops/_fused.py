@@ -234,7 +234,22 @@ class FusedOp:
             self._err_mirror = backend.host_mirror()
         self._err_mirror.refresh(ws.err)
 
-    def _oneshot_launch_plan(self, backend: Backend, ws: Workspace, dtype: torch.dtype, **shape) -> _launch.OneshotPlan:
+    def _oneshot_start(self, backend: Backend, rows: int, cols: int, dtype: torch.dtype) -> tuple:
+        """``(workspace, this call's slot, launch plan, epoch)`` of a one-shot call whose slots are
+        ``[rows, cols]``: the subclass's ``_oneshot_plan`` makes and keeps the plan the first time (the
+        slots, then the launch plan); an earlier call's expired wait is reported first."""
+        ws = self._ws
+        plan = ws.plans.get(("oneshot", rows, cols, dtype)) if ws is not None else None
+        if plan is None:
+            plan = self._oneshot_plan(backend, rows, cols, dtype)
+            ws = self._ws
+        self._oneshot_check(ws, backend.rank)
+        ws.oneshot_epoch += 1
+        slots, launch_plan = plan
+        return ws, slots[ws.oneshot_epoch & 1], launch_plan, ws.oneshot_epoch
+
+    def _oneshot_launch_plan(self, backend: Backend, ws: Workspace, dtype: torch.dtype,
+                             **shape) -> _launch.OneshotPlan:
         """The launch plan of a one-shot kernel on ``ws``'s one-shot buffer (which must hold the call's
         slots); ``shape``: ``OneshotPlan``'s rows, cols, row0, parts."""
         if self._host_err is None:

@@ -284,18 +284,9 @@ class AllGatherGemm(FusedOp):
         promises: until its next call)."""
         self._return_lent()
         mc, k = a_shard.shape
-        w, rank = backend.world_size, backend.rank
-        m = mc * w
-        ws = self._ws
-        plan = ws.plans.get(("oneshot", m, k, a_shard.dtype)) if ws is not None else None
-        if plan is None:
-            plan = self._oneshot_plan(backend, m, k, a_shard.dtype)
-            ws = self._ws
-        slots, gather_plan = plan
-        self._oneshot_check(ws, rank)
-        ws.oneshot_epoch += 1
-        epoch = ws.oneshot_epoch
-        gathered = slots[epoch & 1]
+        rank = backend.rank
+        m = mc * backend.world_size
+        ws, gathered, gather_plan, epoch = self._oneshot_start(backend, m, k, a_shard.dtype)
         # Tensor.copy_: one driver copy was no cheaper on the host (NOTES.md, entry 82).
         gathered[rank * mc:(rank + 1) * mc].copy_(a_shard)
         _launch.launch_gather_rows(gather_plan, gathered, epoch)

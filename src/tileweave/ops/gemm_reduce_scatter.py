@@ -113,7 +113,8 @@ class GemmReduceScatter(FusedOp):
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
     shape; ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` takes the one-shot path on every
-    call (module docstring; NCCL under CUDA-graph capture, where its epochs would not advance). ``transport``: ``"store"`` (the epilogue stores
+    call (module docstring; NCCL under CUDA-graph capture, where its epochs would not advance).
+    ``transport``: ``"store"`` (the epilogue stores
     peer tiles into their owners' buffers over NVLink), ``"copy_engine"`` (local send buffer, copied
     by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (the default; no fused
     kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
@@ -255,7 +256,7 @@ class GemmReduceScatter(FusedOp):
 
     def _oneshot(self, backend: Backend, a, b, bias, out) -> None:
         """The one-shot path (``policy="oneshot"``): one cuBLAS GEMM over all M rows into this call's slot
-        of the one-shot buffer, then one kernel (``tileweave.kernels.reduce``) that signals the peers,
+        of the one-shot buffer, then one kernel (``tileweave.kernels.oneshot``) that signals the peers,
         waits for theirs and sums this rank's rows of every rank's partial, the peers' read over NVLink.
         Two slots, used in turn (``oneshot_slots``): no call waits for anything but the peers' partials
         of the same call. The partials are rounded to the output dtype, as NCCL's are; the sum
@@ -263,16 +264,7 @@ class GemmReduceScatter(FusedOp):
         call from a word the kernel writes into pinned host memory (at once in debug mode and on the
         CPU), which costs no driver call, unlike the fused paths' mirrored error word."""
         m, n = a.shape[0], b.shape[1]
-        ws = self._ws
-        plan = ws.plans.get(("oneshot", m, n, a.dtype)) if ws is not None else None
-        if plan is None:
-            plan = self._oneshot_plan(backend, m, n, a.dtype)
-            ws = self._ws
-        slots, reduce_plan = plan
-        self._oneshot_check(ws, backend.rank)
-        ws.oneshot_epoch += 1
-        epoch = ws.oneshot_epoch
-        part = slots[epoch & 1]
+        ws, part, reduce_plan, epoch = self._oneshot_start(backend, m, n, a.dtype)
         torch.mm(a, b, out=part)
         _launch.launch_reduce_rows(reduce_plan, part, out, bias, epoch)
         self._oneshot_finish(backend, ws)
