@@ -38,23 +38,14 @@ def test_all_gather_gemm(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_all_gather_gemm_chunked(world):
+@pytest.mark.parametrize("transport", ["chunked", "oneshot"])
+def test_all_gather_gemm_chunked_and_oneshot(world, transport):
+    # cuBLAS per shard as the shards arrive (chunked), or the peers' shards copied out of their gather
+    # buffers by one kernel and then one GEMM (the one-shot path); odd calls fill a caller's gathered_out.
     cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport="chunked"),
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, ag_transport="chunked"),
-        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, ag_transport="chunked"),
-    ]
-    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_all_gather_gemm_oneshot(world):
-    # The peers' shards copied out of their gather buffers by one kernel, then one GEMM; odd calls into
-    # a caller's gathered_out, even calls return the gather buffer's view.
-    cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport="oneshot"),
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, ag_transport="oneshot"),
-        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.2, ag_transport="oneshot"),
+        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport=transport),
+        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, ag_transport=transport),
+        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, ag_transport=transport),
     ]
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
