@@ -217,6 +217,10 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
     assert all(err < TOL["float16"] for err in run_ranks(2, scenarios.rs_padded_out_check))
 
 
+def test_oneshot_reduce_scatter_into_padded_rows():
+    assert all(err < TOL["float16"] for err in run_ranks(2, scenarios.rs_padded_out_check, 24, 32, 40, "oneshot"))
+
+
 @pytest.mark.parametrize("op_name, world", [("ag", 2), ("rs", 2), ("ag", 3), ("rs", 3)])
 def test_small_calls_replay_graphs_of_the_chunked_path(op_name, world):
     # replay=True: a shape's first call eager, then graphs per weight address (stand-ins here that rerun

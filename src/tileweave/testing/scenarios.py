@@ -317,11 +317,13 @@ def replay_check(rank: int, world: int, op_name: str, seed: int, m_chunk: int = 
     return {"errors": errors, "paths": paths, "graphs": (graphs_before, len(op._graphs))}
 
 
-def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40) -> float:
+def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40,
+                        policy: str = "fused") -> float:
     """Error of a pulling ``GemmReduceScatter`` into an ``out`` whose rows are padded (a column slice of
-    a wider tensor): the pulls need contiguous rows, so such a call pushes."""
+    a wider tensor): the pulls need contiguous rows, so such a call pushes. ``policy="oneshot"``: the
+    one-shot path's kernel writes the padded rows by their stride."""
     device = _device()
-    op = tileweave.GemmReduceScatter(policy="fused", transport="chunked", pull=True)
+    op = tileweave.GemmReduceScatter(policy=policy, transport="chunked", pull=True)
     a_all = [_randn((m_chunk * world, k), torch.float16, "padded", "a", p, device=device) for p in range(world)]
     b_all = [_randn((k, n), torch.float16, "padded", "b", p, device=device) for p in range(world)]
     wide = torch.full((m_chunk, n + 8), float("nan"), dtype=torch.float16, device=device)
