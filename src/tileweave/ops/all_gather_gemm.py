@@ -79,9 +79,10 @@ class AllGatherGemm(FusedOp):
     ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` (opt-in until measured on two GPUs) takes
     the one-shot path on every call: the shard into a symmetric gather buffer, one kernel that copies
     the peers' shards out of theirs over NVLink, one cuBLAS GEMM (``_oneshot``; NCCL under CUDA-graph
-    capture, where its epochs would not advance). ``transport``: ``"mesh"`` or ``"ring"`` (module docstring),
-    or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM for the own
-    rows (while the shards travel), then one per peer's rows as its flag arrives (a stream wait).
+    capture, where its epochs would not advance). ``transport``: ``"mesh"`` or ``"ring"`` (module
+    docstring), or ``"chunked"``: the mesh transport with cuBLAS instead of the fused kernel, one GEMM
+    for the own rows (while the shards travel), then one per peer's rows as its flag arrives (a stream
+    wait).
     ``"auto"`` (default): chunked or mesh per shape (``heuristics.all_gather_transport``).
     ``graphable=True``: constant-valued flags (module docstring), so that calls on the fused paths can
     be captured in a CUDA graph.
@@ -276,11 +277,10 @@ class AllGatherGemm(FusedOp):
     def _oneshot(self, backend: Backend, a_shard, b, bias, out, return_gathered: bool, gathered_out):
         """The one-shot path (``policy="oneshot"``): the shard into its rows of this call's slot of the
         one-shot buffer (a symmetric ``[M, K]`` gather buffer), then one kernel
-        (``tileweave.kernels.oneshot``) that
-        signals the peers, waits for theirs and copies their rows of their slots into ours over NVLink,
-        then one cuBLAS GEMM over the whole slot. Two slots, used in
-        turn (``oneshot_slots``): no call waits for anything but the peers' shards of the same call, and
-        a returned gathered view stays intact until this rank's call after next (more than the op
+        (``tileweave.kernels.oneshot``) that signals the peers, waits for theirs and copies their rows
+        of their slots into ours over NVLink, then one cuBLAS GEMM over the whole slot. Two slots, used
+        in turn (``oneshot_slots``): no call waits for anything but the peers' shards of the same call,
+        and a returned gathered view stays intact until this rank's call after next (more than the op
         promises: until its next call)."""
         self._return_lent()
         mc, k = a_shard.shape

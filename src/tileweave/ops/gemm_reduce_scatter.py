@@ -114,9 +114,9 @@ class GemmReduceScatter(FusedOp):
     ``policy``: ``"auto"`` picks the fused or the unfused path (GEMM, then NCCL reduce-scatter) per
     shape; ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` takes the one-shot path on every
     call (module docstring; NCCL under CUDA-graph capture, where its epochs would not advance).
-    ``transport``: ``"store"`` (the epilogue stores
-    peer tiles into their owners' buffers over NVLink), ``"copy_engine"`` (local send buffer, copied
-    by the copy engines per row group; memory ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (the default; no fused
+    ``transport``: ``"store"`` (the epilogue stores peer tiles into their owners' buffers over NVLink),
+    ``"copy_engine"`` (local send buffer, copied by the copy engines per row group; memory
+    ``2 (W-1)/W x [M, N]``) or ``"chunked"`` (the default; no fused
     kernel: cuBLAS GEMMs per owner and row block, owners' blocks first, each copied to its owner by the
     copy engines as soon as it is done; the own rows last, each block adding the arrived partials in
     its GEMM; memory ``2 (W-1)/W x [M, N]``: the receive slots and a send buffer).
