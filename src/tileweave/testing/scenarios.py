@@ -317,19 +317,20 @@ def replay_check(rank: int, world: int, op_name: str, seed: int, m_chunk: int = 
     return {"errors": errors, "paths": paths, "graphs": (graphs_before, len(op._graphs))}
 
 
-def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40,
-                        policy: str = "fused") -> float:
-    """Error of a pulling ``GemmReduceScatter`` into an ``out`` whose rows are padded (a column slice of
-    a wider tensor): the pulls need contiguous rows, so such a call pushes. ``policy="oneshot"``: the
-    one-shot path's kernel writes the padded rows by their stride."""
+def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n: int = 40) -> dict[str, float]:
+    """Errors of ``GemmReduceScatter`` calls into an ``out`` whose rows are padded (a column slice of a
+    wider tensor), per policy: a pulling op ("fused"; the pulls need contiguous rows, so such a call
+    pushes) and the one-shot path ("oneshot", whose kernel writes the rows by their stride)."""
     device = _device()
-    op = tileweave.GemmReduceScatter(policy=policy, transport="chunked", pull=True)
     a_all = [_randn((m_chunk * world, k), torch.float16, "padded", "a", p, device=device) for p in range(world)]
     b_all = [_randn((k, n), torch.float16, "padded", "b", p, device=device) for p in range(world)]
-    wide = torch.full((m_chunk, n + 8), float("nan"), dtype=torch.float16, device=device)
-    out = op(a_all[rank], b_all[rank], out=wide[:, :n])
     ref = sum(a.double() @ b.double() for a, b in zip(a_all, b_all))[rank * m_chunk:(rank + 1) * m_chunk]
-    return _rel_err(out, ref)
+    errors = {}
+    for policy in ("fused", "oneshot"):
+        op = tileweave.GemmReduceScatter(policy=policy, transport="chunked", pull=True)
+        wide = torch.full((m_chunk, n + 8), float("nan"), dtype=torch.float16, device=device)
+        errors[policy] = _rel_err(op(a_all[rank], b_all[rank], out=wide[:, :n]), ref)
+    return errors
 
 
 def missing_peer_check(rank: int, world: int, max_spin: int, op_kind: str = "ag") -> dict:
