@@ -8,15 +8,17 @@ import torch
 
 import tileweave
 from tileweave.testing import scenarios
-from tileweave.testing.emulated import run_ranks
+from tileweave.testing.emulated import gpu_ranks, run_ranks
 
 pytestmark = pytest.mark.gpu
 if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
     pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
                 allow_module_level=True)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_two = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                               reason="needs two CUDA GPUs")
+RANKS = gpu_ranks() if torch.cuda.is_available() else 0
+"""Ranks of the distributed tests: one per GPU, or TILEWEAVE_GPU_RANKS (more than the GPUs: they share them)."""
+SHARED = RANKS > torch.cuda.device_count()
+needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -122,7 +124,7 @@ def test_all_gather_gemm_gpu(transport):
              C(m_chunk=4096, k=4096, n=7168, dtype="bfloat16", iters=3, ag_transport=t),
              C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", iters=2, straggler=1, delay_s=0.05,
                ag_transport=t)]
-    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_gemm_check, cases, gpus=True):
+    for rank_rows in run_ranks(RANKS, scenarios.all_gather_gemm_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == (t if t in ("chunked", "oneshot") else "fused"), row
             assert row["err"] < TOL[getattr(torch, row["case"]["dtype"])], row
@@ -135,7 +137,7 @@ def test_all_gather_gemm_stream_k_tail_gpu(transport):
     # Shapes whose partial last wave lies in the last chunk at two ranks on 132 SMs: 128 x 128 tiles,
     # 192 a chunk, 120 shared by K steps (M and K not tile multiples, bias); 128 x 256 tiles, 160 a
     # chunk, 56 shared; a late producer.
-    if torch.cuda.device_count() != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+    if RANKS != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("shapes chosen for two ranks of 132 SMs")
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, ag_transport=transport),
              C(m_chunk=1024, k=8192, n=5120, dtype="bfloat16", iters=3, ag_transport=transport),
@@ -150,7 +152,7 @@ def test_all_gather_gemm_stream_k_tail_gpu(transport):
 
 @needs_two
 def test_all_gather_head_split_gpu():
-    if torch.cuda.device_count() != 2:
+    if RANKS != 2:
         pytest.skip("head_split takes effect in a group of two")
     cases = [C(m_chunk=2048, k=4096, n=14336, dtype="bfloat16", iters=3, ag_transport="chunked"),
              C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=2, ag_transport="chunked"),
@@ -167,7 +169,7 @@ def test_all_gather_head_split_gpu():
 @pytest.mark.parametrize("transport,graphable", [("mesh", False), ("ring", False), ("chunked", False),
                                                  ("mesh", True)])
 def test_returned_gathered_view_outlives_a_peer_running_ahead_gpu(transport, graphable):
-    for intact in run_ranks(torch.cuda.device_count(), scenarios.lent_gathered_check, transport, graphable,
+    for intact in run_ranks(RANKS, scenarios.lent_gathered_check, transport, graphable,
                             gpus=True):
         assert intact == [True] * 3
 
@@ -178,7 +180,7 @@ def test_all_gather_transport_switches_per_shape_gpu():
     # chunked transport and the kernel on one workspace, back to back, a straggler included.
     cases = [C(m_chunk=1024, k=4096, n=1536, dtype="bfloat16", bias=True),
              C(m_chunk=2048, k=4096, n=3072, dtype="bfloat16", straggler=1, delay_s=0.05)]
-    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.all_gather_auto_transport_check, cases, 4, 2048,
+    for rank_rows in run_ranks(RANKS, scenarios.all_gather_auto_transport_check, cases, 4, 2048,
                                gpus=True):
         assert [r["path"] for r in rank_rows] == ["chunked", "fused"] * 4
         for row in rank_rows:
@@ -188,7 +190,7 @@ def test_all_gather_transport_switches_per_shape_gpu():
 @needs_two
 @pytest.mark.parametrize("kind", ["ag-mesh", "ag-ring", "ag-chunked", "rs-chunked"])
 def test_graphable_ops_in_a_cuda_graph_gpu(kind):
-    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_fused_gpu_check, kind, gpus=True,
+    for result in run_ranks(RANKS, scenarios.cuda_graph_fused_gpu_check, kind, gpus=True,
                             timeout_s=300):
         assert result["path"] == ("chunked" if kind.endswith("chunked") else "fused"), result
         assert result["err"] < TOL[torch.bfloat16], result
@@ -198,7 +200,7 @@ def test_graphable_ops_in_a_cuda_graph_gpu(kind):
 def test_all_gather_stream_k_tail_in_a_cuda_graph_gpu():
     # 2 ranks of 132 SMs, 1024 x 5120 tiles of 128 x 256 a chunk: 320 tiles, 56 shared by K steps; the
     # tail's partials and counts in the graph's own buffers.
-    if torch.cuda.device_count() != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
+    if RANKS != 2 or torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("shape chosen for two ranks of 132 SMs")
     for result in run_ranks(2, scenarios.cuda_graph_fused_gpu_check, "ag-mesh", 1024, 2048, 5120, True, gpus=True,
                             timeout_s=300):
@@ -216,13 +218,19 @@ def test_tp_mlp_forward_in_a_cuda_graph_gpu():
         assert result["err"] < 2e-2, result
 
 
+@pytest.mark.skipif(not SHARED, reason="for ranks that share a GPU (TILEWEAVE_GPU_RANKS above the GPU count)")
+def test_ranks_sharing_a_gpu_are_refused_with_a_clear_error_gpu():
+    for message in run_ranks(RANKS, scenarios.shared_gpu_refused_check, gpus=True):
+        assert "use the same GPU" in message and "one GPU per rank" in message, message
+
+
 @needs_two
 @pytest.mark.parametrize("op_kind", ["ag", "ag_oneshot", "rs_oneshot"])
 def test_missing_peer_reported_by_the_next_call_gpu(op_kind):
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
     # as an error in the third, from the error word mirrored to the host (the one-shot paths: written by
     # their kernel into pinned host memory).
-    outcomes = run_ranks(torch.cuda.device_count(), scenarios.missing_peer_check, 1 << 16, op_kind, gpus=True,
+    outcomes = run_ranks(RANKS, scenarios.missing_peer_check, 1 << 16, op_kind, gpus=True,
                          timeout_s=300)
     assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]
     assert "rank 1" in outcomes[0]["message"], outcomes[0]
@@ -234,7 +242,7 @@ def test_small_calls_replay_graphs_gpu(op_name):
     # replay=True with real CUDA graphs: captured per weight address from a shape's second call on,
     # replayed on fresh inputs; rank 1 captures where rank 0 replays, and runs eagerly once its cache
     # is full while rank 0 replays.
-    ranks = run_ranks(torch.cuda.device_count(), scenarios.replay_check, op_name, random.randrange(1 << 30),
+    ranks = run_ranks(RANKS, scenarios.replay_check, op_name, random.randrange(1 << 30),
                       256, 512, 384, gpus=True, timeout_s=300)
     for rank, result in enumerate(ranks):
         assert max(result["errors"]) < TOL[torch.float16], (rank, result)
@@ -248,14 +256,14 @@ def test_small_calls_replay_graphs_gpu(op_name):
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "chunked-pull", "oneshot"])
 def test_gemm_reduce_scatter_gpu(transport):
     transport, pull = transport.split("-")[0], transport.endswith("pull")
-    if pull and torch.cuda.device_count() != 2:
+    if pull and RANKS != 2:
         pytest.skip("pull=True takes effect in a group of two")
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport, pull=pull),
              C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport,
                pull=pull),
              C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3, transport=transport,
                straggler=1, delay_s=0.05, pull=pull)]
-    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
+    for rank_rows in run_ranks(RANKS, scenarios.gemm_reduce_scatter_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == ("oneshot" if transport == "oneshot" else "chunked" if transport == "chunked"
                                    else "fused"), row
@@ -270,7 +278,7 @@ def test_copy_engine_release_modes_gpu(release):
                ce_release=release),
              C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=2, transport="copy_engine",
                ce_release=release, straggler=1, delay_s=0.05)]
-    for rank_rows in run_ranks(torch.cuda.device_count(), scenarios.gemm_reduce_scatter_check, cases, gpus=True):
+    for rank_rows in run_ranks(RANKS, scenarios.gemm_reduce_scatter_check, cases, gpus=True):
         for row in rank_rows:
             assert row["path"] == ("chunked" if "chunked" in (row["case"]["transport"], row["case"]["ag_transport"])
                                    else "fused"), row
@@ -281,7 +289,7 @@ def test_copy_engine_release_modes_gpu(release):
 @needs_two
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_back_to_back_without_sync(transport):
-    for result in run_ranks(torch.cuda.device_count(), scenarios.back_to_back_check, 1024, 2048, 1536, 12,
+    for result in run_ranks(RANKS, scenarios.back_to_back_check, 1024, 2048, 1536, 12,
                             "bfloat16", transport, gpus=True):
         assert result["max_ag"] < 1e-2 and result["max_rs"] < 1e-2, result
 
@@ -289,10 +297,10 @@ def test_back_to_back_without_sync(transport):
 @needs_two
 def test_tp_mlp_layers_gpu():
     # fp32 (TF32 off by default in torch.matmul, ieee in our kernel) and bf16 autocast.
-    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_mlp_check, 4096, 1024, 4096, True, gpus=True):
+    for result in run_ranks(RANKS, scenarios.tp_mlp_check, 4096, 1024, 4096, True, gpus=True):
         for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
             assert result[key] < 1e-4, (key, result)
-    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_mlp_check, 4096, 1024, 4096, False, True,
+    for result in run_ranks(RANKS, scenarios.tp_mlp_check, 4096, 1024, 4096, False, True,
                             gpus=True):
         assert result["grad_dtypes"] == "torch.float32,torch.float32", result
         for key in ("y", "dx", "d_up_w", "d_down_w"):
@@ -302,7 +310,7 @@ def test_tp_mlp_layers_gpu():
 @needs_two
 @pytest.mark.parametrize("policy", ["fused", "fallback"])
 def test_tp_block_gpu(policy):
-    for result in run_ranks(torch.cuda.device_count(), scenarios.tp_block_check, 2, 64, policy, gpus=True):
+    for result in run_ranks(RANKS, scenarios.tp_block_check, 2, 64, policy, gpus=True):
         # The fused policy runs the default transports: AG's "auto" takes the chunked one at these small
         # shapes (under CHUNKED_BELOW_GFLOP_AG), RS's default is chunked.
         assert result.pop("paths") == {"fused": "chunked,chunked", "fallback": "fallback,fallback"}[policy]
@@ -312,11 +320,11 @@ def test_tp_block_gpu(policy):
 
 @needs_two
 def test_block_benchmark_variants_gpu():
-    for result in run_ranks(torch.cuda.device_count(), scenarios.block_bench_gpu_check, 4096, gpus=True):
+    for result in run_ranks(RANKS, scenarios.block_bench_gpu_check, 4096, gpus=True):
         assert result["ours"] < 1e-2 and result["torch"] < 1e-2, result  # the benchmark's own bound
 
 
 @needs_two
 def test_unfused_path_in_a_cuda_graph_gpu():
-    for result in run_ranks(torch.cuda.device_count(), scenarios.cuda_graph_unfused_gpu_check, gpus=True):
+    for result in run_ranks(RANKS, scenarios.cuda_graph_unfused_gpu_check, gpus=True):
         assert result["paths"] == "fallback,fallback" and result["err"] < 1e-2, result

@@ -188,6 +188,10 @@ def _group_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int
 class CudaBackend(Backend):
     """PyTorch symmetric memory, a priority -1 copy-engine stream, driver stream memory ops."""
 
+    shares_gpus = False
+    """Whether ranks of the group may share a GPU. PyTorch symmetric memory refuses it, so this backend
+    raises a clear error first; ``tileweave.testing.shared_gpu`` allows it for tests on one GPU."""
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group, self.rank, self.world_size = _group_size(group)
         self.device = device
@@ -214,6 +218,12 @@ class CudaBackend(Backend):
         if len(hosts) > 1:
             raise TileweaveError(f"the TP group spans {len(hosts)} hosts ({', '.join(hosts)}); tileweave "
                                  "needs every rank of a TP group on one node with peer access")
+        gpus = [entry[:3:2] for entry in everyone]  # (host, uuid)
+        if len(set(gpus)) < len(gpus) and not self.shares_gpus:
+            shared = sorted(r for r, gpu in enumerate(gpus) if gpus.count(gpu) > 1)
+            raise TileweaveError(f"ranks {shared} of the TP group use the same GPU ({everyone[shared[0]][3]}, "
+                                 f"device {everyone[shared[0]][1]}); tileweave needs one GPU per rank "
+                                 "(set the device with torch.cuda.set_device(local_rank) before the first call)")
         names = sorted({entry[3] for entry in everyone})
         if len(names) > 1:
             raise TileweaveError(f"the TP group mixes GPU models {names}; use one model per group")

@@ -31,11 +31,17 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # More ranks than GPUs: they share the GPUs in turn, over a gloo group (tileweave.testing.shared_gpu).
+        shared = gpus and world_size > torch.cuda.device_count()
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if gpus else None
         if gpus:
-            torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if gpus else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world_size,
-                                device_id=torch.device("cuda", rank) if gpus else None)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if gpus and not shared else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world_size, device_id=None if shared else device)
+        if shared:
+            from tileweave.testing import shared_gpu
+
+            shared_gpu.install(device)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -43,6 +49,20 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         results.put((rank, True, value))
     except BaseException:  # reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
+
+
+GPU_RANKS_ENV = "TILEWEAVE_GPU_RANKS"
+
+
+def gpu_ranks() -> int:
+    """Ranks the GPU tests start: ``TILEWEAVE_GPU_RANKS`` if set (more than the GPUs: they share them),
+    else one per visible GPU."""
+    import torch
+
+    value = os.environ.get(GPU_RANKS_ENV, "")
+    if value and not (value.isdigit() and int(value) >= 1):
+        raise ValueError(f"{GPU_RANKS_ENV}={value!r}: give a number of ranks, 1 or more")
+    return int(value) if value else torch.cuda.device_count()
 
 
 class RankFailed(RuntimeError):
@@ -53,7 +73,9 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
               timeout_s: float = 600.0, env: dict[str, str] | None = None, gpus: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` emulated ranks; return their results.
 
-    With ``gpus=True`` the ranks are real: one process per CUDA GPU with an NCCL group, no interpreter.
+    With ``gpus=True`` the ranks are real: one process per CUDA GPU with an NCCL group, no interpreter;
+    with more ranks than GPUs, rank r runs on GPU r mod the GPU count, over a gloo group
+    (``tileweave.testing.shared_gpu``).
     ``fn`` must be importable by name (module level). Raises ``RankFailed`` with every failing rank's
     traceback, or if the ranks do not finish within ``timeout_s``.
     """

@@ -333,6 +333,17 @@ def rs_padded_out_check(rank: int, world: int, m_chunk: int = 24, k: int = 32, n
     return errors
 
 
+def shared_gpu_refused_check(rank: int, world: int) -> str:
+    """The message a plain ``CudaBackend`` gives ranks that share a GPU (run where they do)."""
+    from tileweave.runtime.backend import CudaBackend, TileweaveError
+
+    try:
+        CudaBackend(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
+    except TileweaveError as exc:
+        return str(exc)
+    return "no error"
+
+
 def missing_peer_check(rank: int, world: int, max_spin: int, op_kind: str = "ag") -> dict:
     """Rank 0 calls the fused all-gather GEMM (``op_kind="ag"``; "ag_oneshot", "rs_oneshot": the
     one-shot paths), the others never do: rank 0 must get a clear error.
