@@ -1,4 +1,5 @@
-"""Host time of one call, split by what the host does, on two GPUs.
+"""Host time of one call, split by what the host does, on two GPUs (``--op ag`` and ``rs`` also on one:
+its two ranks then share it, over gloo, so ``by_hand`` times gloo there, not NCCL).
 
 Each backend verb, driver call and torch call inside an op is wrapped with a timer, and the calls are
 issued while the GPU is kept busy, so that no call waits for the GPU and the times are the host's
@@ -91,7 +92,7 @@ def _parts(table):
 
 
 def _fused_rank(rank, world, op_name, shape):
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())  # ranks may share a GPU (testing.shared_gpu)
     m, k, n = shape
     table = collections.defaultdict(lambda: [0, 0])
     group = dist.group.WORLD

@@ -19,6 +19,8 @@ RANKS = gpu_ranks() if torch.cuda.is_available() else 0
 """Ranks of the distributed tests: one per GPU, or TILEWEAVE_GPU_RANKS (more than the GPUs: they share them)."""
 SHARED = RANKS > torch.cuda.device_count()
 needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
+needs_own_gpus = pytest.mark.skipif(SHARED, reason="needs one GPU per rank (NCCL or PyTorch symmetric memory, "
+                                                   "or a copy-engine transport; tileweave.testing.shared_gpu)")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -230,7 +232,8 @@ def test_missing_peer_reported_by_the_next_call_gpu(op_kind):
     # Without debug mode no call waits for its kernel: the expired wait of the second call must surface
     # as an error in the third, from the error word mirrored to the host (the one-shot paths: written by
     # their kernel into pinned host memory).
-    outcomes = run_ranks(RANKS, scenarios.missing_peer_check, 1 << 16, op_kind, gpus=True,
+    # Ranks that share a GPU take turns on it: a present peer may wait longer there than 2^16 polls.
+    outcomes = run_ranks(RANKS, scenarios.missing_peer_check, 1 << (20 if SHARED else 16), op_kind, gpus=True,
                          timeout_s=300)
     assert outcomes[0]["raised"] and outcomes[0]["calls"] == 1, outcomes[0]
     assert "rank 1" in outcomes[0]["message"], outcomes[0]
@@ -258,6 +261,9 @@ def test_gemm_reduce_scatter_gpu(transport):
     transport, pull = transport.split("-")[0], transport.endswith("pull")
     if pull and RANKS != 2:
         pytest.skip("pull=True takes effect in a group of two")
+    if SHARED and transport == "copy_engine":
+        pytest.skip("the copy-engine transport needs one GPU per rank (its bounded waits expired where ranks "
+                    "shared one; NOTES.md, entry 83)")
     cases = [C(m_chunk=1000, k=1000, n=3000, dtype="bfloat16", bias=True, iters=3, transport=transport, pull=pull),
              C(m_chunk=512, k=1001, n=640, dtype="float16", weight_layout=False, iters=2, transport=transport,
                pull=pull),
@@ -272,6 +278,7 @@ def test_gemm_reduce_scatter_gpu(transport):
 
 
 @needs_two
+@needs_own_gpus
 @pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
 def test_copy_engine_release_modes_gpu(release):
     cases = [C(m_chunk=4096, k=4096, n=4096, dtype="bfloat16", iters=3, transport="copy_engine",
@@ -319,12 +326,14 @@ def test_tp_block_gpu(policy):
 
 
 @needs_two
+@needs_own_gpus
 def test_block_benchmark_variants_gpu():
     for result in run_ranks(RANKS, scenarios.block_bench_gpu_check, 4096, gpus=True):
         assert result["ours"] < 1e-2 and result["torch"] < 1e-2, result  # the benchmark's own bound
 
 
 @needs_two
+@needs_own_gpus
 def test_unfused_path_in_a_cuda_graph_gpu():
     for result in run_ranks(RANKS, scenarios.cuda_graph_unfused_gpu_check, gpus=True):
         assert result["paths"] == "fallback,fallback" and result["err"] < 1e-2, result

@@ -352,14 +352,23 @@ def missing_peer_check(rank: int, world: int, max_spin: int, op_kind: str = "ag"
     for its kernel: the kernel's bounded wait expires, and the next call raises, once the GPU is done
     (here after a synchronize), from the error word mirrored to the host."""
     device = _device()
-    if op_kind == "rs_oneshot":
-        op = tileweave.GemmReduceScatter(policy="oneshot", max_spin=max_spin)
-    else:
-        op = tileweave.AllGatherGemm(policy="oneshot" if op_kind == "ag_oneshot" else "fused", transport="mesh",
-                                     max_spin=max_spin)
+
+    def make(spin):
+        if op_kind == "rs_oneshot":
+            return tileweave.GemmReduceScatter(policy="oneshot", max_spin=spin)
+        return tileweave.AllGatherGemm(policy="oneshot" if op_kind == "ag_oneshot" else "fused", transport="mesh",
+                                       max_spin=spin)
+
+    op = make(max_spin)
     a = _randn((8 * (world if op_kind == "rs_oneshot" else 1), 32), torch.float16, "missing", rank, device=device)
     b = _randn((32, 16), torch.float16, "missing-b", rank, device=device)
     outcome = {"raised": False, "message": "", "calls": 0}
+    if device != "cpu":
+        # Compile the kernels on every rank first, with the default bound: a rank still compiling would
+        # look missing to the short bound of the call below.
+        make(None)(a, b)
+        torch.cuda.synchronize()
+        dist.barrier()
     # Agree on shapes first (the op's first call does this collectively), so that only the data of
     # the second call is missing.
     op(a, b)
