@@ -435,7 +435,10 @@ class GemmReduceScatter(FusedOp):
             torch.mm(own, b, out=out)  # while the copy stream pulls
             backend.main_wait(landed[0], epoch)
             out.add_(recv)
-        backend.comm_end()
+        # No closing join of the copy stream (two driver calls): the caller's stream has already waited
+        # for every pulled block by its landed word, the copy stream's last write (the peer's release)
+        # orders nothing here, and the next call's copies queue behind this call's work on both streams.
+        # This path never runs under CUDA-graph capture, which would need the join (it is not graphable).
         self._finish_without_kernel(backend)
         _launch.record_path(_OP, "chunked")
 
