@@ -208,6 +208,9 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
              C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, transport="chunked", pull=True)]
     for rows in run_ranks(2, scenarios.gemm_reduce_scatter_check, cases):
         _check([rows], "deterministic")
+        # Calls without a bias or an out repeat by the pulling route after their first (bitwise the same
+        # as the checked call: "deterministic" compares them from the second call on).
+        assert [r["route"] for r in rows] == ["" if r["case"]["bias"] else "pull" for r in rows], rows
         # No buffer outside the symmetric one while every call has several blocks; then one block's.
         assert all(r["local_bytes"] == 0 for r in rows if r["case"]["m_chunk"] == 70), rows
         one_block = [r for r in rows if r["case"]["m_chunk"] != 70]

@@ -183,8 +183,8 @@ class AllGatherGemm(FusedOp):
             if gathered_out is not None:
                 _check_gathered_out(gathered_out, a_shard, backend.world_size)
             return self._fallback(backend, a_shard, b, None, None, return_gathered, gathered_out)
-        if self._oneshot_routes and signature is not None and not _launch.capturing(a_shard):
-            backend = self._oneshot_routes.get(signature)
+        if self._routes and signature is not None and not _launch.capturing(a_shard):
+            _, backend = self._routes.get(signature, (None, None))  # only one-shot routes here
             if backend is not None:  # decided before: no checks, no decision (host time is the point)
                 if gathered_out is not None:
                     _check_gathered_out(gathered_out, a_shard, backend.world_size)
@@ -220,7 +220,7 @@ class AllGatherGemm(FusedOp):
                                            _launch.capturing(a_shard))
         if path == "oneshot" and not _launch.capturing(a_shard):  # under capture: NCCL, as every rank does
             if signature is not None:
-                self._oneshot_routes[signature] = backend
+                self._routes[signature] = ("oneshot", backend)
             return self._oneshot(backend, a_shard, b, bias, out, return_gathered, gathered_out)
         if path != "fused":
             if signature is not None and path == "fallback":  # not a one-shot signature met under capture

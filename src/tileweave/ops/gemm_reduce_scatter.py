@@ -161,11 +161,16 @@ class GemmReduceScatter(FusedOp):
         signature, backend = self._unfused_route(a, b, bias, out)
         if backend is not None:  # the unfused path: captures in a CUDA graph like any NCCL + cuBLAS code
             return self._fallback(backend, a, b, None, a.new_empty((a.shape[0] // backend.world_size, b.shape[1])))
-        if self._oneshot_routes and signature is not None and not _launch.capturing(a):
-            backend = self._oneshot_routes.get(signature)
-            if backend is not None:  # decided before: no checks, no decision (host time is the point)
+        if self._routes and signature is not None and not _launch.capturing(a):
+            route = self._routes.get(signature)
+            if route is not None:  # decided before: no checks, no decision (host time is the point)
+                path, backend = route
                 out = a.new_empty((a.shape[0] // backend.world_size, b.shape[1]))
-                self._oneshot(backend, a, b, None, out)
+                if path == "oneshot":
+                    self._oneshot(backend, a, b, None, out)
+                else:  # "pull": an earlier fused kernel's expired wait is reported first, as below
+                    self._check_previous()
+                    self._chunked_pull(backend, a, b, None, out, a.shape[0], b.shape[1])
                 return out
         _launch.check_matrix("a", a)
         _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
@@ -204,7 +209,7 @@ class GemmReduceScatter(FusedOp):
                                            **overrides)
         if path == "oneshot" and not _launch.capturing(a):  # under capture: NCCL, as every rank does
             if signature is not None:
-                self._oneshot_routes[signature] = backend
+                self._routes[signature] = ("oneshot", backend)
             self._oneshot(backend, a, b, bias, out)
             return out
         if path != "fused":
@@ -216,6 +221,8 @@ class GemmReduceScatter(FusedOp):
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if self.transport == "chunked" and self.pull and w == 2 and out.is_contiguous():  # copies land in out
+            if signature is not None:  # no bias, no out: a repeat takes the route above
+                self._routes[signature] = ("pull", backend)
             self._chunked_pull(backend, a, b, bias, out, m, n)
             return out
         if self.transport == "chunked":

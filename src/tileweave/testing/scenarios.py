@@ -252,11 +252,14 @@ def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[
             if bias is not None:
                 ref = ref + bias.double()
             ref = ref[rank * case.m_chunk:(rank + 1) * case.m_chunk]
+            # Without an out (and a bias), a repeat of a decided call takes its route: no checks.
             again = op(a_all[rank], b_all[rank], bias=bias)
             local = op._ws.local if op._ws is not None else None
+            signature, _ = op._unfused_route(a_all[rank], b_all[rank], None, None)
             results.append({"case": dataclasses.asdict(case), "iter": it, "path": tileweave.last_path("gemm_reduce_scatter"),
                             "err": _rel_err(out, ref), "deterministic": bool(torch.equal(out, again)),
-                            "local_bytes": 0 if local is None else local.numel()})
+                            "local_bytes": 0 if local is None else local.numel(),
+                            "route": op._routes.get(signature, ("",))[0]})
     set_producer_delay(0.0)
     return results
 
