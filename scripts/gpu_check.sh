@@ -14,9 +14,11 @@
 # op's "ours" runs with, next to one set of baselines (one report section per transport). POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) with BLOCK_AG_TRANSPORT / BLOCK_RS_TRANSPORT at BLOCK_M
-# (default 4096,8192,16384), each variant in its own processes (BLOCK_ISOLATE=0: all in one). Set
-# TILEWEAVE_GIT_COMMIT so the results name their commit (the tree may travel without .git, or with a
-# stale one). BLOCK=1 also runs examples/train_block.py (fused, NCCL, floor), which writes block.txt.
+# (default 4096,8192,16384), each variant in its own processes (BLOCK_ISOLATE=0: all in one).
+# TILEWEAVE_GPU_RANKS=2 on a one-GPU machine runs the distributed tests with both ranks on that GPU
+# (tileweave.testing.shared_gpu; no timing). Set TILEWEAVE_GIT_COMMIT so the results name their commit
+# (the tree may travel without .git, or with a stale one). BLOCK=1 also runs examples/train_block.py
+# (fused, NCCL, floor), which writes block.txt.
 # ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
 # times ours before the baselines in each row.
 set -uo pipefail
