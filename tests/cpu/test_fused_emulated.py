@@ -322,6 +322,10 @@ def test_oneshot_reduce_scatter_buffer_grows_between_shapes():
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result
+        # The calls after the first took the routes (the store and copy-engine reduce-scatter have none).
+        oneshot = transport == "oneshot"
+        assert result["routes"] == [["oneshot" if oneshot else "fused"],
+                                    ["oneshot"] if oneshot else ["pull"] if transport == "chunked" else []], result
 
 
 @pytest.mark.parametrize("op_kind", ["ag", "ag_oneshot", "rs_oneshot"])

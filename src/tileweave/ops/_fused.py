@@ -136,9 +136,10 @@ class FusedOp:
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
         path, with their backend: a repeat call skips the checks and the decision, whose Python costs
         tens of microseconds on the host, as much as a small GEMM and its collective on the GPU."""
-        self._routes: dict[tuple, tuple[str, Backend]] = {}
-        """The same for other paths that need no per-call decision once taken: ``"oneshot"`` (the
-        subclasses that have it) and ``"pull"`` (GEMM+ReduceScatter's pulling call), with their backend."""
+        self._routes: dict[tuple, tuple[str, Backend, GemmConfig | None]] = {}
+        """The same for other paths that need no per-call decision once taken, with their backend and
+        config: ``"oneshot"`` (the subclasses that have it), ``"pull"`` (GEMM+ReduceScatter's pulling
+        call) and ``"fused"`` (AllGather+GEMM's fused transports)."""
         self._host_err: HostWord | None = None
 
     @staticmethod

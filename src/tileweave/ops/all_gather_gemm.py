@@ -184,11 +184,14 @@ class AllGatherGemm(FusedOp):
                 _check_gathered_out(gathered_out, a_shard, backend.world_size)
             return self._fallback(backend, a_shard, b, None, None, return_gathered, gathered_out)
         if self._routes and signature is not None and not _launch.capturing(a_shard):
-            _, backend = self._routes.get(signature, (None, None))  # only one-shot routes here
-            if backend is not None:  # decided before: no checks, no decision (host time is the point)
+            route = self._routes.get(signature)
+            if route is not None:  # decided before: no checks, no decision (host time is the point)
+                path, backend, config = route
                 if gathered_out is not None:
                     _check_gathered_out(gathered_out, a_shard, backend.world_size)
-                return self._oneshot(backend, a_shard, b, None, None, return_gathered, gathered_out)
+                if path == "oneshot":
+                    return self._oneshot(backend, a_shard, b, None, None, return_gathered, gathered_out)
+                return self._fused(backend, a_shard, b, None, None, return_gathered, gathered_out, config, False)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
         mc, k = a_shard.shape
@@ -196,7 +199,7 @@ class AllGatherGemm(FusedOp):
             raise ValueError(f"a_shard is [M/W={mc}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N_loc]")
         n = b.shape[1]
         backend = self._get_backend(a_shard.device)
-        w, rank = backend.world_size, backend.rank
+        w = backend.world_size
         m = mc * w
         bias = _launch.check_bias(bias, n, a_shard.dtype, a_shard.device)
         out = _launch.check_out(out, (m, n), a_shard.dtype, a_shard.device)
@@ -220,12 +223,24 @@ class AllGatherGemm(FusedOp):
                                            _launch.capturing(a_shard))
         if path == "oneshot" and not _launch.capturing(a_shard):  # under capture: NCCL, as every rank does
             if signature is not None:
-                self._routes[signature] = ("oneshot", backend)
+                self._routes[signature] = ("oneshot", backend, None)
             return self._oneshot(backend, a_shard, b, bias, out, return_gathered, gathered_out)
         if path != "fused":
             if signature is not None and path == "fallback":  # not a one-shot signature met under capture
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered, gathered_out)
+        if signature is not None and not self.replay and not _launch.capturing(a_shard):
+            # A repeat takes the route above (with replay, a repeat without return_gathered may replay).
+            self._routes[signature] = ("fused", backend, config)
+        return self._fused(backend, a_shard, b, bias, out, return_gathered, gathered_out, config, first)
+
+    def _fused(self, backend: Backend, a_shard, b, bias, out, return_gathered: bool, gathered_out, config,
+               first: bool):
+        """The fused path (a transport of ``self.transport``), for a decided call of ``config``."""
+        mc, k = a_shard.shape
+        n = b.shape[1]
+        w, rank = backend.world_size, backend.rank
+        m = mc * w
         if out is None:
             out = torch.empty((m, n), dtype=a_shard.dtype, device=a_shard.device)
         transport = self.transport

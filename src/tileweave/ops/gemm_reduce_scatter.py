@@ -164,7 +164,7 @@ class GemmReduceScatter(FusedOp):
         if self._routes and signature is not None and not _launch.capturing(a):
             route = self._routes.get(signature)
             if route is not None:  # decided before: no checks, no decision (host time is the point)
-                path, backend = route
+                path, backend, _ = route
                 out = a.new_empty((a.shape[0] // backend.world_size, b.shape[1]))
                 if path == "oneshot":
                     self._oneshot(backend, a, b, None, out)
@@ -209,7 +209,7 @@ class GemmReduceScatter(FusedOp):
                                            **overrides)
         if path == "oneshot" and not _launch.capturing(a):  # under capture: NCCL, as every rank does
             if signature is not None:
-                self._routes[signature] = ("oneshot", backend)
+                self._routes[signature] = ("oneshot", backend, None)
             self._oneshot(backend, a, b, bias, out)
             return out
         if path != "fused":
@@ -222,7 +222,7 @@ class GemmReduceScatter(FusedOp):
             a = a.contiguous()
         if self.transport == "chunked" and self.pull and w == 2 and out.is_contiguous():  # copies land in out
             if signature is not None:  # no bias, no out: a repeat takes the route above
-                self._routes[signature] = ("pull", backend)
+                self._routes[signature] = ("pull", backend, None)
             self._chunked_pull(backend, a, b, bias, out, m, n)
             return out
         if self.transport == "chunked":
