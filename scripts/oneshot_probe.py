@@ -42,6 +42,7 @@ from tileweave.ops import _fused, _launch  # noqa: E402
 from tileweave.ops.workspace import ensure_workspace  # noqa: E402
 from tileweave.runtime import driver  # noqa: E402
 from tileweave.runtime.backend import Backend, HostMirror, SymmetricBuffer  # noqa: E402
+from tileweave.tune.autotune import time_ms  # noqa: E402
 
 # The suite's reduce-scatter rows that run NCCL + cuBLAS under "auto" at TP=2, and two chunked ones
 # (M x K_loc x N).
@@ -124,19 +125,9 @@ def _graph_us(fn, calls: int = 20, replays: int = 10) -> float:
     return statistics.median(samples)
 
 
-def _steady_us(fn, reps: int = 5, calls: int = 20) -> float:
-    for _ in range(30):
-        fn()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
+def _steady_us(fn) -> float:
+    """Back-to-back time per call (CUDA events, median of 5 batches of 20 calls after 30)."""
+    return time_ms(fn, torch.device("cuda", torch.cuda.current_device()), warmup=30, iters=20, reps=5) * 1e3
 
 
 def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: torch.device) -> dict:

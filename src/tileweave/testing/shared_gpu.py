@@ -42,15 +42,18 @@ class SharedGpuBackend(_backend.CudaBackend):
             else:
                 storage = torch.UntypedStorage._new_shared_cuda(*handle)
                 views.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, 0, (nbytes,)))
-        self._opened.append(tuple(views))  # the exporting rank keeps its own alive the same way
+        # Kept for the process's life: a peer may still map a buffer that this rank's workspace has
+        # dropped (tests only; workspaces grow geometrically, so this stays small).
+        self._opened.append(tuple(views))
         dist.barrier(group=self.group)
         return _backend.SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views),
                                         views=tuple(views))
 
 
 def install(device: torch.device, group: dist.ProcessGroup | None = None) -> SharedGpuBackend:
-    """Make ``SharedGpuBackend`` the backend of ``group`` (default: the world) on ``device`` for every op
-    created afterwards in this process (collective: every rank of the group calls it)."""
+    """Make ``SharedGpuBackend`` the backend of ``group`` (default: the world) on ``device`` in this
+    process, for every op whose first call comes afterwards (ops look their backend up then). Collective:
+    every rank of the group calls it."""
     group = group if group is not None else dist.group.WORLD
     backend = SharedGpuBackend(group, device)
     _backend._BACKENDS[(group.group_name, device.type, device.index)] = backend
