@@ -25,8 +25,8 @@ _last_path: dict[str, str] = {}
 def last_path(op: str) -> str | None:
     """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took:
     "fused" (the fused kernel), "chunked" (cuBLAS per chunk with the copy-engine transport),
-    "oneshot" (GEMM+ReduceScatter: cuBLAS, then the one-shot reduction kernel), "fallback" (NCCL
-    collective and GEMM), "local" (a group of one) or "triton" (matmul)."""
+    "oneshot" (cuBLAS and one of ``tileweave.kernels.oneshot``'s kernels), "replay" (a CUDA graph of the
+    chunked path), "fallback" (NCCL collective and GEMM), "local" (a group of one) or "triton" (matmul)."""
     return _last_path.get(op)
 
 
@@ -451,8 +451,6 @@ class OneshotPlan:
         self.blocks = (bm, bn)
         tiles = -(-self.rows // bm) * -(-self.cols // bn) * self.parts
         self.programs = max(1, min(self.programs, tiles))
-        self.fixed = (self.peer_offsets.data_ptr(), self.signals.data_ptr(), self.ready.data_ptr())
-        self.errs = (self.err.data_ptr(), self.host_err.data_ptr())
 
     def launch(self, kernel_fn, key: tuple, tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         """Launch ``kernel_fn`` with ``tensors`` (pointer arguments) then ``scalars``: the compiled
