@@ -218,10 +218,11 @@ class AllGatherGemm(FusedOp):
             if replayed is not None:
                 return replayed
 
+        capturing = _launch.capturing(a_shard)
         path, config, first = self._decide(backend, m, n, k, a_shard.dtype, a_shard.device,
                                            heuristics.prefer_fused_all_gather, (mc, k, n), bias is not None,
-                                           _launch.capturing(a_shard))
-        if path == "oneshot" and not _launch.capturing(a_shard):  # under capture: NCCL, as every rank does
+                                           capturing)
+        if path == "oneshot" and not capturing:  # under capture: NCCL, as every rank does
             if signature is not None:
                 self._routes[signature] = ("oneshot", backend, None)
             return self._oneshot(backend, a_shard, b, bias, out, return_gathered, gathered_out)
@@ -229,7 +230,7 @@ class AllGatherGemm(FusedOp):
             if signature is not None and path == "fallback":  # not a one-shot signature met under capture
                 self._unfused[signature] = backend
             return self._fallback(backend, a_shard, b, bias, out, return_gathered, gathered_out)
-        if signature is not None and not self.replay and not _launch.capturing(a_shard):
+        if signature is not None and not self.replay and not capturing:
             # A repeat takes the route above (with replay, a repeat without return_gathered may replay).
             self._routes[signature] = ("fused", backend, config)
         return self._fused(backend, a_shard, b, bias, out, return_gathered, gathered_out, config, first)

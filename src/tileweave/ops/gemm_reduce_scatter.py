@@ -200,14 +200,15 @@ class GemmReduceScatter(FusedOp):
             return out
 
         overrides = {"copy_engine": True} if self.transport == "copy_engine" else {}
+        capturing = _launch.capturing(a)
         # The pulling thresholds go by the op's setting: a call into an ``out`` with padded rows, which
         # pushes, is decided as if it pulled (right either way, a little slower on the smallest rows).
         path, config, first = self._decide(backend, m, n, k, a.dtype, a.device,
                                            functools.partial(heuristics.prefer_fused_reduce_scatter,
                                                              transport=self.transport, pull=self.pull),
-                                           (m, k, n), bias is not None, _launch.capturing(a),
+                                           (m, k, n), bias is not None, capturing,
                                            **overrides)
-        if path == "oneshot" and not _launch.capturing(a):  # under capture: NCCL, as every rank does
+        if path == "oneshot" and not capturing:  # under capture: NCCL, as every rank does
             if signature is not None:
                 self._routes[signature] = ("oneshot", backend, None)
             self._oneshot(backend, a, b, bias, out)
@@ -217,7 +218,7 @@ class GemmReduceScatter(FusedOp):
                 self._unfused[signature] = backend
             return self._fallback(backend, a, b, bias, out)
 
-        self._check_previous(_launch.capturing(a))
+        self._check_previous(capturing)
         if a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         if self.transport == "chunked" and self.pull and w == 2 and out.is_contiguous():  # copies land in out
