@@ -75,12 +75,8 @@ class Workspace:
         the old one; it drops the plans and tables that point into it, and the epoch restarts with the
         new buffer's zeroed flags."""
         if self.oneshot is None or self.oneshot.nbytes < ONESHOT_HEADER + nbytes:
-            if self.backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise TileweaveError("the one-shot buffer cannot grow during CUDA-graph capture")
-            if self.oneshot is not None:
-                self.backend.synchronize()
-                dist.barrier(group=self.backend.group)
-                nbytes = max(nbytes, 2 * (self.oneshot.nbytes - ONESHOT_HEADER))
+            current = None if self.oneshot is None else self.oneshot.nbytes - ONESHOT_HEADER
+            nbytes = _grow(self.backend, "one-shot buffer", current, nbytes)
             self.oneshot = self.backend.allocate(ONESHOT_HEADER + nbytes)
             self.oneshot_epoch = 0
             self.plans = {key: plan for key, plan in self.plans.items() if key[0] != "oneshot"}
@@ -200,16 +196,24 @@ def ensure_workspace(current: Workspace | None, backend: Backend, data_bytes: in
     happen under CUDA-graph capture."""
     if current is not None and current.data.nbytes >= data_bytes:
         return current
-    if backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise TileweaveError(f"the op's workspace must grow to {data_bytes} bytes, a collective allocation "
-                             "that a CUDA graph cannot hold: call the op eagerly with the largest shapes "
-                             "first, then capture")
-    if current is not None:
-        backend.synchronize()
-        dist.barrier(group=backend.group)
-        # Grow geometrically so that a slowly growing M does not reallocate on every call.
-        data_bytes = max(data_bytes, 2 * current.data.nbytes)
+    data_bytes = _grow(backend, "workspace", None if current is None else current.data.nbytes, data_bytes)
     return Workspace(backend, data_bytes, released=released)
+
+
+def _grow(backend: Backend, what: str, current: int | None, nbytes: int) -> int:
+    """The size to allocate for a symmetric ``what`` of ``current`` bytes (None: none yet) that must hold
+    ``nbytes``: at least double, so that a slowly growing M does not reallocate on every call. Replacing
+    one first waits for every rank's earlier calls, since peers may still use the old one (collective);
+    neither can happen under CUDA-graph capture."""
+    if backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise TileweaveError(f"the op's {what} must grow to {nbytes} bytes, a collective allocation that a "
+                             "CUDA graph cannot hold: call the op eagerly with the largest shapes first, then "
+                             "capture")
+    if current is None:
+        return nbytes
+    backend.synchronize()
+    dist.barrier(group=backend.group)
+    return max(nbytes, 2 * current)
 
 
 def agree(backend: Backend, cache: dict, op: str, signature: tuple, proposal: object) -> object:
