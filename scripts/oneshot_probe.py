@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 
@@ -43,6 +42,8 @@ from tileweave.ops.workspace import ensure_workspace  # noqa: E402
 from tileweave.runtime import driver  # noqa: E402
 from tileweave.runtime.backend import Backend, HostMirror, SymmetricBuffer  # noqa: E402
 from tileweave.tune.autotune import time_ms  # noqa: E402
+
+from host_probe import _graph_us  # noqa: E402  (this folder's host probe; same GPU timing)
 
 # The suite's reduce-scatter rows that run NCCL + cuBLAS under "auto" at TP=2, and two chunked ones
 # (M x K_loc x N).
@@ -101,30 +102,6 @@ def _host_us(fn, calls: int = 50) -> float:
     return total
 
 
-def _graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    graph.replay()
-    samples = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(samples)
-
-
 def _steady_us(fn) -> float:
     """Back-to-back time per call (CUDA events, median of 5 batches of 20 calls after 30)."""
     return time_ms(fn, torch.device("cuda", torch.cuda.current_device()), warmup=30, iters=20, reps=5) * 1e3
@@ -153,7 +130,7 @@ def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: to
     row["part_launch_us"] = _host_us(lambda: _launch.launch_reduce_rows(reduce_plan, slots[0], out, None,
                                                                         ws.oneshot_epoch))
     row["part_check_us"] = _host_us(lambda: op._oneshot_check(ws, 0))
-    row["gemm_us"] = _graph_us(lambda: torch.mm(a, b, out=partial))
+    row["gemm_us"] = _graph_us(lambda: torch.mm(a, b, out=partial), device)
     # Internals with a fixed epoch (a graph repeats its arguments): the flag holds it after the first run.
     slots = torch.empty(2, m, n, device=device, dtype=torch.bfloat16)
     flags = torch.zeros(4, dtype=torch.int32, device=device)
@@ -169,7 +146,7 @@ def probe(m: int, k: int, n: int, blocks: list[tuple[int, int, int]], device: to
             torch.mm(a, b, out=slots[0])
             _launch.launch_reduce_rows(plan, slots[0], out, None, 1)
         name = "oneshot_us" if block == default else "oneshot_us_" + "x".join(map(str, block))
-        row[name] = _graph_us(call)
+        row[name] = _graph_us(call, device)
     _launch.ONESHOT_BLOCK = default
     row["err_word"] = int(flags[3].item()) + op._host_err.read()
     return row
@@ -204,7 +181,7 @@ def probe_ag(m: int, k: int, n: int, device: torch.device) -> dict:
                                                                       shard.nbytes, stream))
     row["part_launch_us"] = _host_us(lambda: _launch.launch_gather_rows(gather_plan, slots[0], ws.oneshot_epoch))
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-    row["gemm_us"] = _graph_us(lambda: torch.mm(gathered, b, out=out))
+    row["gemm_us"] = _graph_us(lambda: torch.mm(gathered, b, out=out), device)
     # Internals with a fixed epoch; the "peer" rows come from the other slot (distinct memory).
     both = torch.empty(2, m, k, device=device, dtype=torch.bfloat16)
     flags = torch.zeros(4, dtype=torch.int32, device=device)
@@ -217,7 +194,7 @@ def probe_ag(m: int, k: int, n: int, device: torch.device) -> dict:
         both[0][:mc].copy_(shard)
         _launch.launch_gather_rows(plan, both[0], 1)
         torch.mm(both[0], b, out=out)
-    row["oneshot_us"] = _graph_us(call)
+    row["oneshot_us"] = _graph_us(call, device)
     row["err_word"] = int(flags[3].item()) + op._host_err.read()
     return row
 
