@@ -318,6 +318,19 @@ def test_oneshot_reduce_scatter_buffer_grows_between_shapes():
            "deterministic")
 
 
+def test_oneshot_calls_of_changing_shapes_never_write_the_previous_calls_slot():
+    # Shapes in random order, shrinking and growing (the buffer grows, collectively, in between): each
+    # call's slot of the one-shot buffer lies apart from the previous call's, which a slower peer may
+    # still be reading when this rank's next call writes its own.
+    rng = random.Random()
+    shapes = [(rng.choice([4, 12, 20, 36]), rng.choice([16, 32]), rng.choice([8, 24, 40])) for _ in range(6)]
+    for result in run_ranks(2, scenarios.oneshot_slots_check, shapes):
+        assert result["err"] < TOL["float16"], (shapes, result)
+        for name, calls in result["slots"].items():
+            for (base0, start0, end0), (base1, start1, end1) in zip(calls, calls[1:]):
+                assert base0 != base1 or end1 <= start0 or end0 <= start1, (name, shapes, calls)
+
+
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):

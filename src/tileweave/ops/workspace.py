@@ -19,6 +19,8 @@ READY, RELEASED, COUNTERS = 0, 1, 2
 ONESHOT_HEADER = 256
 """Bytes at the start of the one-shot buffer (``Workspace.ensure_oneshot``) for its flag words: word
 ``src`` holds the one-shot epoch at which src's data for this rank is complete. Its data follows."""
+ONESHOT_ALIGN = 256
+"""Alignment in bytes of the one-shot buffer's two slots (``oneshot_slots``)."""
 # The copy-engine flag block (``Workspace.ensure_ce_flags``), W x groups words per region; the kernel's
 # side of the layout is at ``tileweave.kernels.gemm.CE_GROUPS``.
 CE_COUNTERS, CE_ARRIVAL, CE_SENT = 0, 1, 2
@@ -179,10 +181,16 @@ def oneshot_slots(ws: Workspace, shape: tuple[int, int], dtype: torch.dtype) -> 
     a one-shot path's calls: a rank writes a slot again two calls later, when its previous call's
     kernel has seen every peer's signal of that call, which each peer sent only after its own kernel
     that read the slot (two calls back) was done. So a call waits only for the peers' data of the same
-    call, on the same stream as all of this op's calls."""
-    nbytes = shape[0] * shape[1] * dtype.itemsize
+    call, on the same stream as all of this op's calls.
+
+    Slot ``s`` starts at the same place for every shape, at the start of half ``s`` of the data: calls
+    of different shapes alternate slots too, and a call must never write where the previous call's
+    slot lies, which peers may still be reading (slots packed by the shape's size would overlap
+    there when the shape shrinks)."""
+    nbytes = -(-shape[0] * shape[1] * dtype.itemsize // ONESHOT_ALIGN) * ONESHOT_ALIGN
     buffer = ws.ensure_oneshot(2 * nbytes)
-    return tuple(buffer.view(ws.backend.rank, dtype, shape, offset=ONESHOT_HEADER + s * nbytes) for s in range(2))
+    half = (buffer.nbytes - ONESHOT_HEADER) // 2 // ONESHOT_ALIGN * ONESHOT_ALIGN
+    return tuple(buffer.view(ws.backend.rank, dtype, shape, offset=ONESHOT_HEADER + s * half) for s in range(2))
 
 
 def released_start(constant: bool) -> int:

@@ -419,6 +419,35 @@ def back_to_back_check(rank: int, world: int, m_chunk: int, k: int, n: int, call
             "routes": [sorted(route[0] for route in op._routes.values()) for op in (ag, rs)]}
 
 
+def oneshot_slots_check(rank: int, world: int, shapes: list[tuple[int, int, int]]) -> dict:
+    """One-shot AG and RS calls on a sequence of ``(m_chunk, k, n)`` shapes, each checked against float64.
+    Returns, per op, each call's slot as ``(buffer base, first byte, end)`` of this rank's one-shot
+    buffer: a call must never write where the previous call's slot lies, which a peer may still be
+    reading, whatever the two calls' shapes."""
+    device = _device()
+    ops = {"ag": tileweave.AllGatherGemm(policy="oneshot"), "rs": tileweave.GemmReduceScatter(policy="oneshot")}
+    slots = {name: [] for name in ops}
+    worst = 0.0
+    for i, (m_chunk, k, n) in enumerate(shapes):
+        m = m_chunk * world
+        shards = [_randn((m_chunk, k), torch.float16, "slots", i, "a", p, device=device) for p in range(world)]
+        b_ag = _randn((k, n), torch.float16, "slots", i, "bag", device=device)
+        a_rs = [_randn((m, k), torch.float16, "slots", i, "ars", p, device=device) for p in range(world)]
+        b_rs = [_randn((k, n), torch.float16, "slots", i, "brs", p, device=device) for p in range(world)]
+        out_ag = ops["ag"](shards[rank], b_ag)
+        out_rs = ops["rs"](a_rs[rank], b_rs[rank])
+        ref_ag = torch.cat(shards).double() @ b_ag.double()
+        ref_rs = sum(a.double() @ b.double() for a, b in zip(a_rs, b_rs))[rank * m_chunk:(rank + 1) * m_chunk]
+        worst = max(worst, _rel_err(out_ag, ref_ag), _rel_err(out_rs, ref_rs))
+        for name, op, cols in (("ag", ops["ag"], k), ("rs", ops["rs"], n)):
+            ws = op._ws
+            slot = ws.plans[("oneshot", m, cols, torch.float16)][0][ws.oneshot_epoch & 1]
+            base = ws.oneshot.address(rank)
+            start = slot.data_ptr() - base
+            slots[name].append((base, start, start + slot.numel() * slot.element_size()))
+    return {"err": worst, "slots": slots}
+
+
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
     """Bad inputs must raise a clear error on every rank before any flag wait (so no rank hangs)."""
     caught: dict[str, str] = {}
