@@ -1,10 +1,15 @@
 """The first launch of a fused signature on GPUs: every rank compiles without launching, meets the
 others, then launches; later calls launch at once. Checked with the launcher and the barrier recorded
-(the compile goes through ``launch(compile_only=True)``, launches through ``launch_cached``)."""
+(the compile goes through ``launch(compile_only=True)``, launches through ``launch_cached``). The
+one-shot kernels' plans do the same before their first launch (``OneshotPlan.meet``)."""
 
+import contextlib
 import types
 
-from tileweave.ops import _fused
+import pytest
+import torch
+
+from tileweave.ops import _fused, _launch
 
 
 def _record(monkeypatch):
@@ -17,7 +22,7 @@ def _record(monkeypatch):
 
 def test_first_call_compiles_then_meets_then_launches(monkeypatch):
     calls = _record(monkeypatch)
-    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=types.SimpleNamespace(index=3))
+    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 3))
     _fused.FusedOp._launch_kernel(gpu, True, mode=1)
     assert calls == [("launch", True), ("barrier", [3]), ("launch", False)]
     calls.clear()
@@ -36,13 +41,56 @@ def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
     monkeypatch.setattr(_fused._launch, "launch", launch)
     monkeypatch.setattr(_fused._launch, "launch_cached", launch)
     monkeypatch.setattr(_fused.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
-    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=types.SimpleNamespace(index=0))
+    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 0))
     _fused.FusedOp._launch_kernel(gpu, True, mode=2)
     assert calls == [("launch", True), ("barrier", [0]), ("launch", False)]
 
 
 def test_the_interpreter_launches_without_meeting(monkeypatch):
     calls = _record(monkeypatch)
-    cpu = types.SimpleNamespace(interpreter=True, group="tp", device=types.SimpleNamespace(index=None))
+    cpu = types.SimpleNamespace(interpreter=True, group="tp", device=torch.device("cpu"))
     _fused.FusedOp._launch_kernel(cpu, True, mode=1)
     assert calls == [("launch", False)]
+
+
+def _oneshot_plan(calls):
+    return _launch.OneshotPlan(peer_offsets=None, signals=None, ready=None, err=None, host_err=None, rank=0, world=2,
+                               rows=64, cols=256, max_spin=1, programs=4, meet=lambda: calls.append("meet"))
+
+
+class _Kernel:
+    """A kernel function that records its compiles and launches."""
+
+    def __init__(self, calls, compiles=True):
+        self.calls, self.compiles = calls, compiles
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append("compile")
+        if not self.compiles:
+            raise RuntimeError("compile failed")
+        return None
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append("launch")
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_oneshot_plan_compiles_then_meets_once_before_its_first_launch(monkeypatch, compiles):
+    # On a GPU (faked: the device context does nothing, launches go through the kernel function): even
+    # a failed compile meets, since the peers wait there; later launches neither compile nor meet.
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "_fast_launch", False)
+    calls = []
+    plan = _oneshot_plan(calls)
+    tensor = types.SimpleNamespace(device=torch.device("cuda", 0))
+    for _ in range(3):
+        plan.launch(_Kernel(calls, compiles), ("key",), (tensor,), (1,), {})
+    assert calls == ["compile", "meet", "launch", "launch", "launch"]
+
+
+def test_a_oneshot_plan_in_the_interpreter_meets_without_compiling():
+    calls = []
+    plan = _oneshot_plan(calls)
+    for _ in range(2):
+        plan.launch(_Kernel(calls), ("key",), (torch.zeros(1),), (1,), {})
+    assert calls == ["meet", "launch", "launch"]

@@ -260,7 +260,7 @@ class FusedOp:
                                    ready=ws.oneshot_flags(), err=ws.err, host_err=self._host_err.tensor,
                                    rank=backend.rank, world=backend.world_size,
                                    max_spin=self.max_spin or backend.default_max_spin, programs=backend.num_sms,
-                                   **shape)
+                                   meet=self._meeting(backend), **shape)
 
     def _oneshot_check(self, ws: Workspace, rank: int) -> None:
         """Raise if an earlier one-shot kernel's wait expired: its word in pinned host memory is set (no
@@ -367,5 +367,11 @@ class FusedOp:
                 _launch.launch(**launch_args, compile_only=True)
             except Exception:  # noqa: BLE001 - the launch below compiles again and raises the error itself
                 pass
-            dist.barrier(group=backend.group, device_ids=[backend.device.index])
+            FusedOp._meeting(backend)()
         _launch.launch_cached(**launch_args)
+
+    @staticmethod
+    def _meeting(backend: Backend) -> Callable[[], None]:
+        """The barrier that follows a first launch's compile (``_launch_kernel``, ``OneshotPlan.meet``)."""
+        device_ids = [backend.device.index] if backend.device.type == "cuda" else None
+        return lambda: dist.barrier(group=backend.group, device_ids=device_ids)

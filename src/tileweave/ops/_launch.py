@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -444,6 +445,13 @@ class OneshotPlan:
     programs: int
     row0: int = 0
     parts: int = 1
+    meet: Callable[[], None] | None = None
+    """Called once, before the plan's first launch and after compiling its kernel (on GPUs; the
+    interpreter compiles nothing): the op's barrier, so that no rank's kernel spends its bounded wait
+    on a peer that is still compiling (seconds with a cold cache). Plans are made on every rank at the
+    same call, so every rank meets. A later launch that needs another specialisation (an output of
+    another alignment or row stride) compiles inline, unmet: only a spin bound far below the default
+    can expire on that."""
     compiled: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -457,6 +465,18 @@ class OneshotPlan:
         kernel of ``key`` with the pointers as ints if there is one, else through Triton (kept)."""
         device = tensors[0].device
         fast = _fast_launch and device.type == "cuda"
+        if self.meet is not None:
+            meet, self.meet = self.meet, None
+            if device.type == "cuda":
+                try:
+                    with torch.cuda.device(device):
+                        kernel = kernel_fn.warmup(*tensors, *scalars, grid=(self.programs,), **constexprs,
+                                                  num_warps=self.warps)
+                    if fast:
+                        self.compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
+                except Exception:  # noqa: BLE001 - the launch below compiles again and raises the error itself
+                    pass
+            meet()  # also after a failed compile: the peers are waiting here
         kernel = self.compiled.get(key) if fast else None
         if kernel is not None and torch.cuda.current_device() == device.index:
             _launch_compiled(kernel, device.index, self.programs, (*(t.data_ptr() for t in tensors), *scalars),
