@@ -331,6 +331,20 @@ def test_oneshot_calls_of_changing_shapes_never_write_the_previous_calls_slot():
                 assert base0 != base1 or end1 <= start0 or end0 <= start1, (name, shapes, calls)
 
 
+def test_a_changed_setting_takes_effect_on_repeat_calls():
+    # Repeat calls take the route their signature's first call decided; a setting changed after (every
+    # rank alike) must reroute them: policy, transport, config, and the spin bound of the one-shot plans.
+    expected = [("oneshot", "oneshot"), ("fallback", "fallback"), ("chunked", "chunked"), ("fused", "fused"),
+                ("oneshot", "oneshot")]
+    for rows in run_ranks(2, scenarios.settings_change_check):
+        assert [row["paths"] for row in rows] == [paths for paths in expected for _ in range(2)], rows
+        for row in rows:
+            assert row["err"] < TOL["float16"], row
+            if "config" in row["settings"]:  # the fused decisions use the config set, not the agreed default
+                assert row["configs"] and all(c == row["settings"]["config"] for c in row["configs"]), row
+        assert rows[-1]["spins"] and all(spin == 123_457 for spin in rows[-1]["spins"]), rows[-1]
+
+
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):

@@ -4,6 +4,7 @@ path and kernel config that every rank must agree on before anything is allocate
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from typing import Callable
 
@@ -31,6 +32,38 @@ def _workspace_token(op: "FusedOp") -> tuple:
     """What a graph of ``op``'s calls has baked in of its buffers: the workspace and its send buffer."""
     ws = op._ws
     return (id(ws), ws.local.data_ptr() if ws is not None and ws.local is not None else 0)
+
+
+def option(name: str, check: Callable[["FusedOp", object], None] | None = None) -> property:
+    """An op setting that decides which path a call takes (or what a decided path bakes in): read as a
+    plain attribute; set (on every rank alike, as the constructor's arguments), it is checked by
+    ``check`` and forgets what the op decided under the old value (``FusedOp._forget_paths``), so that
+    each signature's next call decides again."""
+    slot = "_option_" + name
+
+    def set_option(op: "FusedOp", value) -> None:
+        if check is not None:
+            check(op, value)
+        op.__dict__[slot] = value
+        op._forget_paths()
+
+    return property(operator.attrgetter(slot), set_option)
+
+
+def _check_policy(op: "FusedOp", policy) -> None:
+    if policy not in op.policies:
+        from_env = os.environ.get("TILEWEAVE_POLICY") == policy
+        raise ValueError(f"{type(op).__name__}: policy must be one of {op.policies}, got {policy!r}"
+                         + (" (from TILEWEAVE_POLICY)" if from_env else ""))
+
+
+def _check_transport(op: "FusedOp", transport) -> None:
+    if transport not in op.transports:
+        raise ValueError(f"transport must be one of {op.transports}, got {transport!r}")
+    if op.graphable and transport not in op.graphable_transports:
+        offered = ", ".join(op.graphable_transports) or "none"
+        raise ValueError(f"{type(op).__name__}(graphable=True) needs a transport with replayable flags "
+                         f"({offered}), got {transport!r}")
 
 
 class _HostGraph:
@@ -104,33 +137,16 @@ class FusedOp:
         if graphable and replay:
             raise ValueError(f"{type(self).__name__}: replay=True captures its own graphs; a graphable op is "
                              "for graphs of the caller's")
-        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
-        policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
-        if policy not in self.policies:
-            raise ValueError(f"{type(self).__name__}: policy must be one of {self.policies}, got {policy!r}"
-                             + (" (from TILEWEAVE_POLICY)" if os.environ.get("TILEWEAVE_POLICY") == policy else ""))
-        transport = transport or self.default_transport
-        if transport not in self.transports:
-            raise ValueError(f"transport must be one of {self.transports}, got {transport!r}")
-        if graphable and transport not in self.graphable_transports:
-            offered = ", ".join(self.graphable_transports) or "none"
-            raise ValueError(f"{type(self).__name__}(graphable=True) needs a transport with replayable flags "
-                             f"({offered}), got {transport!r}")
         self.graphable = graphable
-        self.replay = replay
+        self.group = group if group is not None else dist.group.WORLD
+        self._ws: Workspace | None = None
+        self._backend: Backend | None = None
+        self._err_mirror = None
         self._replay_op: FusedOp | None = None
         self._replay_warm: set[tuple] = set()
         self._graphs: dict[tuple, tuple] = {}
         self._graphs_workspace: tuple = ()
-        self.transport = transport
-        self.group = group if group is not None else dist.group.WORLD
-        self.policy = policy
-        self.config = config
-        self.max_spin = max_spin
-        self._ws: Workspace | None = None
         self._agreed: dict[tuple, object] = {}
-        self._backend: Backend | None = None
-        self._err_mirror = None
         self._decisions: dict[tuple, tuple[bool, GemmConfig]] = {}
         self._unfused: dict[tuple, Backend] = {}
         """Signatures (shapes, dtypes, devices; no bias, no ``out``) already decided for the unfused
@@ -140,7 +156,32 @@ class FusedOp:
         """The same for other paths that need no per-call decision once taken, with their backend and
         config: ``"oneshot"`` (the subclasses that have it), ``"pull"`` (GEMM+ReduceScatter's pulling
         call) and ``"fused"`` (AllGather+GEMM's fused transports)."""
+        # TILEWEAVE_POLICY overrides "auto" process-wide (the benchmark uses it to time one path).
+        self.policy = os.environ.get("TILEWEAVE_POLICY", "auto") if policy == "auto" else policy
+        self.transport = transport or self.default_transport
+        self.replay = replay
+        self.config = config
+        self.max_spin = max_spin
         self._host_err: HostWord | None = None
+
+    policy = option("policy", _check_policy)
+    transport = option("transport", _check_transport)
+    replay = option("replay")
+    config = option("config")
+    max_spin = option("max_spin")
+
+    def _forget_paths(self) -> None:
+        """Forget what the op decided under its settings before one changed (``option``): the agreed
+        configs, the paths and routes, and ``replay``'s graphs with the inner op that ran them (each
+        made again at its signature's next call, collectively as at the first); the one-shot plans,
+        which hold the spin bound, take the new one."""
+        for decided in (self._agreed, self._decisions, self._unfused, self._routes, self._graphs, self._replay_warm):
+            decided.clear()
+        self._replay_op = None
+        if self._ws is not None:
+            for key, plan in self._ws.plans.items():
+                if key[0] == "oneshot":
+                    plan[1].max_spin = self.max_spin or self._ws.backend.default_max_spin
 
     @staticmethod
     def _replay_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:

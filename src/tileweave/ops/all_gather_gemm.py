@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops._fused import FusedOp
+from tileweave.ops._fused import FusedOp, option
 from tileweave.ops.workspace import (COUNTERS, READY, RELEASED, FlagValues, Workspace, agree, ensure_workspace,
                                      oneshot_slots, released_start)
 from tileweave.runtime.backend import Backend
@@ -122,6 +122,8 @@ class AllGatherGemm(FusedOp):
         super().__init__(group, **kwargs)
         self.head_split = head_split
         self.stream_k = stream_k
+
+    stream_k = option("stream_k")
 
     def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
         """The ``stream_k`` option (``__init__``), where the kernel can take the tail at all."""

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import _launch
-from tileweave.ops._fused import FusedOp
+from tileweave.ops._fused import FusedOp, option
 from tileweave.ops.workspace import (CE_ARRIVAL, CE_COUNTERS, CE_SENT, COUNTERS, RELEASED, FlagValues, Workspace,
                                      ensure_workspace, oneshot_slots, released_start)
 from tileweave.runtime.backend import Backend, TileweaveError
@@ -147,10 +147,14 @@ class GemmReduceScatter(FusedOp):
         ``out`` with padded rows, push.
         Other arguments: :class:`FusedOp`."""
         super().__init__(group, **kwargs)
+        self.pull = (not self.graphable) if pull is None else pull
+
+    def _check_pull(self, pull) -> None:
         if pull and self.graphable:
             raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
                                  "use graphable=True without pull")
-        self.pull = (not self.graphable) if pull is None else pull
+
+    pull = option("pull", _check_pull)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:

@@ -448,6 +448,47 @@ def oneshot_slots_check(rank: int, world: int, shapes: list[tuple[int, int, int]
     return {"err": worst, "slots": slots}
 
 
+def settings_change_check(rank: int, world: int) -> list[dict]:
+    """Calls of one signature (a repeat takes the route its first call decided) with the ops' settings
+    changed in between, on every rank alike: each call must take the path of the settings it was made
+    under and be right. Returns per call the setting then in force, both ops' paths and errors."""
+    device = _device()
+    m_chunk, k, n = 20, 32, 24
+    ag = tileweave.AllGatherGemm(policy="oneshot")
+    rs = tileweave.GemmReduceScatter(policy="oneshot")
+    from tileweave.tune.autotune import select_config
+
+    config = dataclasses.replace(select_config(m_chunk * world, n, k, torch.float16, torch.device(device), num_sms=4,
+                                               interpreter=not device.startswith("cuda")), group_m=3)
+    steps = [{}, {"policy": "fallback"}, {"policy": "fused", "transport": "chunked"},
+             {"transport": "store", "config": config}, {"policy": "oneshot", "max_spin": 123_457}]
+    results = []
+    for step, settings in enumerate(steps):
+        for op in (ag, rs):
+            for name, value in settings.items():
+                if name == "transport" and op is ag:
+                    value = {"chunked": "chunked", "store": "mesh"}[value]
+                setattr(op, name, value)
+        for i in range(2):
+            seed = ("settings", step, i)
+            shards = [_randn((m_chunk, k), torch.float16, *seed, "a", p, device=device) for p in range(world)]
+            b_ag = _randn((k, n), torch.float16, *seed, "bag", device=device)
+            a_rs = [_randn((m_chunk * world, k), torch.float16, *seed, "ars", p, device=device) for p in range(world)]
+            b_rs = [_randn((k, n), torch.float16, *seed, "brs", p, device=device) for p in range(world)]
+            out_ag = ag(shards[rank], b_ag)
+            path_ag = tileweave.last_path("all_gather_gemm")
+            out_rs = rs(a_rs[rank], b_rs[rank])
+            path_rs = tileweave.last_path("gemm_reduce_scatter")
+            ref_ag = torch.cat(shards).double() @ b_ag.double()
+            ref_rs = sum(a.double() @ b.double() for a, b in zip(a_rs, b_rs))[rank * m_chunk:(rank + 1) * m_chunk]
+            results.append({"settings": {name: str(value) for name, value in settings.items()}, "call": i,
+                            "paths": (path_ag, path_rs), "err": max(_rel_err(out_ag, ref_ag), _rel_err(out_rs, ref_rs)),
+                            "configs": [str(c) for op in (ag, rs) for _, c in op._decisions.values()],
+                            "spins": [plan[1].max_spin for op in (ag, rs) for key, plan in op._ws.plans.items()
+                                      if key[0] == "oneshot"]})
+    return results
+
+
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
     """Bad inputs must raise a clear error on every rank before any flag wait (so no rank hangs)."""
     caught: dict[str, str] = {}
