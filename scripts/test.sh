@@ -4,7 +4,7 @@
 # interpreter for their whole process. Extra arguments go to both.
 source "$(dirname "$0")/env.sh"
 # With pytest-xdist the CPU tests run in one process per core (TEST_WORKERS, default auto): on two
-# cores 8 minutes instead of 10.6.
+# cores about 5 minutes (emulated ranks fork from a server that has imported torch once).
 workers=()
 if [ "${TEST_WORKERS:-auto}" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
   workers=(-n "${TEST_WORKERS:-auto}")
