@@ -143,6 +143,29 @@ def test_graphable_needs_a_replayable_transport():
         tileweave.GemmReduceScatter(transport="store", graphable=True)
 
 
+@pytest.mark.parametrize("setting, value, error", [
+    ("policy", "fast", ValueError), ("transport", "nvlink", ValueError), ("max_spin", 0, ValueError),
+    ("max_spin", 1 << 31, ValueError), ("max_spin", 1.5, ValueError), ("max_spin", True, ValueError),
+    ("config", {"block_m": 64}, TypeError)])
+def test_a_bad_setting_is_refused_by_name_in_the_constructor_and_later(setting, value, error):
+    with pytest.raises(error, match=setting):
+        tileweave.GemmReduceScatter(**{setting: value})
+    op = tileweave.AllGatherGemm()
+    before = getattr(op, setting)
+    with pytest.raises(error, match=setting):
+        setattr(op, setting, value)
+    assert getattr(op, setting) == before  # a refused value leaves the setting as it was
+
+
+def test_a_graphable_op_refuses_to_pull_when_set_later():
+    op = tileweave.GemmReduceScatter(graphable=True)
+    assert op.pull is False
+    with pytest.raises(tileweave.TileweaveError, match="pull"):
+        op.pull = True
+    with pytest.raises(ValueError, match="replayable"):
+        op.transport = "store"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_gemm_reduce_scatter_graphable(world):
     # The chunked transport on constant-valued flags: several blocks per owner, fresh inputs each call,

@@ -66,6 +66,19 @@ def _check_transport(op: "FusedOp", transport) -> None:
                          f"({offered}), got {transport!r}")
 
 
+def _check_max_spin(op: "FusedOp", max_spin) -> None:
+    if max_spin is not None and (isinstance(max_spin, bool) or not isinstance(max_spin, int)
+                                 or not 0 < max_spin < 1 << 31):
+        raise ValueError(f"{type(op).__name__}: max_spin is the polls a flag wait may take before it reports "
+                         f"a lost peer: None (the backend's default) or an int in [1, 2**31), got {max_spin!r}")
+
+
+def _check_config(op: "FusedOp", config) -> None:
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"{type(op).__name__}: config must be a tileweave GemmConfig or None (chosen per shape), "
+                        f"got {type(config).__name__}")
+
+
 class _HostGraph:
     """Where there are no CUDA graphs (emulated ranks): a replay runs the captured call again, so that
     the replay logic around it (keys, static inputs, copies out) runs in the CPU tests."""
@@ -167,8 +180,8 @@ class FusedOp:
     policy = option("policy", _check_policy)
     transport = option("transport", _check_transport)
     replay = option("replay")
-    config = option("config")
-    max_spin = option("max_spin")
+    config = option("config", _check_config)
+    max_spin = option("max_spin", _check_max_spin)
 
     def _forget_paths(self) -> None:
         """Forget what the op decided under its settings before one changed (``option``): the agreed
