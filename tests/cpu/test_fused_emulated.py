@@ -356,16 +356,20 @@ def test_oneshot_calls_of_changing_shapes_never_write_the_previous_calls_slot():
 
 def test_a_changed_setting_takes_effect_on_repeat_calls():
     # Repeat calls take the route their signature's first call decided; a setting changed after (every
-    # rank alike) must reroute them: policy, transport, config, and the spin bound of the one-shot plans.
+    # rank alike) must reroute them: policy, transport, config; the spin bound decides no path, so
+    # setting it alone keeps the routes and reaches the one-shot plans.
     expected = [("oneshot", "oneshot"), ("fallback", "fallback"), ("chunked", "chunked"), ("fused", "fused"),
-                ("oneshot", "oneshot")]
+                ("oneshot", "oneshot"), ("oneshot", "oneshot")]
     for rows in run_ranks(2, scenarios.settings_change_check):
         assert [row["paths"] for row in rows] == [paths for paths in expected for _ in range(2)], rows
         for row in rows:
             assert row["err"] < TOL["float16"], row
             if "config" in row["settings"]:  # the fused decisions use the config set, not the agreed default
                 assert row["configs"] and all(c == row["settings"]["config"] for c in row["configs"]), row
-        assert rows[-1]["spins"] and all(spin == 123_457 for spin in rows[-1]["spins"]), rows[-1]
+        assert rows[-3]["spins"] and all(spin == 123_457 for spin in rows[-3]["spins"]), rows[-3]
+        assert rows[-1]["spins"] and all(spin == 99_991 for spin in rows[-1]["spins"]), rows[-1]
+        assert rows[-2]["routes_kept"] == [["oneshot"], ["oneshot"]], rows[-2]
+        assert all(row["routes_kept"] == [[], []] for row in rows[2:8]), rows  # each forgotten on a change
 
 
 @pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])

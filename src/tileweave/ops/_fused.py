@@ -59,7 +59,7 @@ def _check_policy(op: "FusedOp", policy) -> None:
 
 def _check_transport(op: "FusedOp", transport) -> None:
     if transport not in op.transports:
-        raise ValueError(f"transport must be one of {op.transports}, got {transport!r}")
+        raise ValueError(f"{type(op).__name__}: transport must be one of {op.transports}, got {transport!r}")
     if op.graphable and transport not in op.graphable_transports:
         offered = ", ".join(op.graphable_transports) or "none"
         raise ValueError(f"{type(op).__name__}(graphable=True) needs a transport with replayable flags "
@@ -181,20 +181,29 @@ class FusedOp:
     transport = option("transport", _check_transport)
     replay = option("replay")
     config = option("config", _check_config)
-    max_spin = option("max_spin", _check_max_spin)
+
+    def _set_max_spin(self, max_spin) -> None:
+        """The spin bound decides no path, so setting it forgets nothing (and needs no other rank): it
+        reaches the one-shot plans, which hold it, and ``replay``'s inner op; the other paths read it per
+        call."""
+        _check_max_spin(self, max_spin)
+        self.__dict__["_option_max_spin"] = max_spin
+        if self._replay_op is not None:
+            self._replay_op.max_spin = max_spin
+        if self._ws is not None:
+            for key, plan in self._ws.plans.items():
+                if key[0] == "oneshot":
+                    plan[1].max_spin = max_spin or self._ws.backend.default_max_spin
+
+    max_spin = property(operator.attrgetter("_option_max_spin"), _set_max_spin)
 
     def _forget_paths(self) -> None:
         """Forget what the op decided under its settings before one changed (``option``): the agreed
         configs, the paths and routes, and ``replay``'s graphs with the inner op that ran them (each
-        made again at its signature's next call, collectively as at the first); the one-shot plans,
-        which hold the spin bound, take the new one."""
+        made again at its signature's next call, collectively as at the first)."""
         for decided in (self._agreed, self._decisions, self._unfused, self._routes, self._graphs, self._replay_warm):
             decided.clear()
         self._replay_op = None
-        if self._ws is not None:
-            for key, plan in self._ws.plans.items():
-                if key[0] == "oneshot":
-                    plan[1].max_spin = self.max_spin or self._ws.backend.default_max_spin
 
     @staticmethod
     def _replay_key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:

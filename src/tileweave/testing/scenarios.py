@@ -461,7 +461,8 @@ def settings_change_check(rank: int, world: int) -> list[dict]:
     config = dataclasses.replace(select_config(m_chunk * world, n, k, torch.float16, torch.device(device), num_sms=4,
                                                interpreter=not device.startswith("cuda")), group_m=3)
     steps = [{}, {"policy": "fallback"}, {"policy": "fused", "transport": "chunked"},
-             {"transport": "store", "config": config}, {"policy": "oneshot", "max_spin": 123_457}]
+             {"transport": "store", "config": config}, {"policy": "oneshot", "max_spin": 123_457},
+             {"max_spin": 99_991}]
     results = []
     for step, settings in enumerate(steps):
         for op in (ag, rs):
@@ -469,6 +470,7 @@ def settings_change_check(rank: int, world: int) -> list[dict]:
                 if name == "transport" and op is ag:
                     value = {"chunked": "chunked", "store": "mesh"}[value]
                 setattr(op, name, value)
+        routes_kept = [sorted(route[0] for route in op._routes.values()) for op in (ag, rs)]
         for i in range(2):
             seed = ("settings", step, i)
             shards = [_randn((m_chunk, k), torch.float16, *seed, "a", p, device=device) for p in range(world)]
@@ -484,6 +486,7 @@ def settings_change_check(rank: int, world: int) -> list[dict]:
             results.append({"settings": {name: str(value) for name, value in settings.items()}, "call": i,
                             "paths": (path_ag, path_rs), "err": max(_rel_err(out_ag, ref_ag), _rel_err(out_rs, ref_rs)),
                             "configs": [str(c) for op in (ag, rs) for _, c in op._decisions.values()],
+                            "routes_kept": routes_kept,
                             "spins": [plan[1].max_spin for op in (ag, rs) for key, plan in op._ws.plans.items()
                                       if key[0] == "oneshot"]})
     return results
