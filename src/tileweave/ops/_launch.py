@@ -67,6 +67,14 @@ def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None
         raise ValueError(f"{name} is on {t.device} but the other operands are on {device}")
 
 
+def check_runs_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    """Refuse bfloat16 where Triton runs in its interpreter (the CPU): the interpreter computes
+    bfloat16 loads and dot products wrongly, so a fused op would return garbage silently."""
+    if t.dtype == torch.bfloat16 and interpreting():
+        raise TypeError(f"{op}: {name} is bfloat16, which Triton's interpreter (TRITON_INTERPRET=1, the CPU) "
+                        "computes wrongly; use float16 or float32 on the CPU (bfloat16 runs on GPUs)")
+
+
 def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype,
                device: torch.device) -> torch.Tensor | None:
     """The bias as the kernel reads it (contiguous), after checking it."""

@@ -196,6 +196,7 @@ class AllGatherGemm(FusedOp):
                 return self._fused(backend, a_shard, b, None, None, return_gathered, gathered_out, config, False)
         _launch.check_matrix("a_shard", a_shard)
         _launch.check_matrix("b", b, dtype=a_shard.dtype, device=a_shard.device)
+        _launch.check_runs_dtype(_OP, "a_shard", a_shard)
         mc, k = a_shard.shape
         if b.shape[0] != k:
             raise ValueError(f"a_shard is [M/W={mc}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N_loc]")
@@ -392,6 +393,7 @@ class AllGatherGemm(FusedOp):
         Collective like a call of the op: every rank, in the same order; no other call of this object
         between the start and ``release()``."""
         _launch.check_matrix("a_shard", a_shard)
+        _launch.check_runs_dtype(_OP, "a_shard", a_shard)
         backend = self._get_backend(a_shard.device)
         w = backend.world_size
         mc, k = a_shard.shape

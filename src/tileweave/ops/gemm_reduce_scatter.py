@@ -178,6 +178,7 @@ class GemmReduceScatter(FusedOp):
                 return out
         _launch.check_matrix("a", a)
         _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
+        _launch.check_runs_dtype(_OP, "a", a)
         m, k = a.shape
         if b.shape[0] != k:
             raise ValueError(f"a is [M={m}, K_loc={k}] but b is {list(b.shape)}: b must be [K_loc={k}, N]")

@@ -29,7 +29,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     ``b`` may be row-major ``[K, N]`` or the transpose of an ``nn.Linear`` weight (``weight.t()`` with
     ``weight`` ``[N, K]`` row-major), which is read in place. Inputs are float16, bfloat16 or float32,
     all on one device; the output has the input dtype. On the CPU this runs in Triton's interpreter
-    (``TRITON_INTERPRET=1``).
+    (``TRITON_INTERPRET=1``), which computes bfloat16 wrongly: there bfloat16 inputs run in float32
+    and the result is rounded to bfloat16.
     """
     key = _plan_key(a, b, bias, out, config)
     plan = _plans.get(key) if key is not None else None
@@ -62,6 +63,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         return out
     if a.device.type == "cpu" and not _launch.interpreting():
         raise RuntimeError("tileweave.matmul on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    if a.dtype == torch.bfloat16 and _launch.interpreting():
+        wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
+        return out.copy_(wide)
     a_copied = a.stride(1) != 1 and a.stride(0) != 1
     if a_copied:
         a = a.contiguous()

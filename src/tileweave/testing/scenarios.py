@@ -520,6 +520,44 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     return caught
 
 
+def bf16_cpu_check(rank: int, world: int) -> dict[str, str]:
+    """bfloat16 through every fused path and the TP layers on emulated ranks: each call either raises
+    a ``TypeError`` that names bfloat16, or its relative error against float64 is reported."""
+    from tileweave.nn import ColumnParallelLinear, RowParallelLinear
+
+    results: dict[str, str] = {}
+
+    def attempt(name, fn, ref):
+        try:
+            got = fn()
+        except TypeError as exc:
+            results[name] = f"refused: {exc}"
+            return
+        results[name] = f"err {_rel_err(got, ref):.3g}"
+
+    x = _randn((8 * world, 32), torch.float32, "bf16-x")
+    b = _randn((32, 16), torch.float32, "bf16-b")
+    rows = slice(rank * 8, (rank + 1) * 8)
+    for policy in ("fused", "oneshot", "fallback"):
+        ag = tileweave.AllGatherGemm(policy=policy)
+        attempt(f"ag_{policy}", lambda: ag(x[rows].bfloat16(), b.bfloat16()), x.double() @ b.double())
+    k_rows = slice(rank * 32 // world, (rank + 1) * 32 // world)
+    partial_sum = (x.double() @ b.double())[rows]
+    for policy in ("fused", "oneshot", "fallback"):
+        rs = tileweave.GemmReduceScatter(policy=policy)
+        attempt(f"rs_{policy}", lambda: rs(x[:, k_rows].bfloat16(), b[k_rows].bfloat16()), partial_sum)
+    w_col = _randn((16 * world, 32), torch.float32, "bf16-wc")
+    col = ColumnParallelLinear(32, 16 * world, bias=False, dtype=torch.bfloat16)
+    col.load_full_state_dict({"weight": w_col})
+    cols = slice(rank * 16, (rank + 1) * 16)
+    attempt("column_layer", lambda: col(x[rows].bfloat16()), (x.double() @ w_col.double().t())[:, cols])
+    w_row = _randn((16, 32), torch.float32, "bf16-wr")
+    row = RowParallelLinear(32, 16, bias=False, dtype=torch.bfloat16)
+    row.load_full_state_dict({"weight": w_row})
+    attempt("row_layer", lambda: row(x[:, k_rows].bfloat16()), (x.double() @ w_row.double().t())[rows])
+    return results
+
+
 def fallback_check(rank: int, world: int, m_chunk: int, k: int, n: int) -> dict[str, float]:
     """The unfused paths (collective, then GEMM / GEMM, then collective) against the same references."""
     shards = [_randn((m_chunk, k), torch.float32, "fb", p) for p in range(world)]
