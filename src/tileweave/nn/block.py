@@ -141,22 +141,3 @@ class TPTransformerBlock(nn.Module):
         self.o.load_full_state_dict({"weight": state["o"]})
         self.down.load_full_state_dict({"weight": state["down"]})
 
-
-def reference_block(x: torch.Tensor, state: dict[str, torch.Tensor], config: BlockConfig, batch: int) -> torch.Tensor:
-    """The same block unsharded, in plain torch: the reference for tests."""
-    c, hd = config, config.head_dim
-    m = x.shape[0]
-    seq = m // batch
-
-    def norm(t, weight):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_eps) * weight
-
-    a = norm(x, state["attn_norm"])
-    q = rope((a @ state["q"].t()).view(batch, seq, c.heads, hd).transpose(1, 2), c.rope_theta)
-    k = rope((a @ state["k"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2), c.rope_theta)
-    v = (a @ state["v"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2)
-    g = c.heads // c.kv_heads
-    attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
-    h = x + attn.transpose(1, 2).reshape(m, c.hidden) @ state["o"].t()
-    b = norm(h, state["mlp_norm"])
-    return h + (F.silu(b @ state["gate"].t()) * (b @ state["up"].t())) @ state["down"].t()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import tileweave
 from tileweave.ops.workspace import ONESHOT_HEADER
 from tileweave.runtime.backend import set_producer_delay
+from tileweave.testing import references
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,7 +702,7 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
                    kv_heads: int = 2) -> dict:
     """The TP transformer block against the unsharded reference in float64: output, input gradient,
     and the gradient of every parameter (each rank's slice)."""
-    from tileweave.nn.block import BlockConfig, TPTransformerBlock, reference_block
+    from tileweave.nn.block import BlockConfig, TPTransformerBlock
 
     device = _device()
     c = BlockConfig(hidden=32, heads=heads, kv_heads=kv_heads, ffn=64, rope_theta=10000.0)
@@ -718,7 +719,8 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
 
     ref_state = {k: v.double().requires_grad_(True) for k, v in state.items()}
     xr = x_full.double().requires_grad_(True)
-    yr = reference_block(xr, ref_state, c, batch)
+    yr = references.transformer_block(xr, ref_state, heads=c.heads, kv_heads=c.kv_heads,
+                                      rope_theta=c.rope_theta, norm_eps=c.norm_eps, batch=batch)
     (yr * g_full.double()).sum().backward()
 
     def local_rows(t):
@@ -764,7 +766,7 @@ def block_bench_variants_check(rank: int, world: int, batch: int, seq: int) -> d
     ops are restored afterwards."""
     import tileweave.nn.linear as linear
     from tileweave.bench import block as B
-    from tileweave.nn.block import BlockConfig, TPTransformerBlock, reference_block
+    from tileweave.nn.block import BlockConfig, TPTransformerBlock
 
     device = _device()
     c = BlockConfig(hidden=32, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0)
@@ -786,7 +788,8 @@ def block_bench_variants_check(rank: int, world: int, batch: int, seq: int) -> d
 
     xr = x_full.double().requires_grad_(True)
     ref_state = {k: v.double() for k, v in state.items()}
-    yr = reference_block(xr, ref_state, c, batch)
+    yr = references.transformer_block(xr, ref_state, heads=c.heads, kv_heads=c.kv_heads,
+                                      rope_theta=c.rope_theta, norm_eps=c.norm_eps, batch=batch)
     yr.backward(g_full.double())
 
     def err(got, ref):
