@@ -5,9 +5,11 @@ that moves a row to another route fails here and must be measured first."""
 import pytest
 import torch
 
+import tileweave
 from tileweave.bench.suite import M_VALUES, SUITE_LAYERS, local_shapes
-from tileweave.tune import heuristics
-from tileweave.ops.gemm_reduce_scatter import blocks_for
+from tileweave.ops.all_gather import op as all_gather
+from tileweave.ops.reduce_scatter import op as reduce_scatter
+from tileweave.ops.reduce_scatter.blocks import blocks_for
 
 # AG rows: "fallback" (NCCL + cuBLAS), "chunked" (cuBLAS per shard) or "mesh" (the fused kernel).
 # RS rows: "fallback", or "pull/<blocks per owner>" (two ranks) / "chunked/<blocks per owner>".
@@ -116,16 +118,15 @@ EXPECTED = {
 
 
 def _route(kind: str, m: int, n: int, k: int, world: int) -> str:
-    """The route the op takes for a local GEMM ``[m, k] @ [k, n]`` under the default settings."""
+    """The route the op takes for a local GEMM ``[m, k] @ [k, n]`` under the default settings (the
+    functions the ops' planners call, with the default op's options)."""
     dtype = torch.bfloat16
     if kind == "AG":
-        if not heuristics.prefer_fused_all_gather(m, n, k, world, dtype):
-            return "fallback"
-        return heuristics.all_gather_transport(m, n, k, world, dtype)
-    pull = world == 2
-    if not heuristics.prefer_fused_reduce_scatter(m, n, k, world, dtype, transport="chunked", pull=pull):
-        return "fallback"
-    return ("pull" if pull else "chunked") + f"/{blocks_for(m // world, k, n, pull=pull)}"
+        return all_gather.auto_route(m, n, k, world, dtype, transport=tileweave.AllGatherGemm.default_transport)
+    route = reduce_scatter.auto_route(m, n, k, world, dtype, pull=True)  # an op pulls unless graphable
+    if route == "fallback":
+        return route
+    return f"{route}/{blocks_for(m // world, k, n, pull=route == 'pull')}"
 
 
 @pytest.mark.parametrize("world", [2, 8])

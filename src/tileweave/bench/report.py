@@ -2,7 +2,7 @@
 
 Results are long format: one ``Measurement`` per (shape, variant), so a missing or failed variant is a
 row with a status rather than a hole in a wide record. The wide view (one line per shape, with the
-derived numbers of DESIGN.md's "The numbers we report") is computed from them for the markdown table
+derived numbers of docs/design.md's "Measuring") is computed from them for the markdown table
 and stored next to them in the JSON for convenience; the measurements are the source of truth.
 """
 
@@ -42,7 +42,7 @@ or stale metadata that names an older commit."""
 
 E_MIN_M = 4096
 """Rows with at least this many tokens enter the median E / eff: below it fixed per-call costs, not
-overlap, decide the result (DESIGN.md's measurements at M=2048)."""
+overlap, decide the result (docs/design.md's measurements at M=2048)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -494,8 +494,8 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
         "timing": dict(timing),
         "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
                                      "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_AG_TRANSPORT",
-                                     "TILEWEAVE_MAX_SPIN", "TILEWEAVE_AG_HEAD_SPLIT", "TILEWEAVE_RS_PULL",
-                                     "TILEWEAVE_GRAPHABLE", "TILEWEAVE_REPLAY")},
+                                     "TILEWEAVE_MAX_SPIN", "TILEWEAVE_RS_PULL", "TILEWEAVE_AG_STREAM_K",
+                                     "TILEWEAVE_GRAPHABLE")},
         "argv": list(argv),
         "executable": sys.executable,
     }
