@@ -118,9 +118,11 @@ class AllGatherGemm(FusedOp):
         ``TileweaveError`` when the ranks' shapes differ (at a signature's first call, on every rank);
         ``CollectiveTimeout`` when a bounded wait for a peer expired (one call late unless
         ``TILEWEAVE_DEBUG=1`` or on the CPU)."""
+        if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
+            # Before the plan: a bad argument must raise on every rank before any collective.
+            _check_gathered_out(gathered_out, a_shard, self._get_backend(a_shard.device).world_size)
         plan, bias, out = self._plan_call(a_shard, b, bias, out)
         if gathered_out is not None:
-            _check_gathered_out(gathered_out, a_shard, plan.backend.world_size)
             return_gathered = True
         elif return_gathered and self.graphable:
             gathered_out = gathered_like(a_shard, plan.backend.world_size)
