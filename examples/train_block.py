@@ -21,22 +21,16 @@ import torch  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
 
 
-def _use_compute_floor(rank: int, world: int) -> None:
-    """Swap the layers' fused ops for local stand-ins that do the same GEMMs and move the same bytes
-    within one GPU: the block's time without communication. Its numbers are not a model's."""
-    import tileweave.nn.linear as linear
-    from tileweave.bench.block import floor_ops
-
-    linear.all_gather_gemm, linear.gemm_reduce_scatter = floor_ops(rank, world)
-
-
 def train(rank: int, world: int, args: argparse.Namespace) -> float:
     os.environ["TILEWEAVE_POLICY"] = "fused" if args.policy == "floor" else args.policy
-    if args.policy == "floor":
-        _use_compute_floor(rank, world)
     import torch.distributed as dist
 
+    from tileweave.bench.block import floor_ops
     from tileweave.nn import BlockConfig, TPTransformerBlock
+
+    # The compute floor: the layers run on local stand-ins that do the same GEMMs and move the same bytes
+    # within one GPU (the block's time without communication; its numbers are not a model's).
+    ops = floor_ops(rank, world) if args.policy == "floor" else None
 
     gpu = torch.cuda.is_available()
     device = f"cuda:{rank}" if gpu else "cpu"
@@ -45,7 +39,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> float:
     else:
         config, batch, seq, dtype = BlockConfig(hidden=64, heads=4, kv_heads=2, ffn=128), 2, 32, torch.float32
     torch.manual_seed(rank)  # synthetic weights: each rank initialises its own shards
-    blocks = torch.nn.ModuleList(TPTransformerBlock(config, device=device, dtype=dtype) for _ in range(args.layers))
+    blocks = torch.nn.ModuleList(TPTransformerBlock(config, device=device, dtype=dtype, ops=ops)
+                                 for _ in range(args.layers))
     opt = torch.optim.AdamW(blocks.parameters(), lr=1e-4)
     tokens = batch * seq
     local = tokens // world

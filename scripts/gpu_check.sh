@@ -5,12 +5,11 @@
 #
 # Writes gpu_tests.txt and the benchmark's JSON, markdown and charts under $OUT/results, prints the
 # tables last. Uses the machine's python3 (torch and triton preinstalled); nothing is installed.
-# TESTS="copy_engine or block" selects GPU tests (pytest -k); TEST_SHARD=1/2 runs every second of them
-# from the first (all 86 take ~8.5 minutes at 568d201; a shard of two ~4.5, which leaves room for one
-# op's benchmark, ~2 minutes with one transport, within ten minutes). CE_VARIANTS="tile_gpu
-# chunk" runs scripts/ce_probe.py --quick per variant after the tests; OPS="" skips the benchmark,
-# TESTS=none the tests.
-# RS_TRANSPORTS="store copy_engine chunked" and AG_TRANSPORTS="mesh chunked": the transports each
+# TESTS="oneshot or block" selects GPU tests (pytest -k); TEST_SHARD=1/2 runs every second of them
+# from the first (a shard of two leaves room for one op's benchmark, ~2 minutes with one transport,
+# within ten minutes). OPS="" skips the benchmark, TESTS=none the tests. Probes for questions still
+# open live under bench/probes/ and run by hand.
+# RS_TRANSPORTS="chunked" and AG_TRANSPORTS="mesh chunked": the transports each
 # op's "ours" runs with, next to one set of baselines (one report section per transport). POLICY (default
 # fused) is what "ours" runs: fused measures the kernels, auto what users get by default; the block
 # section runs BLOCK_POLICY (default auto) with BLOCK_AG_TRANSPORT / BLOCK_RS_TRANSPORT at BLOCK_M
@@ -31,7 +30,7 @@ OUT=${OUT:-bench/results}
 M=${M:-1024,2048,4096,8192,16384}
 OPS=${OPS-ag rs gemm block}
 BLOCK_M=${BLOCK_M:-4096,8192,16384}
-RS_TRANSPORTS=${RS_TRANSPORTS:-store copy_engine chunked}
+RS_TRANSPORTS=${RS_TRANSPORTS:-chunked}
 AG_TRANSPORTS=${AG_TRANSPORTS:-mesh chunked}
 TEST_TIMEOUT=${TEST_TIMEOUT:-$([ -n "${TEST_SHARD:-}" ] && echo 330 || echo 560)}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
@@ -60,12 +59,6 @@ if [ "${TESTS:-}" != none ]; then
     > "$OUT/gpu_tests.txt" 2>&1 || status=1
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -40
 fi
-for variant in ${CE_VARIANTS:-}; do
-  # Copy-engine reduce-scatter variants (scripts/ce_probe.py): a check and one timed shape each.
-  timeout "$BENCH_TIMEOUT" python3 scripts/ce_probe.py --variant "$variant" --quick --out "$OUT" \
-    > "$OUT/ce_probe_$variant.txt" 2>&1 || status=1
-  grep "^\[.* r0\]" "$OUT/ce_probe_$variant.txt" | cut -c1-220
-done
 comma() { echo "$*" | tr ' ' ','; }
 for op in $OPS; do
   m="$M"

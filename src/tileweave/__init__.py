@@ -5,7 +5,8 @@ Public API (shapes per rank; W ranks in the group):
 * ``matmul(a, b)`` / ``linear(x, weight)``: the persistent Triton GEMM the fused ops run on.
 * ``all_gather_gemm(a_shard [M/W, K], b [K, N_loc], group)`` -> ``[M, N_loc]``; ``AllGatherGemm``.
 * ``gemm_reduce_scatter(a [M, K_loc], b [K_loc, N], group)`` -> ``[M/W, N]``; ``GemmReduceScatter``.
-* ``last_path(op)``: which path ("fused", "chunked", "fallback", "local", "triton") the last call took.
+* ``last_path(op)``: which path ("fused", "chunked", "oneshot", "fallback", "local", "triton") the last
+  call took.
 * ``tileweave.nn``: ``ColumnParallelLinear``, ``RowParallelLinear``, ``TPTransformerBlock``.
 * ``torch.ops.tileweave.*``: the fused ops as custom ops (what ``torch.compile`` sees).
 
@@ -15,11 +16,11 @@ Environment: ``TILEWEAVE_DEBUG=1`` checks every call for expired waits (synchron
 the functional ops (the benchmark uses them); ``TILEWEAVE_CACHE_DIR`` holds autotuned configs.
 """
 
-from tileweave.ops._launch import last_path
-from tileweave.ops.all_gather_gemm import AllGatherGemm, all_gather_gemm
-from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter, gemm_reduce_scatter
+from tileweave.ops.all_gather.op import AllGatherGemm
+from tileweave.ops.common import last_path
+from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter  # registers torch.ops.tileweave.*
 from tileweave.ops.matmul import linear, matmul
-from tileweave.ops import registry as _registry  # noqa: F401  (registers torch.ops.tileweave.*)
+from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
 from tileweave.tune.configs import GemmConfig
 

@@ -5,6 +5,7 @@ import json
 
 import torch
 
+from tileweave.bench import tune
 from tileweave.tune import autotune
 from tileweave.tune.configs import GemmConfig
 
@@ -33,7 +34,7 @@ def test_tuning_pass_stores_a_verified_winner(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "_caches", {})
     small = (GemmConfig(block_m=32, block_n=32, block_k=32, num_stages=1, num_warps=4, flatten=False),
              GemmConfig(block_m=16, block_n=32, block_k=16, num_stages=1, num_warps=4, flatten=False))
-    config, ms = autotune.autotune_gemm(40, 48, 32, torch.float32, device="cpu", candidates=small,
+    config, ms = tune.autotune_gemm(40, 48, 32, torch.float32, device="cpu", candidates=small,
                                         warmup=0, iters=1, reps=1)
     assert config in small and ms > 0
     stored = json.loads(autotune.cache_path("cpu-interpreter").read_text())["entries"]

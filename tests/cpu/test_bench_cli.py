@@ -89,13 +89,14 @@ def test_block_variants_one_process_each():
 
 
 def test_transports_for_ours():
-    o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "store"])
-    assert (o.ag_transport, o.rs_transport) == ("chunked", "store")
+    o = cli.parse_args(["--ag-transport", "chunked", "--rs-transport", "chunked"])
+    assert (o.ag_transport, o.rs_transport) == ("chunked", "chunked")
     assert (cli.parse_args([]).ag_transport, cli.parse_args([]).rs_transport) == ("auto", "chunked")
-    several = cli.parse_args(["--rs-transport", "store,chunked,copy_engine"])
-    assert several.bench.transports == {"ag": ("auto",), "rs": ("store", "chunked", "copy_engine")}
-    assert several.rs_transport == "store"  # the functional op's (and the block section's) transport
-    for bad in (["--ag-transport", "store"], ["--rs-transport", "store,store"], ["--rs-transport", ","]):
+    several = cli.parse_args(["--ag-transport", "ring,chunked,mesh"])
+    assert several.bench.transports == {"ag": ("ring", "chunked", "mesh"), "rs": ("chunked",)}
+    assert several.ag_transport == "ring"  # the functional op's (and the block section's) transport
+    for bad in (["--ag-transport", "store"], ["--rs-transport", "store"], ["--ag-transport", "mesh,mesh"],
+                ["--rs-transport", ","]):
         with pytest.raises(SystemExit):
             cli.parse_args(bad)
 

@@ -9,25 +9,30 @@ import types
 import pytest
 import torch
 
-from tileweave.ops import _fused, _launch
+from tileweave.ops import fused_op, oneshot_launch
+from tileweave.runtime import triton_launch
 
 
 def _record(monkeypatch):
     calls = []
-    monkeypatch.setattr(_fused._launch, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
-    monkeypatch.setattr(_fused._launch, "launch_cached", lambda **kw: calls.append(("launch", False)))
-    monkeypatch.setattr(_fused.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
+    monkeypatch.setattr(fused_op, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
+    monkeypatch.setattr(fused_op, "launch_cached", lambda **kw: calls.append(("launch", False)))
+    monkeypatch.setattr(fused_op.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     return calls
+
+
+def _launch_twice(backend) -> None:
+    """A plan's first launch, then its second."""
+    op = fused_op.FusedOp.__new__(fused_op.FusedOp)  # launch_kernel reads the plan only
+    plan = fused_op.Plan("fused", None, backend)
+    op.launch_kernel(plan, a=None)
+    op.launch_kernel(plan, a=None)
 
 
 def test_first_call_compiles_then_meets_then_launches(monkeypatch):
     calls = _record(monkeypatch)
-    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 3))
-    _fused.FusedOp._launch_kernel(gpu, True, mode=1)
-    assert calls == [("launch", True), ("barrier", [3]), ("launch", False)]
-    calls.clear()
-    _fused.FusedOp._launch_kernel(gpu, False, mode=1)
-    assert calls == [("launch", False)]
+    _launch_twice(types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 3)))
+    assert calls == [("launch", True), ("barrier", [3]), ("launch", False), ("launch", False)]
 
 
 def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
@@ -38,23 +43,21 @@ def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
         if kw.get("compile_only"):
             raise RuntimeError("compile failed")
 
-    monkeypatch.setattr(_fused._launch, "launch", launch)
-    monkeypatch.setattr(_fused._launch, "launch_cached", launch)
-    monkeypatch.setattr(_fused.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
-    gpu = types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 0))
-    _fused.FusedOp._launch_kernel(gpu, True, mode=2)
-    assert calls == [("launch", True), ("barrier", [0]), ("launch", False)]
+    monkeypatch.setattr(fused_op, "launch", launch)
+    monkeypatch.setattr(fused_op, "launch_cached", launch)
+    monkeypatch.setattr(fused_op.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
+    _launch_twice(types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 0)))
+    assert calls == [("launch", True), ("barrier", [0]), ("launch", False), ("launch", False)]
 
 
 def test_the_interpreter_launches_without_meeting(monkeypatch):
     calls = _record(monkeypatch)
-    cpu = types.SimpleNamespace(interpreter=True, group="tp", device=torch.device("cpu"))
-    _fused.FusedOp._launch_kernel(cpu, True, mode=1)
-    assert calls == [("launch", False)]
+    _launch_twice(types.SimpleNamespace(interpreter=True, group="tp", device=torch.device("cpu")))
+    assert calls == [("launch", False), ("launch", False)]
 
 
 def _oneshot_plan(calls):
-    return _launch.OneshotPlan(peer_offsets=None, signals=None, ready=None, err=None, host_err=None, rank=0, world=2,
+    return oneshot_launch.OneshotPlan(peer_offsets=None, signals=None, ready=None, err=None, host_err=None, rank=0, world=2,
                                rows=64, cols=256, max_spin=1, programs=4, meet=lambda: calls.append("meet"))
 
 
@@ -78,8 +81,8 @@ class _Kernel:
 def test_a_oneshot_plan_compiles_then_meets_once_before_its_first_launch(monkeypatch, compiles):
     # On a GPU (faked: the device context does nothing, launches go through the kernel function): even
     # a failed compile meets, since the peers wait there; later launches neither compile nor meet.
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_launch, "_fast_launch", False)
+    monkeypatch.setattr(oneshot_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(triton_launch, "FAST", False)
     calls = []
     plan = _oneshot_plan(calls)
     tensor = types.SimpleNamespace(device=torch.device("cuda", 0))

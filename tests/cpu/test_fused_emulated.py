@@ -68,18 +68,6 @@ def test_all_gather_gemm_stream_k_tail(world, programs):
             assert row["stream_k"] and row["counts_clear"], row
 
 
-def test_all_gather_head_split():
-    # Two ranks: a first GEMM on 8 of each shard's rows (rank 0 its first, rank 1 its last) while the
-    # shards travel, then one GEMM over all the other rows; with and without gathered_out, a late rank.
-    cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=3),
-             C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, iters=2),
-             C(m_chunk=32, k=64, n=32, iters=2, straggler=1, delay_s=0.3)]
-    rows = run_ranks(2, scenarios.all_gather_head_split_check, [dataclasses.replace(c, ag_transport="chunked")
-                                                                for c in cases], 8)
-    _check(rows, "gathered_exact")
-    assert all(r["head_split"] for per_rank in rows for r in per_rank)
-
-
 @pytest.mark.parametrize("world,transport,graphable", [(2, "mesh", False), (3, "ring", False),
                                                        (3, "chunked", False), (2, "chunked", True)])
 def test_returned_gathered_view_outlives_a_peer_running_ahead(world, transport, graphable):
@@ -136,13 +124,6 @@ def test_all_gather_gemm_ring_graphable(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
-def test_graphable_needs_a_replayable_transport():
-    import tileweave
-
-    with pytest.raises(ValueError, match="GemmReduceScatter"):
-        tileweave.GemmReduceScatter(transport="store", graphable=True)
-
-
 @pytest.mark.parametrize("setting, value, error", [
     ("policy", "fast", ValueError), ("transport", "nvlink", ValueError), ("max_spin", 0, ValueError),
     ("max_spin", 1 << 31, ValueError), ("max_spin", 1.5, ValueError), ("max_spin", True, ValueError),
@@ -162,8 +143,6 @@ def test_a_graphable_op_refuses_to_pull_when_set_later():
     assert op.pull is False
     with pytest.raises(tileweave.TileweaveError, match="pull"):
         op.pull = True
-    with pytest.raises(ValueError, match="replayable"):
-        op.transport = "store"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -189,7 +168,7 @@ def test_all_gather_gemm_ring(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
+@pytest.mark.parametrize("transport", ["chunked", "oneshot"])
 def test_gemm_reduce_scatter(world, transport):
     cases = [
         C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport=transport),
@@ -214,8 +193,8 @@ def test_all_gather_gemm_eight_ranks(transport):
     _check(run_ranks(8, scenarios.all_gather_gemm_check, cases, heap_bytes=4 << 20), "gathered_exact")
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
-def test_gemm_reduce_scatter_eight_ranks(transport):
+def test_gemm_reduce_scatter_eight_ranks():
+    transport = "chunked"
     cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, transport=transport, straggler=3, delay_s=0.1)]
     _check(run_ranks(8, scenarios.gemm_reduce_scatter_check, cases, heap_bytes=4 << 20), "deterministic")
 
@@ -231,9 +210,9 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
              C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, transport="chunked", pull=True)]
     for rows in run_ranks(2, scenarios.gemm_reduce_scatter_check, cases):
         _check([rows], "deterministic")
-        # Calls without a bias or an out repeat by the pulling route after their first (bitwise the same
-        # as the checked call: "deterministic" compares them from the second call on).
-        assert [r["route"] for r in rows] == ["" if r["case"]["bias"] else "pull" for r in rows], rows
+        # Every call's plan pulls (a repeat is bitwise the same as the checked call: "deterministic"
+        # compares them from the second call on).
+        assert all(r["route"] == "chunked:pull" for r in rows), rows
         # No buffer outside the symmetric one while every call has several blocks; then one block's.
         assert all(r["local_bytes"] == 0 for r in rows if r["case"]["m_chunk"] == 70), rows
         one_block = [r for r in rows if r["case"]["m_chunk"] != 70]
@@ -245,25 +224,6 @@ def test_chunked_reduce_scatter_pulling_into_the_output():
         assert errors["fused"] < TOL["float16"] and errors["oneshot"] < TOL["float16"], errors
 
 
-@pytest.mark.parametrize("op_name, world", [("ag", 2), ("rs", 2), ("ag", 3), ("rs", 3)])
-def test_small_calls_replay_graphs_of_the_chunked_path(op_name, world):
-    # replay=True: a shape's first call eager, then graphs per weight address (stand-ins here that rerun
-    # the captured call), replayed on fresh inputs; rank 1 moves a weight, so it captures where the
-    # others replay, and later meets a full cache (3 graphs) and runs eagerly while they replay.
-    ranks = run_ranks(world, scenarios.replay_check, op_name, random.randrange(1 << 30))
-    for rank, result in enumerate(ranks):
-        assert max(result["errors"]) < TOL["float16"], (rank, result)
-        later = ["replay"] * 6 if rank != 1 else ["replay"] * 4 + ["chunked", "replay"]
-        # Then a taller shape (eager: its first call) grows the buffers, and the first shape captures anew.
-        assert result["paths"] == ["chunked", "chunked"] + later + ["chunked", "replay"], (rank, result)
-        assert result["graphs"] == (3, 1), (rank, result)
-
-
-def test_replay_is_not_for_graphable_ops():
-    with pytest.raises(ValueError, match="replay=True captures its own graphs"):
-        tileweave.AllGatherGemm(transport="chunked", graphable=True, replay=True)
-
-
 def test_reduce_scatter_pulls_by_default_except_in_graphable_ops():
     assert tileweave.GemmReduceScatter().pull and not tileweave.GemmReduceScatter(pull=False).pull
     assert not tileweave.GemmReduceScatter(graphable=True).pull
@@ -272,8 +232,7 @@ def test_reduce_scatter_pulls_by_default_except_in_graphable_ops():
 
 
 @pytest.mark.parametrize("op, world, option", [("rs", 2, "push"), ("rs", 3, "push"), ("rs", 2, "pull"),
-                                                ("ag", 2, "per_shard"), ("ag", 3, "per_shard"),
-                                                ("ag", 2, "head_split")])
+                                                ("ag", 2, "per_shard"), ("ag", 3, "per_shard")])
 def test_chunked_transports_on_one_hardware_queue(op, world, option):
     # Every stream of a rank in one in-order queue (ONE_QUEUE_ENV), as streams that share a hardware
     # queue on a GPU: a stream wait on a peer's flag issued before the work the peer waits for from this
@@ -286,9 +245,6 @@ def test_chunked_transports_on_one_hardware_queue(op, world, option):
             cases.append(C(m_chunk=20, k=24, n=40, bias=True, iters=2, transport="chunked", chunk_rows=16,
                            pull=True, straggler=1, delay_s=0.05))
         _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases, env=env), "deterministic")
-    elif option == "head_split":
-        cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=2, ag_transport="chunked", straggler=1, delay_s=0.05)]
-        _check(run_ranks(world, scenarios.all_gather_head_split_check, cases, 8, env=env), "gathered_exact")
     else:
         cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=2, ag_transport="chunked", straggler=world - 1,
                    delay_s=0.05)]
@@ -305,17 +261,8 @@ def test_chunked_reduce_scatter_in_row_blocks(world):
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
-@pytest.mark.parametrize("release", ["tile_gpu", "chunk"])
-def test_copy_engine_reduce_scatter_release_modes(release):
-    # Several row groups per chunk (2 x 32 rows here), rows not a multiple of the group, a late producer.
-    cases = [C(m_chunk=150, k=32, n=24, iters=2, transport="copy_engine", ce_release=release,
-               straggler=1, delay_s=0.2),
-             C(m_chunk=40, k=48, n=56, bias=True, transport="copy_engine", ce_release=release)]
-    _check(run_ranks(2, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
-
-
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked"])
-def test_reduce_scatter_shape_changes_in_one_workspace(transport):
+def test_reduce_scatter_shape_changes_in_one_workspace():
+    transport = "chunked"
     # The third shape has more row groups (of 2 x 32 rows) than the second and still fits the
     # workspace sized by the first: every flag it waits for must have been raised by the calls before,
     # whichever groups they used. A short spin budget turns a wait that can never end into a failure.
@@ -355,10 +302,10 @@ def test_oneshot_calls_of_changing_shapes_never_write_the_previous_calls_slot():
 
 
 def test_a_changed_setting_takes_effect_on_repeat_calls():
-    # Repeat calls take the route their signature's first call decided; a setting changed after (every
-    # rank alike) must reroute them: policy, transport, config; the spin bound decides no path, so
-    # setting it alone keeps the routes and reaches the one-shot plans.
-    expected = [("oneshot", "oneshot"), ("fallback", "fallback"), ("chunked", "chunked"), ("fused", "fused"),
+    # Repeat calls take the plan their signature's first call decided; a setting changed after (every
+    # rank alike) must replan them: policy, transport, config; the spin bound decides no path, so
+    # setting it alone keeps the plans and reaches the one-shot launch plans.
+    expected = [("oneshot", "oneshot"), ("fallback", "fallback"), ("chunked", "chunked"), ("fused", "chunked"),
                 ("oneshot", "oneshot"), ("oneshot", "oneshot")]
     for rows in run_ranks(2, scenarios.settings_change_check):
         assert [row["paths"] for row in rows] == [paths for paths in expected for _ in range(2)], rows
@@ -368,18 +315,17 @@ def test_a_changed_setting_takes_effect_on_repeat_calls():
                 assert row["configs"] and all(c == row["settings"]["config"] for c in row["configs"]), row
         assert rows[-3]["spins"] and all(spin == 123_457 for spin in rows[-3]["spins"]), rows[-3]
         assert rows[-1]["spins"] and all(spin == 99_991 for spin in rows[-1]["spins"]), rows[-1]
-        assert rows[-2]["routes_kept"] == [["oneshot"], ["oneshot"]], rows[-2]
-        assert all(row["routes_kept"] == [[], []] for row in rows[2:8]), rows  # each forgotten on a change
+        assert rows[-2]["plans_kept"] == [["oneshot"], ["oneshot"]], rows[-2]
+        assert all(row["plans_kept"] == [[], []] for row in rows[2:8]), rows  # each forgotten on a change
 
 
-@pytest.mark.parametrize("transport", ["store", "copy_engine", "chunked", "oneshot"])
+@pytest.mark.parametrize("transport", ["chunked", "oneshot"])
 def test_back_to_back_calls_with_changing_inputs(transport):
     for result in run_ranks(2, scenarios.back_to_back_check, 24, 32, 40, 4, "float16", transport):
         assert result["max_ag"] < 2e-3 and result["max_rs"] < 2e-3, result
-        # The calls after the first took the routes (the store and copy-engine reduce-scatter have none).
+        # One plan per op, decided by the first call and taken by the others.
         oneshot = transport == "oneshot"
-        assert result["routes"] == [["oneshot" if oneshot else "fused"],
-                                    ["oneshot"] if oneshot else ["pull"] if transport == "chunked" else []], result
+        assert result["plans"] == [["oneshot" if oneshot else "fused"], ["oneshot" if oneshot else "chunked"]], result
 
 
 @pytest.mark.parametrize("op_kind", ["ag", "ag_oneshot", "rs_oneshot"])

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from tileweave.ops.gemm_reduce_scatter import (CE_GROUPS, CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for,
+from tileweave.ops.reduce_scatter.blocks import (BLOCK_FLAGS, CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for,
                                                chunk_rows_for)
 from tileweave.tune import heuristics
 
@@ -35,11 +35,11 @@ def test_pulls_take_the_push_blocks_up_to_two():
     rng = random.Random()
     for _ in range(200):
         mc, k, n = rng.randrange(1, 20000), rng.randrange(1, 30000), rng.randrange(1, 60000)
-        push = max(1, min(CE_GROUPS, mc // chunk_rows_for(mc, k, n)))
+        push = max(1, min(BLOCK_FLAGS, mc // chunk_rows_for(mc, k, n)))
         assert blocks_for(mc, k, n) == push
         assert blocks_for(mc, k, n, pull=True) == min(push, PULL_MAX_BLOCKS)
         # Rows per block given by the caller are kept, pulling or not.
-        assert blocks_for(mc, k, n, pull=True, chunk_rows=16) == max(1, min(CE_GROUPS, mc // 16))
+        assert blocks_for(mc, k, n, pull=True, chunk_rows=16) == max(1, min(BLOCK_FLAGS, mc // 16))
     # llama3-70b down M=16384 at two ranks (8192 rows per owner, K_loc 14336): 8 pushed blocks, 2 pulled;
     # llama3-8b o M=8192 (4096 rows, K_loc 2048): one block either way.
     assert (max(1, 8192 // chunk_rows_for(8192, 14336, 8192)), blocks_for(8192, 14336, 8192, pull=True)) == (8, 2)
@@ -48,7 +48,7 @@ def test_pulls_take_the_push_blocks_up_to_two():
 
 def test_reduce_scatter_transports_by_default():
     for w, m, n, k in _random_shapes(8192):
-        chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport="chunked")
+        chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
         # The chunked transport needs enough GEMM work per owner to hide the copies behind.
         rows = m // w
         assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and rows >= heuristics.MIN_CHUNKED_ROWS_PER_RANK
@@ -56,10 +56,7 @@ def test_reduce_scatter_transports_by_default():
         if chunked:  # more rows or a longer K never turns it off
             assert heuristics.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16)
             assert heuristics.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16)
-        for transport in ("store", "copy_engine"):
-            assert not heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport)
-            assert heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, transport=transport,
-                                                          interpreter=True)
+        assert heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, interpreter=True)
 
 
 def test_pulling_reduce_scatter_takes_the_chunked_path_on_fewer_rows():
@@ -94,28 +91,6 @@ def test_all_gather_transport_is_chunked_below_its_work_threshold():
         assert heuristics.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
         if chosen == "mesh":  # more work never turns the kernel off
             assert heuristics.all_gather_transport(2 * m, n, k, w, torch.bfloat16) == "mesh"
-
-
-def test_all_gather_head_rows_cover_the_transfer():
-    h = heuristics
-    for _, m, n, k in _random_shapes(4096):
-        mc = max(1, m // 2)
-        for copies in (1, 2):
-            rows = h.all_gather_head_rows(mc, n, k, 2, local_copies=copies)
-            assert rows == 0 or (rows % h.HEAD_SPLIT_ROWS == 0 and 0 < rows <= mc // 2), (mc, n, k, rows)
-            if rows:
-                # The first GEMM lasts at least as long as the shard's push, the local copies and the
-                # latency, at the modelled rates; one block of rows fewer would not.
-                cover = (mc * k * 2 / (h.HEAD_SPLIT_PUSH_GBPS * 1e9) + copies * mc * k * 2 / (h.HEAD_SPLIT_LOCAL_GBPS * 1e9)
-                         + h.HEAD_SPLIT_LATENCY_US * 1e-6)
-                gemm = lambda r: 2.0 * r * n * k / (h.HEAD_SPLIT_TFLOPS * 1e12)  # noqa: E731
-                assert gemm(rows) >= cover > gemm(rows - h.HEAD_SPLIT_ROWS)
-                # A wider output needs no more rows to cover the same transfer.
-                assert h.all_gather_head_rows(mc, 2 * n, k, 2, local_copies=copies) <= rows
-    # The docstring's example: llama3-8b gate_up at M=4096 on two ranks, bf16, with gathered_out.
-    assert h.all_gather_head_rows(2048, 14336, 4096, 2, local_copies=2) == 512
-    # A narrow output (llama3-8b qkv) would need most of the shard: no head split.
-    assert h.all_gather_head_rows(2048, 3072, 4096, 2, local_copies=2) == 0
 
 
 def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():

@@ -1,16 +1,16 @@
-"""The fused ops' launch plans (``_launch.launch_cached``): a repeat call replays the first call's
+"""The fused ops' launch plans (``gemm_launch.launch_cached``): a repeat call replays the first call's
 derived arguments with this call's tensors; a call that differs in anything the launch derives from
 its arguments gets its own plan. Runs the real kernel in the interpreter."""
 
 import torch
 
-from tileweave.ops import _launch
+from tileweave.ops import gemm_launch as _launch
 from tileweave.tune.configs import INTERPRETER_CONFIG
 
 
 def _call(a, b, out, bias=None):
     out.fill_(float("nan"))
-    _launch.launch_cached(mode=_launch.MODE_PLAIN, a=a, b=b, c=out, bias=bias, config=INTERPRETER_CONFIG,
+    _launch.launch_cached(a=a, b=b, c=out, bias=bias, config=INTERPRETER_CONFIG,
                           m_chunk=a.shape[0], programs=4)
     return out
 
@@ -56,8 +56,8 @@ def test_direct_launch_passes_every_kernel_constexpr_in_order():
     from tileweave.kernels.gemm import fused_gemm_kernel
 
     params = list(inspect.signature(fused_gemm_kernel.fn).parameters)
-    assert tuple(params[params.index("BM"):]) == _launch._CONSTEXPR_NAMES
+    assert tuple(params[params.index("BM"):]) == _launch.CONSTEXPR_NAMES
     a, b = torch.randn(24, 16), torch.randn(16, 40)
-    plan = _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=torch.empty(24, 40), bias=None,
+    plan = _launch.launch(a=a, b=b, c=torch.empty(24, 40), bias=None,
                           config=INTERPRETER_CONFIG, m_chunk=24, programs=2)
-    assert len(plan.constexprs) == len(_launch._CONSTEXPR_NAMES)
+    assert len(plan.constexprs) == len(_launch.CONSTEXPR_NAMES)

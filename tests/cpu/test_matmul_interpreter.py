@@ -55,15 +55,13 @@ def test_two_part_tiles_match_reference(m, n, k, block_n2, layout):
     assert _rel(out, a.double() @ b.double() + bias.double()) < TOL[torch.float16]
 
 
-def test_two_part_tiles_are_refused_by_the_fused_kernels():
-    from tileweave.ops import _launch
+def test_two_part_tiles_are_refused_by_the_fused_kernel():
+    from tileweave.ops import gemm_launch
 
     a = torch.randn(32, 32)
     config = GemmConfig(block_m=32, block_n=32, block_n2=16, block_k=32, num_stages=1, num_warps=4, flatten=False)
-    for mode in (_launch.MODE_AG, _launch.MODE_RS):
-        with pytest.raises(ValueError, match="plain GEMM only"):
-            _launch.launch(mode=mode, a=a, b=a, c=a, bias=None, config=config, m_chunk=16, world=2, programs=2,
-                           buf=a)
+    with pytest.raises(ValueError, match="plain GEMM"):
+        gemm_launch.launch(a=a, b=a, c=a, bias=None, config=config, m_chunk=16, world=2, programs=2, gathered=a)
 
 
 def test_linear_matches_functional_linear():
@@ -139,7 +137,7 @@ def _stream_k_config(programs):
 ])
 @pytest.mark.parametrize("layout", ["kn", "weight"])
 def test_stream_k_matches_reference_and_repeats_bitwise(m, n, k, programs, layout):
-    from tileweave.ops import _launch
+    from tileweave.ops import gemm_launch as _launch
 
     a = torch.randn(m, k, dtype=torch.float32)
     b = torch.randn(n, k).t() if layout == "weight" else torch.randn(k, n)
@@ -156,7 +154,7 @@ def test_stream_k_matches_reference_and_repeats_bitwise(m, n, k, programs, layou
 
 
 def test_stream_k_workspace_grows_for_a_larger_grid():
-    from tileweave.ops import _launch
+    from tileweave.ops import gemm_launch as _launch
 
     _launch._stream_k_kept.clear()
     for m, n in [(40, 40), (160, 96), (40, 40)]:
@@ -165,12 +163,3 @@ def test_stream_k_workspace_grows_for_a_larger_grid():
         assert _rel(out, a.double() @ b.double()) < 2e-3
     (parts, locks), = _launch._stream_k_kept.values()
     assert locks.numel() >= 5 * 3 and parts.numel() >= 2 * 6 * 32 * 32
-
-
-def test_stream_k_is_refused_by_the_reduce_scatter():
-    from tileweave.ops import _launch
-
-    a = torch.randn(32, 32)
-    with pytest.raises(ValueError, match="plain GEMM and AllGather"):
-        _launch.launch(mode=_launch.MODE_RS, a=a, b=a, c=a, bias=None, config=_stream_k_config(2),
-                       m_chunk=16, world=2, programs=2)

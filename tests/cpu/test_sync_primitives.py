@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileweave.kernels.gemm import _count_groups_once, _first_tile
+from tileweave.kernels.gemm import _first_tile
 from tileweave.kernels.sync import release_add, signal_epoch, wait_epoch
 
 
@@ -91,21 +91,20 @@ def test_release_add_counts_every_program_after_its_data():
 
 
 @triton.jit
-def _count_per_group(counters_ptr, step, tiles, group_tiles, P: tl.constexpr):
-    start = _first_tile(tl.program_id(0), step, tiles, P)
-    _count_groups_once(counters_ptr, start, tiles, P, group_tiles)
+def _record_owners(owner_ptr, step, tiles, P: tl.constexpr):
+    pid = tl.program_id(0)
+    for t in range(_first_tile(pid, step, tiles, P), tiles, P):
+        tl.atomic_add(owner_ptr + t, pid + 1)
 
 
-def test_per_group_counts_add_up_to_each_group_size():
-    # Programs own tiles start, start + P, ... of a chunk (rotated by the chunk's step); whatever the
-    # split, the counts they add per row group must total the group's tiles, the last group partial.
+def test_persistent_programs_take_each_tile_of_a_chunk_once_in_global_order():
+    # Global tile g = step * tiles + t belongs to program g % P: every tile of the chunk exactly once, and
+    # the chunk's first tile goes to the program after the one that took the previous chunk's last.
     g = torch.Generator().manual_seed(5)
     for _ in range(6):
         tiles = int(torch.randint(1, 200, (1,), generator=g))
-        group_tiles = int(torch.randint(1, 40, (1,), generator=g))
         programs = int(torch.randint(1, 50, (1,), generator=g))
         step = int(torch.randint(0, 4, (1,), generator=g))
-        counters = torch.zeros(-(-tiles // group_tiles) + 1, dtype=torch.int32)
-        _count_per_group[(programs,)](counters, step, tiles, group_tiles, P=programs)
-        expected = [min(group_tiles, tiles - i * group_tiles) for i in range(-(-tiles // group_tiles))] + [0]
-        assert counters.tolist() == expected, (tiles, group_tiles, programs, step)
+        owners = torch.zeros(tiles, dtype=torch.int32)
+        _record_owners[(programs,)](owners, step, tiles, P=programs)
+        assert owners.tolist() == [(step * tiles + t) % programs + 1 for t in range(tiles)], (tiles, programs, step)

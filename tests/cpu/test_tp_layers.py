@@ -56,16 +56,15 @@ def test_mlp_on_graphable_ops():
 
 
 def test_mlp_on_shared_ops_with_options_from_the_environment():
-    # TILEWEAVE_RS_PULL / TILEWEAVE_AG_HEAD_SPLIT / TILEWEAVE_REPLAY / TILEWEAVE_AG_STREAM_K reach the ops
-    # the layers share, and the layers' outputs and gradients stay right with them.
-    env = {"TILEWEAVE_RS_PULL": "1", "TILEWEAVE_AG_HEAD_SPLIT": "1", "TILEWEAVE_REPLAY": "1",
-           "TILEWEAVE_AG_STREAM_K": "1"}
+    # TILEWEAVE_RS_PULL / TILEWEAVE_AG_STREAM_K reach the ops the layers share, and the layers' outputs
+    # and gradients stay right with them.
+    env = {"TILEWEAVE_RS_PULL": "1", "TILEWEAVE_AG_STREAM_K": "1"}
     for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True, env=env):
         for key in ("y", "dx", "d_up_w", "d_up_b", "d_down_w", "d_down_b"):
             assert result[key] < 1e-5, (key, result)
-        assert result["shared_options"] == ["head_split=True", "pull=True", "replay=True", "stream_k=True"], result
+        assert result["shared_options"] == ["pull=True", "stream_k=True"], result
     for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True):
         # pulling: the default; the stream-K tail: the heuristic's choice (None)
-        assert result["shared_options"] == ["head_split=False", "pull=True", "replay=False", "stream_k=None"], result
+        assert result["shared_options"] == ["pull=True", "stream_k=None"], result
     for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True, env={"TILEWEAVE_RS_PULL": "0"}):
-        assert result["shared_options"] == ["head_split=False", "pull=False", "replay=False", "stream_k=None"], result
+        assert result["shared_options"] == ["pull=False", "stream_k=None"], result

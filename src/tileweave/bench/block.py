@@ -17,15 +17,18 @@ every other section: steady state, back-to-back steps, median over reps, max ove
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+import tileweave
+
 from tileweave.bench import variants as V
-from tileweave.nn.block import BlockConfig
+from tileweave.bench.suite import norm_name
+from tileweave.nn.block import BlockConfig, TPTransformerBlock
+from tileweave.nn.linear import TILEWEAVE_OPS, TPOps
 
 SEQ = 4096
 """Longest sequence; a row of M tokens is ``ceil(M / SEQ)`` sequences of equal length."""
@@ -36,8 +39,8 @@ BLOCK_MODELS: dict[str, BlockConfig] = {
 }
 BLOCK_M_VALUES: tuple[int, ...] = (4096, 8192, 16384)
 
-Ops = tuple[Callable, Callable]
-"""``(all_gather_gemm, gemm_reduce_scatter)`` with the signatures of tileweave's functional ops."""
+Ops = TPOps
+"""The communication GEMMs a variant runs the block's layers on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +65,8 @@ def select_block_rows(*, layers: tuple[str, ...] | None, m_values: tuple[int, ..
                       world_size: int) -> list[BlockRow]:
     """Rows of the block section. ``layers`` filters by model (``llama3-8b``); ``block`` or no filter
     takes both models. M must split into whole sequences and over the group."""
-    from tileweave.bench.suite import _norm
-
-    keys = {_norm(f) for f in layers or ()}
-    models = [name for name in BLOCK_MODELS if not keys or keys & {_norm(name), _norm("block")}]
+    keys = {norm_name(f) for f in layers or ()}
+    models = [name for name in BLOCK_MODELS if not keys or keys & {norm_name(name), norm_name("block")}]
     if not models:
         raise ValueError(f"--layer {' '.join(layers or ())} selects no block model; the block section has "
                          f"{', '.join(BLOCK_MODELS)} (or 'block' for both)")
@@ -95,7 +96,7 @@ def base_ops(world: int) -> Ops:
         dist.reduce_scatter_tensor(y, partial, group=group)
         return y + bias if bias is not None else y
 
-    return all_gather_gemm, gemm_reduce_scatter
+    return TPOps(all_gather_gemm=all_gather_gemm, gemm_reduce_scatter=gemm_reduce_scatter)
 
 
 def torch_ops() -> tuple[Ops | None, str]:
@@ -114,7 +115,7 @@ def torch_ops() -> tuple[Ops | None, str]:
         y = rs(a, b, "sum", 0, group.group_name)
         return y + bias if bias is not None else y
 
-    return (all_gather_gemm, gemm_reduce_scatter), ""
+    return TPOps(all_gather_gemm=all_gather_gemm, gemm_reduce_scatter=gemm_reduce_scatter), ""
 
 
 def floor_ops(rank: int, world: int) -> Ops:
@@ -130,21 +131,7 @@ def floor_ops(rank: int, world: int) -> Ops:
         y = (a @ b)[rank * rows:(rank + 1) * rows].clone()
         return y + bias if bias is not None else y
 
-    return all_gather_gemm, gemm_reduce_scatter
-
-
-@contextlib.contextmanager
-def using_ops(ops: Ops | None) -> Iterator[None]:
-    """Run the TP layers on ``ops`` (None: tileweave's own) inside the block."""
-    import tileweave.nn.linear as linear
-
-    saved = linear.all_gather_gemm, linear.gemm_reduce_scatter
-    if ops is not None:
-        linear.all_gather_gemm, linear.gemm_reduce_scatter = ops
-    try:
-        yield
-    finally:
-        linear.all_gather_gemm, linear.gemm_reduce_scatter = saved
+    return TPOps(all_gather_gemm=all_gather_gemm, gemm_reduce_scatter=gemm_reduce_scatter)
 
 
 @dataclasses.dataclass
@@ -157,15 +144,17 @@ class BlockInputs:
     dy: torch.Tensor
 
     def step(self, ops: Ops | None) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """One forward and backward of the block on ``ops`` (None: tileweave's own)."""
         params = list(self.block.parameters())
+        ops = ops or TILEWEAVE_OPS
 
         def call(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             for p in params:
                 p.grad = None
             self.x.grad = None
-            with using_ops(ops):
-                y = self.block(self.x, self.row.batch)
-                y.backward(self.dy)
+            self.block.ops = ops  # variants share the block: each step runs on its own ops
+            y = self.block(self.x, self.row.batch)
+            y.backward(self.dy)
             return y.detach(), self.x.grad
 
         return call
@@ -173,8 +162,6 @@ class BlockInputs:
 
 def make_block_inputs(row: BlockRow, *, rank: int, world_size: int, group: dist.ProcessGroup,
                       dtype: torch.dtype = V.DTYPE) -> BlockInputs:
-    from tileweave.nn.block import TPTransformerBlock
-
     torch.manual_seed(V.seed_for("block", row.model, rank))  # each rank initialises its own shards
     block = TPTransformerBlock(row.config, group=group, device="cuda", dtype=dtype)
     local = row.m // world_size
@@ -211,6 +198,4 @@ def block_variant(name: str, x: BlockInputs, *, rank: int, world_size: int,
 
 
 def _paths() -> str:
-    import tileweave
-
     return f"ag {tileweave.last_path('all_gather_gemm')}, rs {tileweave.last_path('gemm_reduce_scatter')}"

@@ -35,8 +35,8 @@ from tileweave.bench.suite import (
     select_rows,
 )
 from tileweave.bench.timing import TimingConfig
-from tileweave.ops.all_gather_gemm import TRANSPORTS as AG_TRANSPORTS
-from tileweave.ops.gemm_reduce_scatter import TRANSPORTS as RS_TRANSPORTS
+from tileweave.ops.all_gather.op import TRANSPORTS as AG_TRANSPORTS
+from tileweave.ops.reduce_scatter.op import TRANSPORTS as RS_TRANSPORTS
 
 REQUIRED_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ag and rs sections: time each row's variants this many times, the order mirrored each "
                         "round, and report medians (default 1)")
     p.add_argument("--rs-transport", default="chunked",
-                   help="GEMM+ReduceScatter transport(s) for 'ours', from store, copy_engine, chunked; a comma "
+                   help="GEMM+ReduceScatter transport(s) for 'ours', from " + ", ".join(RS_TRANSPORTS) + "; a comma "
                         "list times each next to one set of baselines (default chunked)")
     return p
 

@@ -2,8 +2,8 @@
 
 Results are long format: one ``Measurement`` per (shape, variant), so a missing or failed variant is a
 row with a status rather than a hole in a wide record. The wide view (one line per shape, with the
-derived numbers of DESIGN.md's "The numbers we report") is computed from them for the markdown table
-and stored next to them in the JSON for convenience; the measurements are the source of truth.
+derived numbers of docs/design.md's "Measuring") is computed from them for the markdown table and
+stored next to them in the JSON; the measurements are the source of truth.
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "nccl", "base", "torch",
 cuBLAS, torch async-TP, ours."""
 GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
 """``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
-
 BLOCK_VARIANTS: tuple[str, ...] = ("floor", "base", "torch", "ours")
 """``block`` section variants: compute floor, NCCL + cuBLAS, PyTorch async-TP, tileweave."""
-
 BLOCK_FLOOR_MIN_M = 8192
 """Block rows with at least this many tokens enter the worst ours/floor ratio (issue bar: <= 1.08)."""
-
 COMMIT_ENV = "TILEWEAVE_GIT_COMMIT"
 """Commit to record instead of asking git: a tree copied to a GPU machine may carry no git metadata,
 or stale metadata that names an older commit."""
-
 E_MIN_M = 4096
 """Rows with at least this many tokens enter the median E / eff: below it fixed per-call costs, not
-overlap, decide the result (DESIGN.md's measurements at M=2048)."""
+overlap, decide the result (docs/design.md's measurements at M=2048)."""
+RECORDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "TILEWEAVE_POLICY",
+                "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_AG_TRANSPORT", "TILEWEAVE_MAX_SPIN", "TILEWEAVE_RS_PULL",
+                "TILEWEAVE_AG_STREAM_K", "TILEWEAVE_GRAPHABLE")
+"""Environment variables whose values a report records."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -492,14 +492,7 @@ def collect_metadata(*, world_size: int, timing: dict[str, Any], argv: Sequence[
         "git_commit_source": source,
         "git_dirty": bool(dirty.strip()) if dirty is not None else None,
         "timing": dict(timing),
-        "env": {k: _env(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                                     "TILEWEAVE_POLICY", "TILEWEAVE_RS_TRANSPORT", "TILEWEAVE_AG_TRANSPORT",
-                                     "TILEWEAVE_MAX_SPIN", "TILEWEAVE_AG_HEAD_SPLIT", "TILEWEAVE_RS_PULL",
-                                     "TILEWEAVE_GRAPHABLE", "TILEWEAVE_REPLAY")},
+        "env": {k: os.environ.get(k) for k in RECORDED_ENV},
         "argv": list(argv),
         "executable": sys.executable,
     }
-
-
-def _env(key: str) -> str | None:
-    return os.environ.get(key)

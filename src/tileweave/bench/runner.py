@@ -4,7 +4,7 @@ Phases, in order:
 
 1. ``gemm`` section on rank 0's GPU only; the other ranks wait at a barrier.
 2. PyTorch async-TP for every AG and RS row, then for every block row, before any other symmetric
-   memory exists in the process: that op hung once next to other symmetric buffers (DESIGN.md), so it
+   memory exists in the process: that op hung once next to other symmetric buffers (docs/design.md), so it
    gets a phase alone.
 3. For every AG row, then every RS row: cuBLAS alone, the copy-engine transport alone (our own
    symmetric buffer), the NCCL collective alone, NCCL + cuBLAS, and tileweave's op.
@@ -59,7 +59,7 @@ class BenchConfig:
     functional op with the transport of its environment variable."""
     ours_first: bool = False
     """Time "ours" before the baselines in each row of the ag and rs sections (by default after them).
-    A GEMM at the power cap runs 2-4% slower later in a sustained run (NOTES.md, entries 35 and 60), so
+    A GEMM at the power cap runs 2-4% slower later in a sustained run, so
     the order within a row can favour whichever variant runs first; this option measures how much."""
     rounds: int = 1
     """Rounds of each ag and rs row: from 2, the row's variants are timed again with the order mirrored
@@ -68,7 +68,7 @@ class BenchConfig:
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
     """The block section's variants to run in this process. One at a time, each in a fresh process, and
     the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
-    slower after another variant than before it (NOTES.md, entry 35)."""
+    slower after another variant than before it."""
 
     def __post_init__(self) -> None:
         if not self.ops:
@@ -164,7 +164,7 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
                            note=f"while timing: {type(e).__name__}: {e}"[:300])
     peak, other = ctx.agree.max_floats(list(watch.read()))
     # The path of the timed calls (the last one's), not the first call's: a call may take another path
-    # once its shape has been seen (``replay`` runs a shape's first call eagerly, then from a graph).
+    # once its shape has been seen.
     path = v.path() if v.path is not None else None
     return Measurement(
         **key, variant=v.name, status="ok", ms=t.ms, rel_err=err_out, warmup_calls=t.warmup_calls,
@@ -195,7 +195,7 @@ def run_gemm_section(cfg: BenchConfig, ctx: RankContext, progress: Progress) -> 
     return out
 
 
-def _enable_torch_symm_mem(group: dist.ProcessGroup) -> None:
+def enable_torch_symm_mem(group: dist.ProcessGroup) -> None:
     """Older torch needs the group registered for symmetric memory; newer torch deprecates the call
     but still accepts it."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -213,7 +213,7 @@ def run_torch_phase(
 ) -> dict[tuple[str, str, int], Measurement]:
     """PyTorch async-TP on every row, keyed by ``(op, layer, M)``."""
     assert ctx.group is not None
-    _enable_torch_symm_mem(ctx.group)
+    enable_torch_symm_mem(ctx.group)
     out: dict[tuple[str, str, int], Measurement] = {}
     for op, op_rows in rows.items():
         for row in op_rows:
@@ -332,7 +332,7 @@ def run_block_phase(
 
     assert ctx.group is not None
     if "torch" in names:
-        _enable_torch_symm_mem(ctx.group)
+        enable_torch_symm_mem(ctx.group)
     out: dict[tuple[str, int], list[Measurement]] = {}
     for row in block_rows:
         x = B.make_block_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)

@@ -1,4 +1,4 @@
-"""The benchmark suite of DESIGN.md as data: layers, token counts, filters and per-rank shapes.
+"""The benchmark suite of docs/design.md as data: layers, token counts, filters and per-rank shapes.
 
 Shapes are per rank. A row names the full model dims (K, N) and the token count M over the TP group;
 ``local_shapes`` turns it into what one of W ranks holds:
@@ -25,10 +25,10 @@ OpName = Literal["gemm", "ag", "rs", "block"]
 OPS: tuple[OpName, ...] = ("gemm", "ag", "rs", "block")
 """Benchmark sections, in the order the CLI runs them."""
 DEFAULT_OPS: tuple[OpName, ...] = ("gemm", "ag", "rs")
-"""Sections run when ``--op`` is not given: DESIGN.md's suite (the block section is asked for by name)."""
+"""Sections run when ``--op`` is not given: docs/design.md's suite (the block section is asked for by name)."""
 
 M_VALUES: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384)
-"""Token counts over the TP group (DESIGN.md, "Benchmark suite")."""
+"""Token counts over the TP group (docs/design.md, "Measuring")."""
 
 GEMM_TP_SIZES: tuple[int, ...] = (2, 8)
 """Shard sizes whose local GEMMs make up the single-GPU ``gemm`` section: the two ends of one node."""
@@ -74,7 +74,7 @@ BASELINE_LAYERS: tuple[Layer, ...] = tuple(
     for kind in ("AG", "RS")
     for k, n in ((12288, 49152), (8192, 28672), (8192, 8192), (4096, 14336))
 )
-"""The (K, N) pairs of DESIGN.md's measured baseline table (its M values 2048..8192 come from --m),
+"""The (K, N) pairs of docs/design.md's measured baseline table (its M values 2048..8192 come from --m),
 for checking that this harness reproduces those baselines. Not in the default suite: select them
 with ``--layer design-table``."""
 
@@ -160,7 +160,8 @@ def local_shapes(layer: Layer, *, m: int, world_size: int) -> LocalShapes:
     )
 
 
-def _norm(name: str) -> str:
+def norm_name(name: str) -> str:
+    """``name`` as filters compare it: lower case, ``_`` and ``/`` as spaces, single spaces."""
     return " ".join(name.lower().replace("_", " ").replace("/", " ").split())
 
 
@@ -179,8 +180,8 @@ def match_layers(filters: Sequence[str] | None, layers: Iterable[Layer] = SUITE_
         layers += BASELINE_LAYERS  # selectable by name, never part of the default suite
     chosen: list[Layer] = []
     for f in filters:
-        key = _norm(f)
-        hits = [ly for ly in layers if key in (_norm(ly.name), _norm(ly.model), _norm(ly.part))]
+        key = norm_name(f)
+        hits = [ly for ly in layers if key in (norm_name(ly.name), norm_name(ly.model), norm_name(ly.part))]
         if not hits:
             names = ", ".join(repr(ly.name) for ly in layers)
             raise ValueError(f"--layer {f!r} matches no layer; choose a name, model or part of: {names}")

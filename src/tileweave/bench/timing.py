@@ -7,7 +7,7 @@ time ``reps`` batches of ``iters`` back-to-back calls between two CUDA events wi
 take the median batch, then the max over ranks.
 
 Why the warm-up is a call count and not a time limit: a loop bounded by wall time issues a different
-number of collectives on each rank and hangs (DESIGN.md). Every rank measures a short fixed probe,
+number of collectives on each rank and hangs (docs/design.md). Every rank measures a short fixed probe,
 derives a count, and the ranks agree on the largest count before any of them runs it.
 """
 
@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 L2_BYTES = 60 * 2**20
-"""H200 L2 (60 MB, as DESIGN.md budgets it); inputs smaller than this would be timed L2-hot."""
+"""H200 L2 (60 MB); inputs smaller than this would be timed L2-hot."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,9 +51,9 @@ class TimingConfig:
         if not (self.warmup_s >= 0 and math.isfinite(self.warmup_s)):
             raise ValueError(f"warmup_s must be a finite number >= 0, got {self.warmup_s}")
         if self.iters < 20:
-            raise ValueError(f"iters must be >= 20 (DESIGN.md steady-state rule), got {self.iters}")
+            raise ValueError(f"iters must be >= 20 (docs/design.md steady-state rule), got {self.iters}")
         if self.reps < 5:
-            raise ValueError(f"reps must be >= 5 (DESIGN.md steady-state rule), got {self.reps}")
+            raise ValueError(f"reps must be >= 5 (docs/design.md steady-state rule), got {self.reps}")
         if self.probe_calls < 1:
             raise ValueError(f"probe_calls must be >= 1, got {self.probe_calls}")
         if not 0 <= self.min_warmup_calls <= self.max_warmup_calls:
@@ -231,8 +231,7 @@ class ClockReader:
 class ClockSampler:
     """The SM clock while the GPU works: ``reader`` sampled every ``period_s`` from a background thread
     inside the ``with`` block, the median of the samples after it. A single reading after the work can
-    catch the clock once the GPU has gone idle; the median says what the variant ran at (NOTES.md,
-    entry 51, asks whether the variants of one row run at different clocks)."""
+    catch the clock once the GPU has gone idle; the median says what the variant ran at."""
 
     def __init__(self, reader: ClockReader, device: int, *, period_s: float = 0.02) -> None:
         self._reader, self._device, self._period_s = reader, device, period_s
@@ -311,7 +310,7 @@ def measure(
     mhz = sampler.median()
     # The host's own cost per call: one more batch, issued onto an idle GPU. During the timed batches the
     # warm-up's backlog keeps the launch queue full, so the host waits on it and its time there is the
-    # GPU's whatever its own cost (every variant then looked host-bound: NOTES.md, entry 25).
+    # GPU's whatever its own cost (every variant would look host-bound).
     t0 = clock()
     for _ in range(cfg.iters):
         call(i)

@@ -17,12 +17,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+import tileweave
+
 from tileweave.bench.suite import LocalShapes, SuiteRow, local_shapes
 from tileweave.bench.timing import rotation_sets
 
 DTYPE = torch.bfloat16
 TOLERANCE = 1e-2
-"""bf16 relative Frobenius error bound (DESIGN.md, "Tolerances")."""
+"""bf16 relative Frobenius error bound (docs/design.md, "Measuring")."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +67,6 @@ def randn(shape: Sequence[int], *, seed: int, scale: float = 1.0) -> torch.Tenso
 def lookup_ours(name: str) -> tuple[Callable | None, str]:
     """``tileweave.<name>`` or ``(None, reason)``: a missing op makes its column n/a, not a crash."""
     try:
-        import tileweave
-
         return getattr(tileweave, name), ""
     except Exception as e:
         return None, f"tileweave.{name} unavailable: {type(e).__name__}: {e}"
@@ -75,8 +75,6 @@ def lookup_ours(name: str) -> tuple[Callable | None, str]:
 def path_probe(op_name: str) -> Callable[[], str | None]:
     def probe() -> str | None:
         try:
-            import tileweave
-
             return str(tileweave.last_path(op_name))
         except Exception:
             return None
@@ -176,7 +174,7 @@ def base_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
 
 
 def nccl_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
-    """The NCCL collective alone (DESIGN.md's "AG NCCL" and "RS NCCL" columns): the all-gather of the
+    """The NCCL collective alone (docs/design.md's "AG NCCL" and "RS NCCL" columns): the all-gather of the
     shard, or the reduce-scatter of the bf16 partial, into a fresh output."""
     m, n = x.row.m, x.n_sets
     if x.row.layer.kind == "AG":
@@ -203,8 +201,6 @@ def ours_object(op: str, transport: str, *, group: dist.ProcessGroup):
     """A tileweave op object with ``transport`` (its policy from TILEWEAVE_POLICY, its options from their
     environment variables, as the shared op takes them), for timing one transport next to others
     in one run."""
-    import tileweave
-
     cls = tileweave.AllGatherGemm if op == "ag" else tileweave.GemmReduceScatter
     return cls(group, transport=transport, **cls.env_options())
 
@@ -230,7 +226,7 @@ def ours_variant(x: RowInputs, *, group: dist.ProcessGroup, op: Callable | None 
 
 def torch_variant(x: RowInputs, *, group: dist.ProcessGroup) -> Variant:
     """PyTorch async-TP. Run it in a phase of its own: it hung once in a process that also held
-    other symmetric-memory buffers (DESIGN.md)."""
+    other symmetric-memory buffers (docs/design.md)."""
     n, name = x.n_sets, group.group_name
     if x.row.layer.kind == "AG":
         fn, note = torch_async_tp("fused_all_gather_matmul")
@@ -278,7 +274,7 @@ def comm_source_numel(row: SuiteRow, *, world_size: int) -> int:
 class CopyEngineComm:
     """The communication alone on the copy engines: each rank pulls from peers' symmetric buffers.
 
-    ``Tensor.copy_`` from a peer view runs on a copy engine (DESIGN.md, "Transport"), one side stream
+    ``Tensor.copy_`` from a peer view runs on a copy engine (docs/design.md, "The flag protocol"), one side stream
     per peer so pulls from several peers proceed together. One buffer, sized once for every row of
     the run, is allocated and rendezvoused here (a collective), and freed by ``close``.
     """

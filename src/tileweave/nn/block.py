@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear, TPOps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,7 +75,8 @@ class TPTransformerBlock(nn.Module):
     """
 
     def __init__(self, config: BlockConfig, *, group: dist.ProcessGroup | None = None, device=None,
-                 dtype=None) -> None:
+                 dtype=None, ops: TPOps | None = None) -> None:
+        """``ops``: the communication GEMMs of the four TP layers (``TPOps``; None: tileweave's)."""
         super().__init__()
         self.config = config
         self.group = group if group is not None else dist.group.WORLD
@@ -85,7 +86,7 @@ class TPTransformerBlock(nn.Module):
                 raise ValueError(f"BlockConfig.{name}={getattr(config, name)} must be divisible by the TP size {w}")
         self.local_heads, self.local_kv_heads = config.heads // w, config.kv_heads // w
         hd = config.head_dim
-        kw = dict(group=self.group, device=device, dtype=dtype)
+        kw = dict(group=self.group, device=device, dtype=dtype, ops=ops)
         self.attn_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
         self.mlp_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
         # Fused projections are laid out per rank: [q | k | v] and [gate | up] of this rank's heads and
@@ -96,7 +97,17 @@ class TPTransformerBlock(nn.Module):
         self.down = RowParallelLinear(config.ffn, config.hidden, bias=False, **kw)
         self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         """RoPE tables per (sequence length, device, dtype), computed once: building them every step
-        cost the host ~0.3 ms of small launches (NOTES.md, entry 44)."""
+        costs the host a series of small launches."""
+
+    @property
+    def ops(self) -> TPOps:
+        """The communication GEMMs the block's TP layers run on; set it to run them on others."""
+        return self.qkv.ops
+
+    @ops.setter
+    def ops(self, ops: TPOps) -> None:
+        for layer in (self.qkv, self.o, self.gate_up, self.down):
+            layer.ops = ops
 
     def _rope_tables(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq, like.device, like.dtype)
@@ -141,22 +152,3 @@ class TPTransformerBlock(nn.Module):
         self.o.load_full_state_dict({"weight": state["o"]})
         self.down.load_full_state_dict({"weight": state["down"]})
 
-
-def reference_block(x: torch.Tensor, state: dict[str, torch.Tensor], config: BlockConfig, batch: int) -> torch.Tensor:
-    """The same block unsharded, in plain torch: the reference for tests."""
-    c, hd = config, config.head_dim
-    m = x.shape[0]
-    seq = m // batch
-
-    def norm(t, weight):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + c.norm_eps) * weight
-
-    a = norm(x, state["attn_norm"])
-    q = rope((a @ state["q"].t()).view(batch, seq, c.heads, hd).transpose(1, 2), c.rope_theta)
-    k = rope((a @ state["k"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2), c.rope_theta)
-    v = (a @ state["v"].t()).view(batch, seq, c.kv_heads, hd).transpose(1, 2)
-    g = c.heads // c.kv_heads
-    attn = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
-    h = x + attn.transpose(1, 2).reshape(m, c.hidden) @ state["o"].t()
-    b = norm(h, state["mlp_norm"])
-    return h + (F.silu(b @ state["gate"].t()) * (b @ state["up"].t())) @ state["down"].t()

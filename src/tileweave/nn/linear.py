@@ -22,7 +22,9 @@ dgrad      ``dx [M, K/W] = AG_M(dy_shard_m) @ w``      AllGather+GEMM (keeps AG_
 wgrad      ``dw [N, K/W] = AG_M(dy).T @ x``            GEMM on the gathered output grad
 =========  ==========================================  =================================
 
-The column layer keeps the gathered input for its weight gradient (``save_gathered=True``, memory
+The layers run on the ops of a ``TPOps`` (tileweave's fused ops by default, ``TILEWEAVE_OPS``): pass
+other ops to the constructor, or set the ``ops`` attribute, to run the same layer on, say, NCCL and
+cuBLAS. The column layer keeps the gathered input for its weight gradient (``save_gathered=True``, memory
 ``[M, K]``) or gathers it again in backward (``False``), on the copy engines while the input-gradient
 GEMM+ReduceScatter runs. Every rank must run the same layers in the same order, forward and backward,
 like any collective.
@@ -30,14 +32,34 @@ like any collective.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tileweave.ops.all_gather_gemm import all_gather_gemm
-from tileweave.ops.all_gather_gemm import cached_op as cached_all_gather_op
-from tileweave.ops import all_gather_gemm as _all_gather_module
-from tileweave.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from tileweave.ops import functional
+from tileweave.ops.all_gather.op import AllGatherGemm
+
+
+@dataclasses.dataclass(frozen=True)
+class TPOps:
+    """The communication GEMMs a TP layer runs on, with the signatures of ``tileweave.ops.functional``:
+    ``all_gather_gemm(x_shard, b, group, *, bias=None, return_gathered=False)`` and
+    ``gemm_reduce_scatter(a, b, group, *, bias=None)``. ``shared_all_gather(group, device)``: an
+    ``AllGatherGemm`` whose buffer the backward may borrow (its gathered view is lent until the op's
+    next call, which saves a copy) and whose ``all_gather`` regathers an input on the copy engines;
+    None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``."""
+
+    all_gather_gemm: Callable
+    gemm_reduce_scatter: Callable
+    shared_all_gather: Callable[[dist.ProcessGroup, torch.device], AllGatherGemm] | None = None
+
+
+TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
+                      gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
+"""tileweave's fused ops, shared per (group, device): the layers' default."""
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
@@ -55,6 +77,20 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
+def _init_parameters(layer: nn.Module, weight_shape: tuple[int, int], bias_features: int, device, dtype) -> None:
+    """``layer.weight`` (kaiming-uniform, as ``nn.Linear``) and ``layer.bias`` (zeros; None for 0 features)."""
+    layer.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+    layer.bias = nn.Parameter(torch.zeros(bias_features, device=device, dtype=dtype)) if bias_features else None
+    nn.init.kaiming_uniform_(layer.weight, a=5 ** 0.5)
+
+
+def _apply(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
+    """``function.apply(x, weight, bias, *args)`` in the autocast dtype, if autocast is on."""
+    x, weight, bias = _autocast(x, weight, bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return function.apply(x, weight, bias, *args)
+
+
 def _check_divisible(name: str, value: int, world: int) -> None:
     if value % world:
         raise ValueError(f"{name}={value} must be divisible by the TP group size {world}")
@@ -62,12 +98,12 @@ def _check_divisible(name: str, value: int, world: int) -> None:
 
 class _ColumnParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, save_gathered):
+    def forward(ctx, x_shard, weight, bias, group, save_gathered, ops):
         if save_gathered:
-            y, gathered = all_gather_gemm(x_shard, weight.t(), group, bias=bias, return_gathered=True)
+            y, gathered = ops.all_gather_gemm(x_shard, weight.t(), group, bias=bias, return_gathered=True)
         else:  # the gathered input is not kept: do not copy it out of the op's workspace either
-            y, gathered = all_gather_gemm(x_shard, weight.t(), group, bias=bias), None
-        ctx.group, ctx.has_bias, ctx.save_gathered = group, bias is not None, save_gathered
+            y, gathered = ops.all_gather_gemm(x_shard, weight.t(), group, bias=bias), None
+        ctx.group, ctx.has_bias, ctx.save_gathered, ctx.ops = group, bias is not None, save_gathered, ops
         ctx.save_for_backward(gathered if save_gathered else x_shard, weight)
         return y
 
@@ -78,42 +114,67 @@ class _ColumnParallel(torch.autograd.Function):
         # Without the saved gathered input, gather it again while the input gradient runs: on the copy
         # engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an
         # NCCL kernel would), into the all-gather op's own buffer, released after the weight gradient.
-        pending = None if ctx.save_gathered else cached_all_gather_op(ctx.group, saved.device).all_gather(saved)
-        dx_shard = gemm_reduce_scatter(dy, weight, ctx.group)
+        pending = None if ctx.save_gathered else _start_gather(ctx.ops, saved, ctx.group)
+        dx_shard = ctx.ops.gemm_reduce_scatter(dy, weight, ctx.group)
         gathered = saved if pending is None else pending.wait()
         dw = dy.t() @ gathered
         if pending is not None:
             pending.release()
         db = dy.sum(0) if ctx.has_bias else None
-        return dx_shard, dw, db, None, None
+        return dx_shard, dw, db, None, None, None
 
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        y_shard = gemm_reduce_scatter(x, weight.t(), group, bias=bias)
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, ops):
+        y_shard = ops.gemm_reduce_scatter(x, weight.t(), group, bias=bias)
+        ctx.group, ctx.has_bias, ctx.ops = group, bias is not None, ops
         ctx.save_for_backward(x, weight)
         return y_shard
 
     @staticmethod
     def backward(ctx, dy_shard):
         x, weight = ctx.saved_tensors
-        dx, dy = _gather_for_weight_grad(dy_shard.contiguous(), weight, ctx.group)
+        dx, dy = _gather_for_weight_grad(ctx.ops, dy_shard.contiguous(), weight, ctx.group)
         dw = dy.t() @ x
         # The bias is added once, on the owner of each row: its gradient sums every row of dy.
         db = dy.sum(0) if ctx.has_bias else None
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
-def _gather_for_weight_grad(dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
+def _gather_for_weight_grad(ops: TPOps, dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
     """``(dy_shard gathered @ weight, dy_shard gathered)`` for a weight gradient that the caller queues
-    at once. On tileweave's shared op (outside ``torch.compile``) the gathered tensor is the op's buffer
-    itself, lent until this rank's next all-gather call: no copy into a fresh tensor, as the functional
-    op makes for callers that keep it."""
-    if all_gather_gemm is _all_gather_module.all_gather_gemm and not torch.compiler.is_compiling():
-        return cached_all_gather_op(group, dy_shard.device)(dy_shard, weight, return_gathered=True)
-    return all_gather_gemm(dy_shard, weight, group, return_gathered=True)
+    at once. On a shared op (outside ``torch.compile``) the gathered tensor is the op's buffer itself,
+    lent until this rank's next all-gather call: no copy into a fresh tensor, as the functional op makes
+    for callers that keep it."""
+    if ops.shared_all_gather is not None and not torch.compiler.is_compiling():
+        return ops.shared_all_gather(group, dy_shard.device)(dy_shard, weight, return_gathered=True)
+    return ops.all_gather_gemm(dy_shard, weight, group, return_gathered=True)
+
+
+class _Gathered:
+    """A finished all-gather, with the interface of ``PendingGather``."""
+
+    def __init__(self, gathered: torch.Tensor) -> None:
+        self._gathered = gathered
+
+    def wait(self) -> torch.Tensor:
+        return self._gathered
+
+    def release(self) -> None:
+        pass
+
+
+def _start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
+    """Gather the input again for the weight gradient while the input gradient runs: on the shared op's
+    copy engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an NCCL
+    kernel would), into its own buffer, released after the weight gradient; else with NCCL."""
+    if ops.shared_all_gather is not None:
+        return ops.shared_all_gather(group, x_shard.device).all_gather(x_shard)
+    world = dist.get_world_size(group)
+    gathered = x_shard.new_empty((x_shard.shape[0] * world, x_shard.shape[1]))
+    dist.all_gather(list(gathered.chunk(world)), x_shard.contiguous(), group=group)
+    return _Gathered(gathered)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -123,21 +184,19 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, save_gathered: bool = True,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, ops: TPOps | None = None) -> None:
+        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
         super().__init__()
+        self.ops = ops or TILEWEAVE_OPS
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("out_features", out_features, self.world)
         self.in_features, self.out_features = in_features, out_features
         self.save_gathered = save_gathered
         local = out_features // self.world
-        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        _init_parameters(self, (local, in_features), local if bias else 0, device, dtype)
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
-        x_shard, weight, bias = _autocast(x_shard, self.weight, self.bias)
-        with torch.autocast(x_shard.device.type, enabled=False):
-            return _ColumnParallel.apply(x_shard, weight, bias, self.group, self.save_gathered)
+        return _apply(_ColumnParallel, x_shard, self.weight, self.bias, self.group, self.save_gathered, self.ops)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -166,20 +225,18 @@ class RowParallelLinear(nn.Module):
     whole on every rank and added once. See the module docstring for forward and backward."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 group: dist.ProcessGroup | None = None, device=None, dtype=None) -> None:
+                 group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 ops: TPOps | None = None) -> None:
+        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
         super().__init__()
+        self.ops = ops or TILEWEAVE_OPS
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("in_features", in_features, self.world)
         self.in_features, self.out_features = in_features, out_features
-        local = in_features // self.world
-        self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        _init_parameters(self, (out_features, in_features // self.world), out_features if bias else 0, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, weight, bias = _autocast(x, self.weight, self.bias)
-        with torch.autocast(x.device.type, enabled=False):
-            return _RowParallel.apply(x, weight, bias, self.group)
+        return _apply(_RowParallel, x, self.weight, self.bias, self.group, self.ops)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from tileweave.ops import _launch
+from tileweave.ops import common, gemm_launch
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
@@ -29,7 +29,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     ``b`` may be row-major ``[K, N]`` or the transpose of an ``nn.Linear`` weight (``weight.t()`` with
     ``weight`` ``[N, K]`` row-major), which is read in place. Inputs are float16, bfloat16 or float32,
     all on one device; the output has the input dtype. On the CPU this runs in Triton's interpreter
-    (``TRITON_INTERPRET=1``).
+    (``TRITON_INTERPRET=1``), which computes bfloat16 wrongly: there bfloat16 inputs run in float32
+    and the result is rounded to bfloat16.
     """
     key = _plan_key(a, b, bias, out, config)
     plan = _plans.get(key) if key is not None else None
@@ -38,19 +39,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         # and the derivation (tens of microseconds of host time, which small GEMMs cannot hide).
         if out is None:
             out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-        _launch.relaunch(plan, a, b, out, bias)
-        _launch.record_path("matmul", "triton")
+        gemm_launch.relaunch(plan, a, b, out, bias)
+        common.record_path("matmul", "triton")
         return out
-    _launch.check_matrix("a", a)
-    _launch.check_matrix("b", b, dtype=a.dtype, device=a.device)
+    common.check_matrix("a", a)
+    common.check_matrix("b", b, dtype=a.dtype, device=a.device)
     # A strided bias is copied below; a replayed launch would not copy it, so such calls are not cached.
     cacheable = key is not None and (bias is None or bias.is_contiguous())
     m, k = a.shape
     if b.shape[0] != k:
         raise ValueError(f"a is [M={m}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N]")
     n = b.shape[1]
-    bias = _launch.check_bias(bias, n, a.dtype, a.device)
-    out = _launch.check_out(out, (m, n), a.dtype, a.device)
+    bias = common.check_bias(bias, n, a.dtype, a.device)
+    out = common.check_out(out, (m, n), a.dtype, a.device)
     if out is None:
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
@@ -60,25 +61,27 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         if bias is not None:
             out += bias
         return out
-    if a.device.type == "cpu" and not _launch.interpreting():
+    if a.device.type == "cpu" and not common.interpreting():
         raise RuntimeError("tileweave.matmul on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    if a.dtype == torch.bfloat16 and common.interpreting():
+        wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
+        return out.copy_(wide)
     a_copied = a.stride(1) != 1 and a.stride(0) != 1
     if a_copied:
         a = a.contiguous()
     chosen = config or select_config(m, n, k, a.dtype, a.device, num_sms=_num_sms(a.device),
-                                     interpreter=_launch.interpreting())
+                                     interpreter=common.interpreting())
     programs = chosen.programs or _num_sms(a.device)
-    launched = _launch.launch(mode=_launch.MODE_PLAIN, a=a, b=b, c=out, bias=bias, config=chosen, m_chunk=m,
-                              programs=programs)
+    launched = gemm_launch.launch(a=a, b=b, c=out, bias=bias, config=chosen, m_chunk=m, programs=programs)
     if cacheable and not a_copied:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = launched
-    _launch.record_path("matmul", "triton")
+    common.record_path("matmul", "triton")
     return out
 
 
-_plans: dict[tuple, _launch.PlainLaunch] = {}
+_plans: dict[tuple, gemm_launch.LaunchPlan] = {}
 _MAX_PLANS = 4096
 
 
@@ -88,8 +91,8 @@ def _plan_key(a, b, bias, out, config) -> tuple | None:
         return None
     if bias is not None and type(bias) is not torch.Tensor or out is not None and type(out) is not torch.Tensor:
         return None
-    layout = _launch.layout
-    return (layout(a), layout(b), layout(bias), layout(out), config, _launch.interpreting(),
+    layout = gemm_launch.layout
+    return (layout(a), layout(b), layout(bias), layout(out), config, common.interpreting(),
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 

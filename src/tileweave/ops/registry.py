@@ -10,6 +10,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tileweave.ops.all_gather.op import AllGatherGemm, gathered_like
+from tileweave.ops.reduce_scatter.op import GemmReduceScatter
+
 
 def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
@@ -18,9 +21,7 @@ def _group(name: str) -> dist.ProcessGroup:
 @torch.library.custom_op("tileweave::all_gather_gemm", mutates_args=())
 def all_gather_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                        group_name: str) -> torch.Tensor:
-    from tileweave.ops.all_gather_gemm import cached_op
-
-    return cached_op(_group(group_name), a_shard.device)(a_shard, b, bias=bias)
+    return AllGatherGemm.shared(_group(group_name), a_shard.device)(a_shard, b, bias=bias)
 
 
 @all_gather_gemm_op.register_fake
@@ -31,12 +32,10 @@ def _(a_shard, b, bias, group_name):
 @torch.library.custom_op("tileweave::all_gather_gemm_gathered", mutates_args=())
 def all_gather_gemm_gathered_op(a_shard: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                                 group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from tileweave.ops.all_gather_gemm import cached_op, gathered_like
-
     group = _group(group_name)
     # A custom op's outputs may not alias the op's own workspace, which the next call overwrites.
-    return cached_op(group, a_shard.device)(a_shard, b, bias=bias,
-                                            gathered_out=gathered_like(a_shard, group.size()))
+    return AllGatherGemm.shared(group, a_shard.device)(a_shard, b, bias=bias,
+                                                       gathered_out=gathered_like(a_shard, group.size()))
 
 
 @all_gather_gemm_gathered_op.register_fake
@@ -48,9 +47,7 @@ def _(a_shard, b, bias, group_name):
 @torch.library.custom_op("tileweave::gemm_reduce_scatter", mutates_args=())
 def gemm_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                            group_name: str) -> torch.Tensor:
-    from tileweave.ops.gemm_reduce_scatter import cached_op
-
-    return cached_op(_group(group_name), a.device)(a, b, bias=bias)
+    return GemmReduceScatter.shared(_group(group_name), a.device)(a, b, bias=bias)
 
 
 @gemm_reduce_scatter_op.register_fake

@@ -13,7 +13,7 @@ from tileweave.runtime.backend import Backend, SymmetricBuffer, TileweaveError
 #   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
 #   [W, 2W)     RELEASED: released[p] = epoch whose use of p's own buffer p has finished, so that
 #                         writers may fill it for the next epoch
-#   [2W, 3W)    COUNTERS: tiles received from each source (reduce-scatter), cumulative, wrapping
+#   [2W, 3W)    COUNTERS: a word per source kept free for transports that count arrivals
 #   3W          ERR:      nonzero when a bounded in-kernel wait expired
 READY, RELEASED, COUNTERS = 0, 1, 2
 ONESHOT_HEADER = 256
@@ -21,9 +21,10 @@ ONESHOT_HEADER = 256
 ``src`` holds the one-shot epoch at which src's data for this rank is complete. Its data follows."""
 ONESHOT_ALIGN = 256
 """Alignment in bytes of the one-shot buffer's two slots (``oneshot_slots``)."""
-# The copy-engine flag block (``Workspace.ensure_ce_flags``), W x groups words per region; the kernel's
-# side of the layout is at ``tileweave.kernels.gemm.CE_GROUPS``.
-CE_COUNTERS, CE_ARRIVAL, CE_SENT = 0, 1, 2
+# The chunked transports' block flags (``Workspace.ensure_block_flags``), W x blocks words per region:
+# ARRIVAL[src * blocks + j]: source src's block j has arrived (or is announced, for a pull); LANDED[j]:
+# this rank's pull of block j has landed.
+BLOCK_ARRIVAL, BLOCK_LANDED = 0, 1
 
 
 class Workspace:
@@ -44,9 +45,8 @@ class Workspace:
             self.flag_slice(RELEASED).fill_(released)
         self.epoch = 0
         self.count_expected = 0
-        self.ce_flags = None
-        self.ce_groups = 0
-        self.ce_counts: dict[tuple[int, int], int] = {}
+        self.block_flags = None
+        self.blocks = 0
         self.plans: dict[tuple, object] = {}
         self.local: torch.Tensor | None = None
         self.oneshot: SymmetricBuffer | None = None
@@ -101,33 +101,24 @@ class Workspace:
         w = self.backend.world_size
         return self.local_flags[kind * w:(kind + 1) * w]
 
-    def ensure_ce_flags(self, groups: int) -> torch.Tensor:
-        """The copy-engine reduce-scatter's flag block (3 x W x ``groups`` int32, see
-        ``tileweave.kernels.gemm.CE_GROUPS``), allocated on first use; returns this rank's view."""
-        if self.ce_flags is None:
-            self.ce_flags = self.backend.allocate(4 * 3 * self.backend.world_size * groups)
-            self.ce_groups = groups
-        return self.ce_flags.view(self.backend.rank, torch.int32, (3 * self.backend.world_size * groups,))
+    def ensure_block_flags(self, blocks: int) -> torch.Tensor:
+        """The chunked transports' block flags (2 x W x ``blocks`` int32: ``BLOCK_ARRIVAL``,
+        ``BLOCK_LANDED``), allocated on first use; returns this rank's view."""
+        if self.block_flags is None:
+            self.block_flags = self.backend.allocate(4 * 2 * self.backend.world_size * blocks)
+            self.blocks = blocks
+        return self.block_flags.view(self.backend.rank, torch.int32, (2 * self.backend.world_size * blocks,))
 
-    def ce_flag_address(self, rank: int, region: int, index: int) -> int:
-        """Address of word ``index`` of ``region`` (CE_COUNTERS, CE_ARRIVAL, CE_SENT) in ``rank``'s
-        copy-engine flag block."""
-        return self.ce_flags.address(rank, 4 * (region * self.backend.world_size * self.ce_groups + index))
+    def block_flag_address(self, rank: int, region: int, index: int) -> int:
+        """Address of word ``index`` of ``region`` (``BLOCK_ARRIVAL``, ``BLOCK_LANDED``) in ``rank``'s
+        block flags."""
+        return self.block_flags.address(rank, 4 * (region * self.backend.world_size * self.blocks + index))
 
     def oneshot_offsets(self, itemsize: int) -> torch.Tensor:
-        """``data_offsets`` for the one-shot buffer (``ensure_oneshot``, which must have run)."""
+        """Every rank's one-shot buffer (``ensure_oneshot``, which must have run) as an int64 offset, in
+        elements of ``itemsize`` bytes, from this rank's own: the kernel addresses peers from its own
+        aligned pointer, which keeps its accesses vectorised."""
         return self._offsets(self.oneshot, itemsize, "oneshot")
-
-    def counter_addresses(self) -> torch.Tensor:
-        """Every rank's COUNTERS array as int64 addresses (for the kernel's release atomics)."""
-        return self._table("counters", [self.flag_address(p, COUNTERS, 0)
-                                        for p in range(self.backend.world_size)])
-
-    def data_offsets(self, itemsize: int) -> torch.Tensor:
-        """Every rank's data buffer as an int64 offset, in elements of ``itemsize`` bytes, from this
-        rank's own: the kernel addresses peers from its own aligned pointer, which keeps its stores
-        vectorised."""
-        return self._offsets(self.data, itemsize, "offsets")
 
     def _offsets(self, buffer: SymmetricBuffer, itemsize: int, name: str) -> torch.Tensor:
         local = buffer.address(self.backend.rank)

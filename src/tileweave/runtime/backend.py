@@ -20,6 +20,7 @@ import math
 import os
 import socket
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ class HostMirror:
     """A device int32 word copied into pinned host memory behind the work queued on the caller's stream,
     and read by the host without waiting: the fused ops' error word, checked one call late so that no
     call synchronises. Driver calls throughout: the error word's share of a call's host time fell from
-    38-45 us (torch's pinned copy and event objects) to 13-20 us on the GPU hosts (NOTES.md, entry 26)."""
+    38-45 us (torch's pinned copy and event objects) to 13-20 us on the GPU hosts."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
@@ -262,7 +263,7 @@ class CudaBackend(Backend):
         if _producer_delay_s:
             # The host waits before issuing the copy. A sleeping kernel on the copy stream would need
             # an SM, and none is free while a fused kernel's programs wait for this stream's earlier
-            # copies: the starvation of DESIGN.md's deadlock, not a straggler.
+            # copies: the starvation of docs/design.md's deadlock, not a straggler.
             time.sleep(_producer_delay_s)
         # A copy whose source or destination is a peer's memory runs on a copy engine, not on an SM.
         driver.memcpy_async(dst.data_ptr(), src.data_ptr(), src.nbytes, self._comm_handle)
@@ -305,6 +306,14 @@ class CudaBackend(Backend):
 
 
 _BACKENDS: dict[tuple, Backend] = {}
+_FACTORIES: dict[str, Callable[[dist.ProcessGroup], Backend]] = {}
+"""Backend classes by device type besides CUDA's: ``tileweave.runtime.emulated`` registers the CPU's
+emulated ranks when it is imported (``tileweave.testing.emulated.run_ranks`` does)."""
+
+
+def register_backend(device_type: str, factory: Callable[[dist.ProcessGroup], Backend]) -> None:
+    """Make ``get_backend`` build ``factory(group)`` for tensors on ``device_type``."""
+    _FACTORIES[device_type] = factory
 
 
 def get_backend(group: dist.ProcessGroup | None, device: torch.device) -> Backend:
@@ -315,10 +324,11 @@ def get_backend(group: dist.ProcessGroup | None, device: torch.device) -> Backen
     if backend is None:
         if device.type == "cuda":
             backend = CudaBackend(group, device)
+        elif device.type in _FACTORIES:
+            backend = _FACTORIES[device.type](group)
         elif device.type == "cpu":
-            from tileweave.runtime import emulated
-
-            backend = emulated.EmulatedBackend(group)
+            raise TileweaveError("CPU tensors need emulated ranks: start them with "
+                                 "tileweave.testing.emulated.run_ranks")
         else:
             raise TileweaveError(f"unsupported device {device}; tileweave runs on CUDA GPUs "
                                  "(or on the CPU with emulated ranks for testing)")

@@ -2,10 +2,9 @@
 stream, copies, and the events that order two streams.
 
 They run on the GPU's front end, not on an SM, so a flag written this way can never be starved by
-spinning programs (the deadlock recorded in DESIGN.md), and a stream can wait on a peer's flag without
+spinning programs (the deadlock recorded in docs/design.md), and a stream can wait on a peer's flag without
 a kernel. We call the driver through ctypes so that nothing needs compiling; a call cost 4-8 us of host
-time on the GPU hosts we measured, less than the same work through torch's Python objects (NOTES.md,
-entry 26): the host time of a fused op's call is what small shapes are bound by.
+time on the GPU hosts we measured, less than the same work through torch's Python objects: the host time of a fused op's call is what small shapes are bound by.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def stream_wait_u32(stream_handle: int, address: int, value: int) -> None:
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream_handle: int) -> None:
     """Enqueue a copy of ``nbytes`` between device addresses. With a peer's address on either side
-    the driver uses a copy engine, not an SM (measured on H200: DESIGN.md, Transport)."""
+    the driver uses a copy engine, not an SM (measured on H200: docs/design.md, "Measuring")."""
     _check(_functions().memcpy(dst, src, nbytes, stream_handle), "cuMemcpyAsync")
 
 

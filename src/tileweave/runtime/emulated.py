@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuffer, TileweaveError, _group_size,
-                                       producer_delay)
+                                       producer_delay, register_backend)
 
 HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
 HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
@@ -166,3 +166,6 @@ class EmulatedBackend(Backend):
 
     def main_write(self, address: int, value: int) -> None:
         _write_u32(address, value)
+
+
+register_backend("cpu", EmulatedBackend)

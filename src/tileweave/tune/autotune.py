@@ -6,7 +6,7 @@ keyed by dtype, M bucket (the next power of two, so nearby token counts share an
 ops then pass their choice through ``agree`` so every rank of a group uses rank 0's config, whatever
 each rank's cache holds.
 
-    tileweave tune --m 4096,8192          # tune the suite's local GEMMs on this machine's GPU
+    tileweave tune --m 4096,8192          # tune the suite's local GEMMs (tileweave.bench.tune)
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(stream_k=True),
     GemmConfig(block_n=128, num_stages=4, stream_k=True),
 )
-"""The configurations tried per shape (see NOTES.md, experiment 3, for why these)."""
+"""The configurations tried per shape: the default tiles and their neighbours in stages, warps, grouping,
+warp specialisation, stores and stream-K."""
 
 
 def m_bucket(m: int) -> int:
@@ -140,56 +141,12 @@ def time_ms(fn, device: torch.device, *, warmup: int, iters: int, reps: int) -> 
     return statistics.median(samples)
 
 
-def autotune_gemm(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, *,
-                  device: torch.device | str = "cuda", candidates: tuple[GemmConfig, ...] = CANDIDATES,
-                  warmup: int = 5, iters: int = 10, reps: int = 5, save: bool = True) -> tuple[GemmConfig, float]:
-    """Time every candidate on random ``[m, k] @ weight[n, k].T`` (each verified against
-    ``torch.matmul`` first), store the fastest in the cache and return it with its time in ms."""
-    from tileweave.ops.matmul import matmul
-
-    device = torch.device(device)
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
-    ref = (a.double() @ w.double().t()) if device.type == "cpu" else torch.matmul(a, w.t()).double()
-    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    best: tuple[GemmConfig, float] | None = None
-    for config in candidates:
-        try:
-            out = matmul(a, w.t(), config=config)
-        except Exception:  # a config that cannot compile here is simply not a candidate
-            continue
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        if not err < tol:
-            continue
-        ms = time_ms(lambda: matmul(a, w.t(), config=config), device, warmup=warmup, iters=iters, reps=reps)
-        if best is None or ms < best[1]:
-            best = (config, ms)
-    if best is None:
-        raise RuntimeError(f"no candidate config ran correctly for {m}x{n}x{k} {dtype}")
+def remember(device: torch.device, m: int, n: int, k: int, dtype: torch.dtype, config: GemmConfig, ms: float, *,
+             save: bool = True) -> None:
+    """Store ``config`` (timed at ``ms``) as the tuned config of this shape on ``device``'s cache (and
+    on disk with ``save``); ``select_config`` returns it from now on."""
     cache = _cache_for(device)
-    cache.put(shape_key(m, n, k, dtype), *best)
+    cache.put(shape_key(m, n, k, dtype), config, ms)
     if save:
         cache.save()
     _selected.clear()
-    return best
-
-
-def main(argv=None) -> int:
-    """``tileweave tune``: tune the local GEMMs of the benchmark suite on GPU 0."""
-    import argparse
-
-    from tileweave.bench.suite import gemm_shapes, parse_ints
-
-    parser = argparse.ArgumentParser(prog="tileweave tune", description=main.__doc__)
-    parser.add_argument("--m", default="1024,2048,4096,8192,16384", help="token counts (comma list)")
-    parser.add_argument("--layer", nargs="+", default=None, help="suite layer filters, as for bench")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tileweave tune: needs a CUDA GPU")
-        return 1
-    shapes = gemm_shapes(layers=args.layer, m_values=parse_ints(args.m, name="--m"))
-    for shape in shapes:
-        config, ms = autotune_gemm(shape.m, shape.n, shape.k)
-        print(f"{shape.m:6d} x {shape.n:6d} x {shape.k:6d}  {ms:8.3f} ms  {config.key()}", flush=True)
-    print(f"cache: {cache_path(torch.cuda.get_device_name())}")
-    return 0

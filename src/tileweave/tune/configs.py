@@ -1,6 +1,6 @@
 """Typed GEMM configurations and the per-shape choice.
 
-The choices below come from a sweep on an H200 (132 SMs) recorded in NOTES.md (2026-11-30): 128 x 256
+The choices below come from a sweep on an H200 (132 SMs): 128 x 256
 x 64 tiles, 3 stages, 8 warps, flattened loops and TMA stores were within 0.92-1.05x of cuBLAS on the
 large local GEMMs of the suite; 128 x 128 tiles won on narrow outputs (N = 768: 0.93x against 0.72x).
 Worked example: ``choose_gemm_config(8192, 7168, 4096, torch.bfloat16, num_sms=132)`` has 64 x 28 =
@@ -14,10 +14,6 @@ import functools
 import math
 
 import torch
-
-
-CE_RELEASES = ("tile", "tile_gpu", "chunk")
-"""``GemmConfig.ce_release`` values, in the order of the kernel's ``CE_RELEASE`` constexpr."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,17 +51,6 @@ class GemmConfig:
     evenly over the programs (a tile shared by several is summed by the last to finish, in a fixed
     order). For grids whose last wave would leave SMs idle. Keeps a workspace of two fp32 tiles per
     program on each stream that runs it (17 MB for 128 x 128 tiles on 132 SMs)."""
-    lazy_wait: bool = False
-    """Reduce-scatter (store transport): wait for the peers' partials inside each own tile (after its
-    main loop) instead of once before the own chunk."""
-    copy_engine: bool = False
-    """Reduce-scatter: move partials with the copy engines (local send buffer, a copy stream, arrival
-    flags per row group) instead of storing them into the owner's buffer from the epilogue."""
-    ce_release: str = "tile"
-    """Copy-engine reduce-scatter: how finished tiles are counted for the copy stream. ``"tile"``: a
-    system-scope release per tile; ``"tile_gpu"``: a GPU-scope release per tile (the reader is this
-    GPU's stream and copy engine); ``"chunk"``: one release per row group after a program's last tile
-    of the chunk (copies start later, no fence inside the tile loop)."""
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -80,12 +65,10 @@ class GemmConfig:
             raise ValueError("GemmConfig.block_n2 does not combine with stream_k")
         if self.block_n2 and self.flatten:
             # Two accumulators in one flattened tile-and-K loop ran 2x slower per tile on an H200
-            # (NOTES.md, entry 71): the tile loop stays a loop of its own.
+            #: the tile loop stays a loop of its own.
             raise ValueError("GemmConfig.block_n2 needs flatten=False")
         if self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemmConfig: bad num_stages={self.num_stages} or num_warps={self.num_warps}")
-        if self.ce_release not in CE_RELEASES:
-            raise ValueError(f"GemmConfig.ce_release must be one of {CE_RELEASES}, got {self.ce_release!r}")
         if self.programs < 0:
             raise ValueError(f"GemmConfig.programs must be >= 0, got {self.programs}")
 
@@ -93,12 +76,12 @@ class GemmConfig:
         return (f"{self.block_m}x{self.block_n}{'+' + str(self.block_n2) if self.block_n2 else ''}"
                 f"x{self.block_k}_g{self.group_m}_s{self.num_stages}"
                 f"_w{self.num_warps}_f{int(self.flatten)}_ws{int(self.warp_specialize)}"
-                f"_ct{int(self.c_tma)}_p{self.programs}_lw{int(self.lazy_wait)}"
-                f"_ce{int(self.copy_engine)}{'' if self.ce_release == 'tile' else '_' + self.ce_release}"
+                f"_ct{int(self.c_tma)}_p{self.programs}"
                 f"{'_sk' if self.stream_k else ''}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "GemmConfig":
+        """The config of a stored dict; fields this version does not have are ignored."""
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in fields})
 
@@ -114,7 +97,7 @@ STREAM_K_BELOW = 0.9
 """Stream-K when whole tiles would keep the programs busy for less than this share of their waves."""
 STREAM_K_MIN_K = 8192
 """...and K is at least this long: the shared segments pay a pipeline fill, an fp32 partial and its
-sum, which K = 4096 tiles did not earn back on an H200 (NOTES.md, entry 23)."""
+sum, which K = 4096 tiles did not earn back on an H200."""
 
 
 def wave_use(tiles: int, programs: int) -> float:
@@ -124,13 +107,13 @@ def wave_use(tiles: int, programs: int) -> float:
 
 BIG_TILE_COST = 1.8
 """Time of a 128 x 256 tile over a 128 x 128 one at the same K on an H200: 0.67 against 0.375 us a K
-step of 64 (NOTES.md, entry 27), i.e. large tiles do 2 / 1.8 = 1.1x more work per SM-second."""
+step of 64, i.e. large tiles do 2 / 1.8 = 1.1x more work per SM-second."""
 
 BIG_TILE = GemmConfig(group_m=16)
 """128 x 256 x 64 tiles for large problems, in L2 groups of 16 tile rows. The 132 programs running at
 once then cover about 16 rows x 8 columns of tiles: per K step of 64 they read 16 A slices of 16 KB
 and 9 B slices of 32 KB (544 KB of distinct data) where groups of 8 rows read 8 and 17 (672 KB), and
-the GEMM loses less to a transfer running next to it. On one H200 (NOTES.md, entry 76), against groups
+the GEMM loses less to a transfer running next to it. On one H200, against groups
 of 8, AllGather+GEMM's kernel next to a copy of a shard: 1.006x and 1.018x on two machine starts (alone
 1.008x and 1.001x); the plain GEMM's suite shapes of 0.5 ms or more then ran 1.006-1.008x cuBLAS."""
 
@@ -138,14 +121,14 @@ SMALL_TILE = GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=5, num_w
 """Plain GEMM on a grid of 128 x 128 tiles that would leave over half the SMs idle."""
 SMALL_TILE_COST = 0.69
 """Time of a 64 x 128 tile over a 128 x 128 one at the same K, each program one tile, on an H200:
-16.9 against 24.3 us on 1024 x 768 x 4096 in graph replay (NOTES.md, entry 71)."""
+16.9 against 24.3 us on 1024 x 768 x 4096 in graph replay."""
 WIDE_TILE = GemmConfig(block_m=64, block_n=128, block_n2=32, block_k=64, num_stages=5, num_warps=4,
                        flatten=False)
 """Plain GEMM: tiles of 64 x 160 (128 + 32 columns), for N = 1280 and its like, where 160 divides N and
 128 x 128 tiles come out at well under one per SM."""
 WIDE_TILE_COST = 0.86
 """Time of a 64 x 160 tile over a 128 x 128 one at the same K on an H200: 40.8 against 47.5 us on
-1024 x 1280 x 8192 in graph replay, one wave each (NOTES.md, entry 71)."""
+1024 x 1280 x 8192 in graph replay, one wave each."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -170,12 +153,12 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
     mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
-    # Measured on an H200 in graph replay (NOTES.md, entry 27), the wave count picks the faster tile on
+    # Measured on an H200 in graph replay, the wave count picks the faster tile on
     # all ten shapes probed: 128 x 256 on 4096 x 768 x 4096 (44.6 against 49.8 us), 1024 x 3072 x 4096,
     # 2048 x 4096 x 2048 and 2048 x 1280 x 8192; 128 x 128 on 1024 x 768 x 4096 (24.3 against 42.8 us),
     # 2048 x 768 x 4096, 1024 x 1280 x 8192 and 4096 x 1280 x 8192. (64 x 128 tiles of 8 warps, the
     # earlier choice for small grids, were slower than 128 x 128 wherever tried; with 4 warps and a
-    # loop of their own they win where 128 x 128 tiles would leave over half the SMs idle: entry 71.)
+    # loop of their own they win where 128 x 128 tiles would leave over half the SMs idle.)
     mid = GemmConfig(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8)
     if big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms):
         config, tiles = BIG_TILE, big_tiles
@@ -195,7 +178,7 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     if stream_k and config is not mid and big_tiles <= num_sms:
         # Plain GEMM, one tile per program: a TMA store has nothing left to overlap, and pointer
         # stores were as fast or faster on 7 of 8 such shapes (1024 x 4096 x 512: 11.1 against 11.8
-        # us; NOTES.md, entry 71).
+        # us).
         return dataclasses.replace(config, c_tma=False)
     # Only behind at least one full wave: with fewer tiles than programs every tile would be shared out
     # (1024 x 1280 x 8192: 0.70x cuBLAS against 0.79x with whole tiles).
@@ -203,8 +186,8 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
         if config is not mid and big_tiles < 2 * num_sms:
             # Under two waves a shared tail of large tiles is most of the work, and each shared tile
             # stores and sums 128 KB of fp32 partials: stream-K on 128 x 256 tiles was never the faster
-            # in graph replay (10 shapes, NOTES.md entry 27), and 1024 x 7168 x 8192 ran at 0.76x
-            # cuBLAS with it against 0.93x on 128 x 128 tiles (entry 32).
+            # in graph replay (10 shapes), and 1024 x 7168 x 8192 ran at 0.76x
+            # cuBLAS with it against 0.93x on 128 x 128 tiles.
             config, tiles = mid, mid_tiles
             if not (tiles >= num_sms and wave_use(tiles, num_sms) < STREAM_K_BELOW):
                 return config

@@ -1,9 +1,9 @@
 """Where the chunked reduce-scatter spends its time, on two GPUs: per shape, NCCL+cuBLAS, the blocked
 GEMMs alone (no communication), the chunked transport at several block sizes, and a profile of the
-GPU work by kernel name (the host's side: ``scripts/host_probe.py``); the library's blocks also with
+GPU work by kernel name (the host's side: host_probe.py at 6325990); the library's blocks also with
 the owner pulling into its output (``pull=True``, the default at two ranks; the other variants push).
 
-    python3 scripts/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
+    python3 bench/probes/rs_chunked_probe.py [--out DIR] [--shapes 4096x2048x4096,...]
 
 Shapes are M x K_local x N (the suite's llama3-8b o-proj at M=4096 is 4096x2048x4096). The default
 shapes: one suite row whose owners' rows are one block (llama3-8b o M=8192) and the four rows of two
@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 import tileweave  # noqa: E402
 from tileweave.ops.gemm_reduce_scatter import chunk_rows_for  # noqa: E402

@@ -3,7 +3,7 @@ the ``block`` bench section), then a profile of a few steps summed by kernel cla
 copies, attention, elementwise and the rest) and the largest kernels, so that two variants' steps can
 be compared kernel by kernel.
 
-    python3 scripts/block_probe.py [--out DIR] [--rows llama3-8b:8192,...] [--variants ours,torch,floor]
+    python3 bench/probes/block_probe.py [--out DIR] [--rows llama3-8b:8192,...] [--variants ours,torch,floor]
 
 ``--env KEY=VALUE,...`` sets tileweave options for the ``ours`` variants (for example
 ``TILEWEAVE_RS_TRANSPORT=chunked``). The variant ``ours+`` is ours with ``--patch
@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 from tileweave.bench.block import BlockRow, block_variant, make_block_inputs  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402

@@ -1,0 +1,42 @@
+"""AllGather+GEMM's one-shot path: the shard into its rows of this call's slot of the one-shot buffer
+(a symmetric ``[M, K]`` gather buffer), then one kernel (``tileweave.kernels.oneshot``) that signals
+the peers, waits for theirs and copies their rows of their slots into ours over NVLink, then one cuBLAS
+GEMM over the whole slot. Two slots, used in turn (``oneshot_slots``): no call waits for anything but
+the peers' shards of the same call, and a returned gathered view stays intact until this rank's call
+after next (more than the op promises: until its next call)."""
+
+from __future__ import annotations
+
+import torch
+
+from tileweave.ops.oneshot_launch import launch_gather_rows
+from tileweave.ops.workspace import oneshot_slots
+
+
+def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+    backend = plan.backend
+    op.return_lent()
+    mc, k = a_shard.shape
+    rank, w = backend.rank, backend.world_size
+    m = mc * w
+
+    def make() -> tuple:
+        ws = op.workspace_for(backend, 0)
+        entry = ws.plans[("oneshot", m, k, a_shard.dtype)] = (oneshot_slots(ws, (m, k), a_shard.dtype),
+                                                              op.oneshot_launch_plan(backend, ws, a_shard.dtype,
+                                                                                     rows=mc, cols=k, parts=w - 1))
+        return entry
+
+    ws, gathered, gather_plan, epoch = op.oneshot_start(backend, m, k, a_shard.dtype, make)
+    gathered[rank * mc:(rank + 1) * mc].copy_(a_shard)
+    launch_gather_rows(gather_plan, gathered, epoch)
+    if out is None:  # cuBLAS allocating its output costs the host less than writing into one
+        out = torch.mm(gathered, b) if bias is None else torch.addmm(bias, gathered, b)
+    elif bias is None:
+        torch.mm(gathered, b, out=out)
+    else:
+        torch.addmm(bias, gathered, b, out=out)
+    op.oneshot_finish(backend, ws)
+    if gathered_out is not None:
+        return out, gathered_out.copy_(gathered)
+    return (out, gathered) if return_gathered else out

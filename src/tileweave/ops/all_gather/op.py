@@ -1,0 +1,259 @@
+"""AllGather + GEMM, fused: the column-parallel forward of sequence-parallel TP.
+
+==================  ==========================  ==========================================
+tensor              shape (per rank)            meaning
+==================  ==========================  ==========================================
+``a_shard``         ``[M / W, K]``              this rank's rows of the activations
+``b``               ``[K, N_loc]``              this rank's columns of the weight
+                                                (``weight.t()`` of an ``[N_loc, K]`` weight is
+                                                read in place)
+``bias``            ``[N_loc]``                 optional
+result              ``[M, N_loc]``              ``AllGather_M(a_shard) @ b + bias``
+gathered            ``[M, K]``                  ``AllGather_M(a_shard)`` (backward needs it)
+==================  ==========================  ==========================================
+
+Paths. ``policy="auto"`` takes a fused transport where it was measured faster than NCCL + cuBLAS, the
+unfused path elsewhere (``auto_route``). The fused transports share one protocol (``push``): each
+rank's copy stream pushes its shard into every peer's symmetric gather buffer (``mesh``, for
+NVSwitch-class nodes) or forwards every chunk to rank+1 (``ring``, for PCIe or partial meshes), then
+writes the peer's ready flag with a stream memory op; the consumer computes its own rows straight from
+``a_shard`` while the shards travel, then each peer's rows once that peer's flag carries this call's
+value: the persistent GEMM kernel (``mesh``, ``ring``) or cuBLAS per shard (``chunked``). After the
+GEMM each rank tells every peer that its gather buffer may be refilled (``released``), and a producer
+waits for that before pushing the next call's shard, so no barrier is needed between calls.
+``policy="oneshot"``: one kernel copies the peers' shards out of their buffers, then one GEMM.
+
+Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag values
+written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a producer
+waits until its RELEASED word for a consumer is 1, sets it to 0, pushes, and sets the consumer's READY
+word for it to 1; the consumer waits for READY == 1, and after the GEMM sets its READY words back to 0
+and then each producer's RELEASED word to 1 (the same stream, fenced writes). RELEASED words start at
+1. Eager calls of a graphable op run the same protocol.
+
+Concurrency: all ranks must call the op the same number of times in the same order. Do not launch
+two calls on one workspace concurrently from different streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import common
+from tileweave.ops.all_gather import chunked, fused, nccl, oneshot
+from tileweave.ops.all_gather.push import start
+from tileweave.ops.fused_op import FusedOp, Plan, option
+from tileweave.ops.gemm_launch import ag_stream_k_tail
+from tileweave.ops.workspace import FlagValues, Workspace, agree, ensure_workspace, released_start
+from tileweave.runtime.backend import Backend
+from tileweave.tune import heuristics
+from tileweave.tune.configs import GemmConfig
+
+OP = "all_gather_gemm"
+TRANSPORTS = ("auto", "mesh", "ring", "chunked")
+_RUN = {"mesh": fused.run_mesh, "ring": fused.run_ring, "chunked": chunked.run}
+
+
+def auto_route(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *, interpreter: bool = False,
+               transport: str = "auto") -> str:
+    """The route of a call under ``policy="auto"``: "fallback" (NCCL + cuBLAS), or the fused transport
+    (``transport``, or under "auto" "chunked" or "mesh" by ``heuristics.all_gather_transport``).
+    ``m``: gathered rows; ``n_local``: this rank's output columns. The same on every rank: it depends on
+    the agreed shape alone."""
+    if not heuristics.prefer_fused_all_gather(m, n_local, k, world, dtype, interpreter=interpreter):
+        return "fallback"
+    return fused_transport(m, n_local, k, world, dtype, interpreter=interpreter, transport=transport)
+
+
+def fused_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *, interpreter: bool,
+                    transport: str) -> str:
+    if transport == "auto":
+        return heuristics.all_gather_transport(m, n_local, k, world, dtype, interpreter=interpreter)
+    return transport
+
+
+class AllGatherGemm(FusedOp):
+    """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
+
+    ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
+    ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` takes the one-shot path on every call (NCCL
+    under CUDA-graph capture, where its epochs would not advance). ``transport``: ``"mesh"``, ``"ring"``
+    or ``"chunked"`` (module docstring); ``"auto"`` (default): chunked or mesh per shape.
+    ``graphable=True``: constant-valued flags (module docstring), so that calls on the fused paths can
+    be captured in a CUDA graph. ``stream_k`` (every rank alike; ``TILEWEAVE_AG_STREAM_K`` for the
+    shared op): whether the fused kernel shares the tiles of its last, partial wave out by K steps over
+    every program instead of leaving the programs without a whole tile idle; None (default): where
+    ``heuristics.all_gather_stream_k`` says so (with a ``config`` given, as that config says). Only
+    where the partial wave's tiles all lie in the last chunk. Other arguments: :class:`FusedOp`.
+    """
+
+    op_name = OP
+    transports = TRANSPORTS
+    transport_env = "TILEWEAVE_AG_TRANSPORT"
+    default_transport = "auto"
+    option_envs = {"stream_k": "TILEWEAVE_AG_STREAM_K"}
+    _lent: tuple | None = None
+    """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
+    released by this rank's next call."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, stream_k: bool | None = None, **kwargs) -> None:
+        super().__init__(group, **kwargs)
+        self.stream_k = stream_k
+
+    stream_k = option("stream_k")
+
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, return_gathered: bool = False,
+                 gathered_out: torch.Tensor | None = None):
+        """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
+        the workspace, valid until the next call of this object (or of ``gather_buffer``) on this rank:
+        the call lends the buffer to the caller and releases it to the peers only then, so a peer that
+        runs ahead cannot refill it while the caller's kernels still read it. Read it on the stream of
+        the call. A graphable op returns a fresh tensor instead (a release deferred to the next call
+        would not replay in a CUDA graph). With ``gathered_out`` (a contiguous ``[M, K]`` tensor) the
+        copy stream writes the gathered input there, each shard once it has arrived, and that tensor is
+        returned.
+
+        Errors: ``TypeError``/``ValueError`` naming the argument, raised before any communication;
+        ``TileweaveError`` when the ranks' shapes differ (at a signature's first call, on every rank);
+        ``CollectiveTimeout`` when a bounded wait for a peer expired (one call late unless
+        ``TILEWEAVE_DEBUG=1`` or on the CPU)."""
+        if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
+            # Before the plan: a bad argument must raise on every rank before any collective.
+            _check_gathered_out(gathered_out, a_shard, self._get_backend(a_shard.device).world_size)
+        plan, bias, out = self._plan_call(a_shard, b, bias, out)
+        if gathered_out is not None:
+            return_gathered = True
+        elif return_gathered and self.graphable:
+            gathered_out = gathered_like(a_shard, plan.backend.world_size)
+        return plan.run(self, plan, a_shard, b, bias, out, return_gathered, gathered_out)
+
+    def _check(self, a_shard, b, bias, out) -> tuple:
+        w = self._check_operands(a_shard, b, "a_shard", "M/W", "K", "N_loc")
+        n, dtype, device = b.shape[1], a_shard.dtype, a_shard.device
+        return common.check_bias(bias, n, dtype, device), common.check_out(out, (a_shard.shape[0] * w, n), dtype, device)
+
+    local_run = staticmethod(nccl.run_local)
+    nccl_run = staticmethod(nccl.run)
+    oneshot_run = staticmethod(oneshot.run)
+
+    def _gemm_shape(self, a_shard, b, world: int) -> tuple[int, int, int, tuple]:
+        mc, k = a_shard.shape
+        return mc * world, b.shape[1], k, (mc, k, b.shape[1])
+
+    def _auto_route(self, m: int, n: int, k: int, dtype: torch.dtype, backend: Backend) -> str:
+        return auto_route(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter)
+
+    def _fused_plan(self, backend: Backend, config: GemmConfig, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
+        # A function of the shapes, which every rank has just agreed on.
+        transport = fused_transport(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter,
+                                    transport=self.transport)
+        return Plan("chunked" if transport == "chunked" else "fused", _RUN[transport], backend, config, epochs=True)
+
+    def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
+        """The ``stream_k`` option, where the kernel can take the tail at all."""
+        w = backend.world_size
+        programs = self.programs(config, backend)
+        if not ag_stream_k_tail(m // w, n, config, w, programs):
+            return False
+        if self.stream_k is not None:
+            return self.stream_k
+        if self.config is not None:
+            return self.config.stream_k
+        return heuristics.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, programs)
+
+    def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
+        ``[r*M/W, (r+1)*M/W)`` of it and passes that view as ``a_shard`` saves the copy that
+        ``return_gathered`` otherwise makes."""
+        backend = self._get_backend(device)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.workspace_for(backend, m * k * itemsize).data.view(backend.rank, dtype, (m, k))
+
+    def workspace_for(self, backend: Backend, nbytes: int) -> Workspace:
+        """The workspace, grown to ``nbytes`` of symmetric data (collective when it grows)."""
+        # The caller is done with a gathered view lent by the last call: release it first (and before a
+        # growing workspace frees the flags it names).
+        self.return_lent()
+        # A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0.
+        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
+        return self._ws
+
+    def lend(self, backend: Backend, values: FlagValues, arrivals: tuple, releases: tuple) -> None:
+        """Keep the gather buffer from the peers until this rank's next call: the caller reads it."""
+        self._lent = (backend, values, arrivals, releases)
+
+    def return_lent(self) -> None:
+        lent = self._lent
+        if lent is not None:
+            self._lent = None
+            backend, values, arrivals, releases = lent
+            values.release(backend, arrivals, releases)
+
+    def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
+        """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
+        same copy-engine transport, so it needs no SM and can run next to kernels that spin on their
+        peers. ``wait()`` on the result makes the caller's stream wait for every shard and returns the
+        buffer; ``release()``, once the kernels that read it are enqueued, lets the peers refill it.
+        Collective like a call of the op: every rank, in the same order; no other call of this object
+        between the start and ``release()``."""
+        common.check_matrix("a_shard", a_shard)
+        common.check_runs_dtype(OP, "a_shard", a_shard)
+        backend = self._get_backend(a_shard.device)
+        w = backend.world_size
+        mc, k = a_shard.shape
+        if w == 1:
+            return PendingGather(backend, a_shard, ())
+        if self.policy == "fallback":
+            gathered = a_shard.new_empty((mc * w, k))
+            dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
+            return PendingGather(backend, gathered, ())
+        if not self.graphable:
+            common.check_not_capturing(OP, a_shard)
+        key = ("all_gather", mc, k, a_shard.dtype)
+        if key not in self._plans:
+            self._decide_gather(backend, key)
+        ws, plan, a_shard, values = start(self, backend, a_shard, self.transport == "ring")
+        if plan.own_slot.data_ptr() != a_shard.data_ptr():
+            backend.comm_copy(plan.own_slot, a_shard)
+        return PendingGather(backend, plan.gathered, plan.releases, values=values, arrivals=plan.arrivals)
+
+    def _decide_gather(self, backend: Backend, key: tuple) -> None:
+        agree(backend, {}, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
+        self._plans[key] = Plan("all_gather", None, backend)
+
+
+class PendingGather:
+    """An all-gather in flight on the copy engines (``AllGatherGemm.all_gather``)."""
+
+    def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *,
+                 values: FlagValues | None = None, arrivals: tuple = ()) -> None:
+        self._backend, self._gathered, self._releases = backend, gathered, releases
+        self._values, self._arrivals = values, arrivals
+
+    def wait(self) -> torch.Tensor:
+        """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
+        for address in self._arrivals:
+            self._backend.main_wait(address, self._values.ready)
+        self._backend.comm_end()  # our own rows, copied on the copy stream
+        if common.debug_mode() and not common.capturing(self._gathered):
+            self._backend.synchronize()  # bounded: a lost peer raises here instead of hanging
+        return self._gathered
+
+    def release(self) -> None:
+        """Let the peers fill the buffer for the next call (after the kernels that read it)."""
+        if self._values is not None:
+            self._values.release(self._backend, self._arrivals, self._releases)
+        self._releases = self._arrivals = ()
+
+
+def _check_gathered_out(gathered_out: torch.Tensor, a_shard: torch.Tensor, world: int) -> None:
+    mc, k = a_shard.shape
+    common.check_out(gathered_out, (mc * world, k), a_shard.dtype, a_shard.device, name="gathered_out")
+    if not gathered_out.is_contiguous():
+        raise ValueError(f"gathered_out must be contiguous, got strides {gathered_out.stride()}")
+
+
+def gathered_like(a_shard: torch.Tensor, world: int) -> torch.Tensor:
+    """A fresh contiguous ``[M, K]`` tensor for the gathered ``a_shard``."""
+    return torch.empty((a_shard.shape[0] * world, a_shard.shape[1]), dtype=a_shard.dtype, device=a_shard.device)

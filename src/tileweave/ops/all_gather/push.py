@@ -1,0 +1,136 @@
+"""AllGather+GEMM's copy-engine transport, shared by its fused and chunked paths and by
+``AllGatherGemm.all_gather``: each rank's copy stream pushes its shard into every peer's symmetric
+gather buffer (mesh) or forwards chunks to rank+1 (ring), and raises the peer's ready flag after
+each copy; the consumer (the kernel or cuBLAS) waits for those flags; after the GEMM each rank
+releases its buffer to the peers for the next call."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from tileweave.ops import common
+from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace
+from tileweave.runtime.backend import Backend
+
+
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """Views and flag addresses of one shape, computed once: the per-call host work stays small."""
+
+    gathered: torch.Tensor
+    own_slot: torch.Tensor
+    pushes: tuple
+    """Per copy: (destination slot in a peer's buffer, our RELEASED flag for that peer or None, the
+    peer's READY flag for the chunk, our READY flag to wait for before forwarding or None, the source:
+    None for our shard, else our slot of the forwarded chunk)."""
+    releases: tuple
+    """Each peer's RELEASED flag for us."""
+    arrivals: tuple
+    """Our READY flags, one per peer."""
+
+
+def push_plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> PushPlan:
+    """The plan of ``[mc, k]`` shards on ``ws`` (kept in the workspace's plans)."""
+    key = ("ag", mc, k, dtype, ring)
+    plan = ws.plans.get(key)
+    if plan is not None:
+        return plan
+    w, rank = backend.world_size, backend.rank
+
+    def rows(r: int) -> slice:
+        return slice(r * mc, (r + 1) * mc)
+
+    gathered = ws.data.view(rank, dtype, (mc * w, k))
+    pushes = []
+    if ring:
+        nxt = (rank + 1) % w
+        peer_buf = ws.data.view(nxt, dtype, (mc * w, k))
+        for i in range(1, w):
+            chunk = (rank - i + 1) % w  # ours first, then what rank-1 forwarded to us
+            pushes.append((peer_buf[rows(chunk)], ws.flag_address(rank, RELEASED, nxt) if i == 1 else None,
+                           ws.flag_address(nxt, READY, chunk),
+                           None if i == 1 else ws.flag_address(rank, READY, chunk),
+                           None if i == 1 else gathered[rows(chunk)]))
+    else:
+        for i in range(1, w):
+            peer = (rank - i) % w  # nearest consumer first: rank r - i computes our rows at its step i
+            pushes.append((ws.data.view(peer, dtype, (mc * w, k))[rows(rank)], ws.flag_address(rank, RELEASED, peer),
+                           ws.flag_address(peer, READY, rank), None, None))
+    plan = ws.plans[key] = PushPlan(
+        gathered=gathered, own_slot=gathered[rows(rank)], pushes=tuple(pushes),
+        releases=tuple(ws.flag_address(p, RELEASED, rank) for p in range(w) if p != rank),
+        arrivals=tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank))
+    return plan
+
+
+def start(op, backend: Backend, a_shard: torch.Tensor, ring: bool) -> tuple:
+    """``(workspace, plan, a_shard, flag values)`` of a new call, its copies queued."""
+    op.check_previous(common.capturing(a_shard))
+    mc, k = a_shard.shape
+    ws = op.workspace_for(backend, mc * backend.world_size * k * a_shard.element_size())
+    a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
+    plan = push_plan(ws, backend, mc, k, a_shard.dtype, ring)
+    ws.epoch += 1
+    values = FlagValues(ws.epoch, op.graphable)
+    # Each copy waits until its destination was released for this call (``FlagValues.claim``), and is
+    # followed by the destination's ready flag; a ring forwards a chunk once it has it.
+    backend.comm_begin()
+    for slot, released, ready, arrived, source in plan.pushes:
+        if released is not None:
+            values.claim(backend, released)
+        if arrived is not None:
+            backend.comm_wait(arrived, values.ready)
+        backend.comm_copy(slot, a_shard if source is None else source)
+        backend.comm_write(ready, values.ready)
+    return ws, plan, a_shard, values
+
+
+def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_out, ready: int) -> None:
+    """Queue on the copy stream, after this call's pushes: our shard into ``gathered_out``, then each
+    peer's rows once its flag reaches ``ready``. The call joins the copy stream before it releases
+    the buffer, so no peer refills a slot that is still being read."""
+    w, rank = backend.world_size, backend.rank
+    mc = a_shard.shape[0]
+    backend.comm_copy(gathered_out[rank * mc:(rank + 1) * mc], a_shard)
+    for step in range(1, w):
+        src = (rank + step) % w
+        rows = slice(src * mc, (src + 1) * mc)
+        backend.comm_wait(ws.flag_address(rank, READY, src), ready)
+        backend.comm_copy(gathered_out[rows], plan.gathered[rows])
+
+
+def run_pushed(op, plan, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
+               ring: bool = False):
+    """One call on the push transport: the pushes, ``consume(op, plan, ws, push_plan, a_shard, b, bias,
+    out, ready)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer
+    (or its loan to the caller, for ``return_gathered``)."""
+    backend = plan.backend
+    mc, k = a_shard.shape
+    w = backend.world_size
+    if out is None:
+        out = torch.empty((mc * w, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
+    ws, pushes, a_shard, values = start(op, backend, a_shard, ring)
+    if gathered_out is not None:
+        copy_out(backend, ws, pushes, a_shard, gathered_out, values.ready)
+    elif return_gathered and pushes.own_slot.data_ptr() != a_shard.data_ptr():
+        backend.comm_copy(pushes.own_slot, a_shard)
+    consume(op, plan, ws, pushes, a_shard, b, bias, out, values.ready)
+    # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and a
+    # peer must not refill it while a forward still reads it. A gathered view returned to the caller is
+    # released by this rank's next call instead.
+    backend.comm_end()
+    if return_gathered and gathered_out is None:
+        op.lend(backend, values, pushes.arrivals, pushes.releases)
+    else:
+        values.release(backend, pushes.arrivals, pushes.releases)
+    if plan.path == "fused":
+        op.finish_kernel(backend, ws)
+    else:
+        op.finish_streams(backend)
+    common.record_path(op.op_name, plan.path)
+    if gathered_out is not None:
+        return out, gathered_out
+    return (out, pushes.gathered) if return_gathered else out

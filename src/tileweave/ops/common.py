@@ -1,0 +1,125 @@
+"""What every op shares on the host: argument checks, the record of the path each call took, the
+environment switches, CUDA-graph capture rules, and the error raised for an expired wait."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_last_path: dict[str, str] = {}
+
+
+def last_path(op: str) -> str | None:
+    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took:
+    "fused" (the fused kernel), "chunked" (cuBLAS per chunk with the copy-engine transport),
+    "oneshot" (cuBLAS and one of ``tileweave.kernels.oneshot``'s kernels), "fallback" (NCCL collective
+    and GEMM), "local" (a group of one) or "triton" (matmul)."""
+    return _last_path.get(op)
+
+
+def record_path(op: str, path: str) -> None:
+    _last_path[op] = path
+
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter. Read once: Triton itself fixes the mode when the
+    kernels are decorated, at import (this saves a lookup on every launch of a small GEMM)."""
+    return _INTERPRETING
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` is set to something other than empty or 0."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def debug_mode() -> bool:
+    """``TILEWEAVE_DEBUG=1``: every call waits for its GPU work (bounded) and reports an expired wait at
+    once instead of at the next call."""
+    return env_flag("TILEWEAVE_DEBUG")
+
+
+def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+    """Raise unless ``t`` is a 2-D tensor of a supported dtype (and of ``dtype`` on ``device``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the other operands are {dtype}; cast them to one dtype")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other operands are on {device}")
+
+
+def check_runs_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    """Refuse bfloat16 where Triton runs in its interpreter (the CPU): the interpreter computes
+    bfloat16 loads and dot products wrongly, so a fused op would return garbage silently."""
+    if t.dtype == torch.bfloat16 and interpreting():
+        raise TypeError(f"{op}: {name} is bfloat16, which Triton's interpreter (TRITON_INTERPRET=1, the CPU) "
+                        "computes wrongly; use float16 or float32 on the CPU (bfloat16 runs on GPUs)")
+
+
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+    """The bias as the kernel reads it (contiguous), after checking it."""
+    if bias is None:
+        return None
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if bias.dtype != dtype or bias.device != device:
+        raise TypeError(f"bias is {bias.dtype} on {bias.device}; expected {dtype} on {device}")
+    return bias.contiguous()
+
+
+def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+              device: torch.device, *, name: str = "out") -> torch.Tensor | None:
+    """``out`` after checking its shape, dtype, device and unit stride along its last dimension."""
+    if out is None:
+        return None
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
+        raise ValueError(f"{name} must be a {dtype} tensor of shape {shape} on {device}; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension, got strides {out.stride()}")
+    return out
+
+
+def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
+    """Raise ``CollectiveTimeout`` if the error word ``err`` (int32, one element) is set, clearing it.
+    Codes: ``1 + src`` for the shard of rank ``src``, ``100 + src`` for rank ``src``'s partials."""
+    code = int(err.item())
+    if code == 0:
+        return
+    err.zero_()
+    what = f"the partial tiles from rank {code - 100}" if code >= 100 else f"the shard of rank {code - 1}"
+    raise CollectiveTimeout(f"{op} on rank {rank}: a bounded wait for {what} expired; a peer is missing, "
+                            "far behind, or calling the ops in a different order (raise TILEWEAVE_MAX_SPIN "
+                            "if a rank is legitimately that slow)")
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (never for CPU tensors)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph with this op object: its flags carry "
+                 "host-side epochs that a replay would not advance. Construct it with graphable=True "
+                 "(constant-valued flags, replayable: AllGatherGemm with any transport, GemmReduceScatter "
+                 "with transport='chunked'), capture with policy='fallback', or capture at shapes where "
+                 "policy='auto' takes the unfused path (tileweave.last_path says which)")
+
+
+def check_not_capturing(op: str, t: torch.Tensor) -> None:
+    """Raise if ``t``'s stream is being captured: ``op``'s path there carries epochs."""
+    if capturing(t):
+        raise TileweaveError(f"{op}: {CAPTURE_FUSED}")

@@ -1,0 +1,29 @@
+"""GEMM+ReduceScatter's unfused path: one GEMM, then NCCL reduce-scatter (on the CPU, tileweave's matmul
+and an fp32 all-reduce). It captures in a CUDA graph like any NCCL + cuBLAS code."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import common
+from tileweave.ops.matmul import matmul
+
+
+def run(op, plan, a, b, bias, out) -> None:
+    backend = plan.backend
+    if a.is_cuda:
+        dist.reduce_scatter_tensor(out, torch.matmul(a, b), group=backend.group)
+    else:
+        partial = matmul(a, b).float()
+        dist.all_reduce(partial, group=backend.group)
+        out.copy_(partial.chunk(backend.world_size)[backend.rank])
+    if bias is not None:
+        out += bias
+    common.record_path(op.op_name, "fallback")
+
+
+def run_local(op, plan, a, b, bias, out) -> None:
+    """A group of one: the GEMM alone."""
+    matmul(a, b, bias=bias, out=out)
+    common.record_path(op.op_name, "local")

@@ -1,0 +1,32 @@
+"""GEMM+ReduceScatter's one-shot path: one cuBLAS GEMM over all M rows into this call's slot of the
+one-shot buffer, then one kernel (``tileweave.kernels.oneshot``) that signals the peers, waits for
+theirs and sums this rank's rows of every rank's partial, the peers' read over NVLink. Two slots, used
+in turn (``oneshot_slots``): no call waits for anything but the peers' partials of the same call. The
+partials are rounded to the output dtype, as NCCL's are; the sum is fp32 in rank order, the same
+bitwise on every run. An expired wait is reported by the next call from a word the kernel writes into
+pinned host memory (at once in debug mode and on the CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from tileweave.ops.oneshot_launch import launch_reduce_rows
+from tileweave.ops.workspace import oneshot_slots
+
+
+def run(op, plan, a, b, bias, out) -> None:
+    backend = plan.backend
+    m, n = a.shape[0], b.shape[1]
+    w, rank = backend.world_size, backend.rank
+
+    def make() -> tuple:
+        ws = op.workspace_for(backend, 0)
+        entry = ws.plans[("oneshot", m, n, a.dtype)] = (oneshot_slots(ws, (m, n), a.dtype),
+                                                        op.oneshot_launch_plan(backend, ws, a.dtype, rows=m // w,
+                                                                               cols=n, row0=rank * (m // w)))
+        return entry
+
+    ws, part, reduce_plan, epoch = op.oneshot_start(backend, m, n, a.dtype, make)
+    torch.mm(a, b, out=part)
+    launch_reduce_rows(reduce_plan, part, out, bias, epoch)
+    op.oneshot_finish(backend, ws)

@@ -1,0 +1,153 @@
+"""GEMM + ReduceScatter, fused: the row-parallel forward of sequence-parallel TP.
+
+==================  ==========================  ==========================================
+tensor              shape (per rank)            meaning
+==================  ==========================  ==========================================
+``a``               ``[M, K_loc]``              activations, this rank's slice of K
+``b``               ``[K_loc, N]``              this rank's rows of the weight
+                                                (``weight.t()`` of an ``[N, K_loc]`` weight is
+                                                read in place)
+``bias``            ``[N]``                     optional, added once (not once per rank)
+result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
+                                                ``sum over ranks (a @ b)`` + bias
+==================  ==========================  ==========================================
+
+Paths. ``policy="auto"`` takes the chunked transport where it was measured faster than GEMM + NCCL
+reduce-scatter, the unfused path elsewhere (``auto_route``). The chunked transport runs cuBLAS per
+owner and row block and moves each finished block with the copy engines, overlapping it with the next
+block's GEMM: pushed into the owner's receive slots (``chunked``) or, at two ranks, pulled by the owner
+straight into its output (``pull``). ``policy="oneshot"``: one GEMM into a symmetric buffer, then one
+kernel that sums this rank's rows of every rank's partial (for the small rows, where the host's time to
+issue a call bounds the other paths). Every sum over ranks runs in rank order: bitwise deterministic.
+
+Capture in a CUDA graph (``graphable=True``): the pushing chunked transport with constant-valued flags
+(``chunked``'s docstring).
+
+Concurrency: all ranks must call the op the same number of times in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import common
+from tileweave.ops.fused_op import FusedOp, Plan, option
+from tileweave.ops.reduce_scatter import chunked, nccl, oneshot, pull
+from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, blocks_for
+from tileweave.ops.workspace import Workspace, ensure_workspace, released_start
+from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.tune import heuristics
+
+OP = "gemm_reduce_scatter"
+TRANSPORTS = ("chunked",)
+
+
+def auto_route(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *, pull: bool,
+               interpreter: bool = False) -> str:
+    """The route of a call under ``policy="auto"``: "fallback" (GEMM + NCCL reduce-scatter), "pull" (two
+    ranks, with ``pull``) or "chunked". ``m``: rows before the scatter; ``k_local``: this rank's slice
+    of K. The same on every rank: it depends on the agreed shape alone."""
+    pulls = pull and world == 2
+    if not heuristics.prefer_fused_reduce_scatter(m, n, k_local, world, dtype, interpreter=interpreter, pull=pulls):
+        return "fallback"
+    return "pull" if pulls else "chunked"
+
+
+class GemmReduceScatter(FusedOp):
+    """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
+
+    ``policy``: ``"auto"`` picks the chunked transport or the unfused path (GEMM, then NCCL
+    reduce-scatter) per shape; ``"fused"`` and ``"fallback"`` force one; ``"oneshot"`` takes the one-shot
+    path on every call (NCCL under CUDA-graph capture, where its epochs would not advance).
+    ``transport``: ``"chunked"`` (module docstring; memory ``2 (W-1)/W x [M, N]``: the receive slots
+    and a send buffer). ``pull`` (every rank alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether
+    the chunked transport in a group of two pulls instead of pushing; None (the default): wherever it
+    applies, which is not in a graphable op (its flags carry epochs; True there raises); other group
+    sizes, and an ``out`` with padded rows, push. Other arguments: :class:`FusedOp`.
+    """
+
+    op_name = OP
+    transports = TRANSPORTS
+    transport_env = "TILEWEAVE_RS_TRANSPORT"
+    default_transport = "chunked"
+    option_envs = {"pull": "TILEWEAVE_RS_PULL"}
+    chunk_rows = 0
+    """Rows per block of the chunked transport, 0 for ``blocks.chunk_rows_for`` (every rank must use the
+    same)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, pull: bool | None = None, **kwargs) -> None:
+        super().__init__(group, **kwargs)
+        self.pull = (not self.graphable) if pull is None else pull
+
+    def _check_pull(self, value) -> None:
+        if value and self.graphable:
+            raise TileweaveError("GemmReduceScatter: pull=True is not graphable (its flags carry epochs); "
+                                 "use graphable=True without pull")
+
+    pull = option("pull", _check_pull)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """See the module docstring. Errors: ``TypeError``/``ValueError`` naming the argument, raised
+        before any communication; ``TileweaveError`` when the ranks' shapes differ (at a signature's first
+        call, on every rank); ``CollectiveTimeout`` when a bounded wait for a peer expired."""
+        plan, bias, out = self._plan_call(a, b, bias, out)
+        if out is None:
+            out = torch.empty((a.shape[0] // plan.backend.world_size, b.shape[1]), dtype=a.dtype, device=a.device)
+        if plan.path == "chunked" and a.stride(1) != 1 and a.stride(0) != 1:
+            a = a.contiguous()
+        run = plan.run
+        if run is pull.run and not out.is_contiguous():
+            run = chunked.run  # the pulls land in out's rows: an out with padded rows takes the pushes
+        run(self, plan, a, b, bias, out)
+        return out
+
+    def _check(self, a, b, bias, out) -> tuple:
+        w = self._check_operands(a, b, "a", "M", "K_loc", "N")
+        m, n = a.shape[0], b.shape[1]
+        if m % w:
+            raise ValueError(f"gemm_reduce_scatter scatters the M={m} rows of a over {w} ranks: M must be "
+                             f"divisible by the group size {w} (pad M to {-(-m // w) * w})")
+        return common.check_bias(bias, n, a.dtype, a.device), common.check_out(out, (m // w, n), a.dtype, a.device)
+
+    local_run = staticmethod(nccl.run_local)
+    nccl_run = staticmethod(nccl.run)
+    oneshot_run = staticmethod(oneshot.run)
+
+    def _gemm_shape(self, a, b, world: int) -> tuple[int, int, int, tuple]:
+        (m, k), n = a.shape, b.shape[1]
+        return m, n, k, (m, k, n)
+
+    def _auto_route(self, m: int, n: int, k: int, dtype: torch.dtype, backend: Backend) -> str:
+        return auto_route(m, n, k, backend.world_size, dtype, pull=self.pull, interpreter=backend.interpreter)
+
+    def _fused_plan(self, backend: Backend, config, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
+        pulls = self.pull and backend.world_size == 2
+        return Plan("chunked", pull.run if pulls else chunked.run, backend, config, epochs=True)
+
+    def workspace_for(self, backend: Backend, nbytes: int) -> Workspace:
+        """The workspace, grown to ``nbytes`` of symmetric data (collective when it grows)."""
+        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
+        return self._ws
+
+    def blocks(self, mc: int, k: int, n: int, *, pull: bool = False) -> int:
+        """Row blocks per owner of a chunked call (``blocks_for``, with this op's ``chunk_rows``)."""
+        return blocks_for(mc, k, n, pull=pull, chunk_rows=self.chunk_rows)
+
+    def block_plan(self, backend: Backend, a, m: int, n: int, nbytes: int, kind: str, build, *,
+                   send_bytes: int = 0, blocks: int = 0) -> tuple[Workspace, tuple]:
+        """The workspace (``nbytes`` of symmetric data, the block flags and ``send_bytes`` of private send
+        buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
+        ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``."""
+        ws = self.workspace_for(backend, nbytes)
+        ws.ensure_block_flags(BLOCK_FLAGS)
+        if send_bytes:
+            ws.ensure_local(send_bytes)  # before the plans: growing it drops them
+        mc = m // backend.world_size
+        blocks = blocks or self.blocks(mc, a.shape[1], n)
+        key = (kind, m, n, a.dtype, blocks)
+        entry = ws.plans.get(key)
+        if entry is None:
+            entry = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
+        return ws, entry
