@@ -3,7 +3,7 @@
 # A machine whose python3 already has torch and triton and sees a CUDA GPU (the GPU images, which
 # cannot install from the network) runs as it is. Anywhere else a project environment .venv is made
 # once, with the CPU build of torch, triton and numpy<2.4 (Triton's interpreter fails on range() with
-# numpy 2.4).
+# numpy 2.4), and this package installed into it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if python3 -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -21,6 +21,11 @@ else
   # Optional: spreads the CPU tests over the cores (scripts/test.sh); the tests run without it.
   "$PY" -c "import xdist" 2>/dev/null \
     || "$PY" -m pip install -q --disable-pip-version-check pytest-xdist >/dev/null 2>&1 || true
+  # The package itself, editable, so that `tileweave` works as a command in .venv (.venv/bin/tileweave).
+  # Not into a .venv linked from elsewhere: that environment belongs to another checkout.
+  if [ ! -L .venv ] && ! "$PY" -c "import importlib.metadata as m; m.distribution('tileweave')" 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps -e . >&2
+  fi
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

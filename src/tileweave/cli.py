@@ -1,40 +1,76 @@
-"""``tileweave`` command line: ``tileweave bench ...``, ``tileweave demo`` and ``tileweave tune``.
+"""The ``tileweave`` command: ``tileweave bench``, ``tileweave demo`` and ``tileweave tune``.
 
-With no subcommand it runs the main job: the benchmark when two or more CUDA GPUs are visible,
-otherwise the CPU demo (the fused ops on emulated ranks in Triton's interpreter, checked against a
-reference).
+Each subcommand has its own options (``tileweave SUBCOMMAND --help``). With no subcommand it runs the
+main job: the benchmark when two or more CUDA GPUs are visible, otherwise the CPU demo; options given
+without a subcommand go to that job.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import tileweave
+
+SUBCOMMANDS: dict[str, str] = {
+    "bench": "benchmark the fused ops against NCCL + cuBLAS and PyTorch async-TP (two or more GPUs)",
+    "demo": "run the fused ops on emulated ranks on the CPU and check them against a reference",
+    "tune": "tune the local GEMMs of the benchmark suite on GPU 0",
+}
+
+USAGE = "usage: tileweave [-h] [--version] [SUBCOMMAND] [OPTIONS ...]"
+
+
+def help_text() -> str:
+    """The top-level help, plain text."""
+    width = max(map(len, SUBCOMMANDS))
+    lines = [USAGE, "",
+             "Tensor-parallel GEMMs with their communication fused in (AllGather+GEMM, GEMM+ReduceScatter).", "",
+             "subcommands:"]
+    lines += [f"  {name:{width}}  {summary}" for name, summary in SUBCOMMANDS.items()]
+    lines += ["", "With no subcommand: bench when two or more CUDA GPUs are visible, otherwise demo; options",
+              "given without a subcommand go to that one. 'tileweave SUBCOMMAND --help' lists its options.", "",
+              "options:",
+              "  -h, --help  show this help and exit",
+              "  --version   print the version and exit"]
+    return "\n".join(lines)
+
+
+def _runner(command: str) -> Callable[[list[str]], int]:
+    if command == "bench":
+        from tileweave.bench import main as run
+    elif command == "demo":
+        from tileweave.demo import main as run
+    else:
+        from tileweave.tune.autotune import main as run
+    return run
+
+
+def _default_command() -> str:
+    import torch
+
+    return "bench" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "demo"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    command = args.pop(0) if args and not args[0].startswith("-") else None
-    if command in ("-h", "--help", "help"):
-        print(__doc__)
+    first = args[0] if args else None
+    if first in ("-h", "--help", "help"):
+        print(help_text())
         return 0
-    if command is None:
-        import torch
-
-        command = "bench" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "demo"
-    if command == "bench":
-        from tileweave.bench import main as bench_main
-
-        return bench_main(args)
-    if command == "demo":
-        from tileweave.demo import main as demo_main
-
-        return demo_main(args)
-    if command == "tune":
-        from tileweave.tune.autotune import main as tune_main
-
-        return tune_main(args)
-    print(f"tileweave: unknown command {command!r}; use 'bench', 'demo' or 'tune'", file=sys.stderr)
-    return 2
+    if first in ("-V", "--version"):
+        print(f"tileweave {tileweave.__version__}")
+        return 0
+    if first is None or first.startswith("-"):
+        command = _default_command()
+    else:
+        command = args.pop(0)
+    if command not in SUBCOMMANDS:
+        print(f"{USAGE}\ntileweave: unknown subcommand {command!r}; choose from {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        return 2
+    return _runner(command)(args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 
 import pytest
 
@@ -104,12 +103,21 @@ def test_markdown_is_the_wide_view():
     # A row without the NCCL-alone variant (older results) shows a hole there.
     assert "| llama3-70b qkv | 4096 | 4096 | 6144 | 0.500 | 0.200 | n/a | 0.500 |" in text
     assert "FAILED" in text
-    s = summarize(rows)
-    gm = math.exp(sum(math.log(x.x_base) for x in s if x.x_base) / sum(1 for x in s if x.x_base))
-    assert f"geomean x_base {gm:.3f}" in text
-    big = [x for x in s if x.m >= 4096 and x.e is not None]
-    assert f"E {statistics.median(x.e for x in big):.2f}" in text
     assert "Peak GPU memory" in text
+
+
+def test_markdown_summary_lines_from_the_raw_times():
+    # Rows whose ratios differ, the expectations written from the times by the definitions
+    # (x_base = t_base / t_ours; E = 1 - (t_ours - t_gemm) / (t_base - t_gemm), median over M >= 4096).
+    rows = (rows_for("llama3-8b qkv", 2048, {"gemm": 0.5, "comm": 0.2, "base": 1.0, "torch": 0.9, "ours": 0.8})
+            + rows_for("llama3-8b qkv", 8192, {"gemm": 1.0, "comm": 0.4, "base": 2.0, "torch": 1.8, "ours": 1.25})
+            + rows_for("llama3-70b qkv", 16384, {"gemm": 2.0, "comm": 1.0, "base": 3.0, "torch": 2.9, "ours": 2.15})
+            + rows_for("llama3-70b qkv", 4096, {"gemm": 0.5, "comm": 0.2, "base": 0.7, "ours": None},
+                       status={"ours": "FAILED"}))
+    text = markdown("ag", rows, META)
+    assert "geomean x_base 1.408 " in text  # (1.0/0.8 * 2.0/1.25 * 3.0/2.15) ** (1/3) = 1.4079
+    # median(0.75, 0.85) over the rows with M >= 4096: the failed row is counted but has no E
+    assert "median over M>=4096 (3 rows): E 0.80," in text
 
 
 def test_gemm_markdown_has_tflops_and_ratio():

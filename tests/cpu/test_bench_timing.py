@@ -240,11 +240,11 @@ def variant(err: float):
 
 
 def test_variant_verified_everywhere_is_timed(no_gpu):
-    agree = PeerAgreement([[0.0], [0.0, 0.001], [0.0, 0.0]])
+    agree = PeerAgreement([[0.0], [0.0, 0.001], [0.0, 0.0], [0.0, 0.002]])
     m = runner.run_variant(ctx_with(agree), variant(0.003), key=KEY)
     assert m.status == "ok" and m.rel_err == pytest.approx(0.003) and m.path == "fused"
     assert len(no_gpu) == 1
-    assert agree.sent[:2] == [[0.0], [0.0, 0.003]]
+    assert agree.sent[:2] == [[0.0], [0.0, 0.003]] and agree.sent[3] == [0.0, 0.003]
 
 
 def test_reported_path_is_the_timed_calls_path(no_gpu, monkeypatch):
@@ -265,8 +265,42 @@ def test_reported_path_is_the_timed_calls_path(no_gpu, monkeypatch):
 
     monkeypatch.setattr(runner, "measure", timing_calls)
     v = Variant(name="ours", call=call, check=lambda out: 0.0, path=lambda: taken[-1])
-    m = runner.run_variant(ctx_with(PeerAgreement([[0.0], [0.0, 0.0], [0.0, 0.0]])), v, key=KEY)
-    assert taken == ["chunked", "replay", "replay", "replay"] and m.path == "replay"
+    m = runner.run_variant(ctx_with(PeerAgreement([[0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])), v, key=KEY)
+    # the first call verified, three timed, one more verified after them
+    assert taken == ["chunked", "replay", "replay", "replay", "replay"] and m.path == "replay"
+
+
+def test_the_route_the_timed_calls_took_is_verified(no_gpu, monkeypatch):
+    # A variant right on its first call and wrong on every repeat (a cached plan or graph that
+    # computes something else): verifying the first call alone would report its time as valid.
+    from tileweave.bench.variants import Variant, rel_err
+
+    ref = torch.arange(12.0).reshape(3, 4)
+    calls = []
+
+    def call(i):
+        calls.append(i)
+        return ref.clone() if len(calls) == 1 else ref.flip(0)
+
+    def timing_calls(call, **kw):
+        for i in range(1, 4):
+            call(i)
+        return timing.Timing(ms=1.0, rep_ms=(1.0,) * 5, warmup_calls=3, clock_mhz=None)
+
+    monkeypatch.setattr(runner, "measure", timing_calls)
+    v = Variant(name="ours", call=call, check=lambda out: rel_err(out, ref), path=lambda: "fused")
+    agree = PeerAgreement([[0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    m = runner.run_variant(ctx_with(agree), v, key=KEY)
+    assert calls == [0, 1, 2, 3, 0]
+    assert m.status == "FAILED" and m.ms is None, m
+    assert "after timing" in m.note and "rel_err" in m.note and m.rel_err > 0.5, m
+    assert agree.sent[3][0] == 1.0  # the failure was announced to the peers
+
+    # A peer's repeat route failing fails the row here too.
+    calls.clear()
+    v = Variant(name="ours", call=call, check=lambda out: 0.0, path=lambda: "fused")
+    m = runner.run_variant(ctx_with(PeerAgreement([[0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.3]])), v, key=KEY)
+    assert m.status == "FAILED" and "another rank" in m.note, m
 
 
 def test_failure_on_a_peer_skips_timing_here_too(no_gpu):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tileweave
-from tileweave.testing import scenarios
+from tileweave.testing import repeat_paths, scenarios
 from tileweave.testing.emulated import gpu_ranks, run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -244,9 +244,16 @@ def test_gemm_reduce_scatter_gpu(transport):
 @needs_two
 @pytest.mark.parametrize("transport", ["chunked", "oneshot"])
 def test_back_to_back_without_sync(transport):
-    for result in run_ranks(RANKS, scenarios.back_to_back_check, 1024, 2048, 1536, 12,
+    # The calls after the first repeat a decided signature: they take the repeat route, which must run
+    # the path the first call decided (tileweave.last_path after each call) and compute the same op.
+    rs_path = {"oneshot": "oneshot", "chunked": "chunked"}.get(transport, "fused")
+    for result in run_ranks(RANKS, repeat_paths.back_to_back_paths_check, 1024, 2048, 1536, 12,
                             "bfloat16", transport, gpus=True):
-        assert result["max_ag"] < 1e-2 and result["max_rs"] < 1e-2, result
+        assert result["worst"]["ag"] < 1e-2 and result["worst"]["rs"] < 1e-2, result
+        ag_paths = result["paths"]["ag"]
+        assert ag_paths[0] in (("oneshot",) if transport == "oneshot" else ("fused", "chunked")), result
+        assert ag_paths == [ag_paths[0]] * 12, result
+        assert result["paths"]["rs"] == [rs_path] * 12, result
 
 
 @needs_two

@@ -127,22 +127,16 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     """Verify ``v`` against its reference, then time it; never raises for a failed check.
 
     Collectives, identical on every rank: agree on availability; if available, agree on the
-    verification (max error, any failure); if it passed, ``measure`` and one memory reduction.
+    verification (max error, any failure); if it passed, ``measure``, one memory reduction, and the
+    agreed verification of one more call after the timed ones (the route they took: a repeat of a
+    signature, which may not be the first call's).
     """
     (unavailable,) = ctx.agree.max_floats([float(v.call is None)])
     if unavailable:
         return Measurement(**key, variant=v.name, status="n/a", note=v.note or "unavailable on some rank")
     assert v.call is not None
     watch = MemoryWatch()
-    err, note = math.inf, ""
-    try:
-        out = v.call(0)
-        err = v.check(out) if v.check is not None else 0.0  # no check: runs, but its numbers are not a model's
-        del out
-        if not math.isfinite(err):
-            note = "non-finite output"
-    except Exception as e:
-        note = f"{type(e).__name__}: {e}"[:300]
+    err, note = _verify_once(v)
     failed = not err < V.TOLERANCE
     fail_any, err_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
     err_out = err_max if err_max < 1e300 and v.check is not None else None
@@ -166,11 +160,36 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     # The path of the timed calls (the last one's), not the first call's: a call may take another path
     # once its shape has been seen.
     path = v.path() if v.path is not None else None
+    # The timed calls repeated a signature already seen, so they took its repeat route (a cached plan, a
+    # replayed graph), not the first call's: verify that route's output as well, agreed like the first.
+    err, note = _verify_once(v)
+    failed = not err < V.TOLERANCE
+    fail_any, repeat_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
+    if v.check is not None:
+        err_out = max(err_out, repeat_max) if repeat_max < 1e300 else None
+    if fail_any:
+        torch.cuda.empty_cache()
+        if not note:
+            note = f"rel_err {repeat_max:.3g} >= {V.TOLERANCE}" if failed else "failed on another rank"
+        return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out, path=path,
+                           note=f"after timing, on the route the timed calls took: {note}"[:300])
     return Measurement(
         **key, variant=v.name, status="ok", ms=t.ms, rel_err=err_out, warmup_calls=t.warmup_calls,
         clock_mhz=t.clock_mhz, mem_peak_mb=peak / 2**20, mem_other_mb=other / 2**20, path=path,
         host_ms=t.host_ms,
     )
+
+
+def _verify_once(v: V.Variant) -> tuple[float, str]:
+    """One call of ``v`` on input set 0, checked: its relative error (inf when it raised) and why it
+    failed, if it visibly did. Collective only as far as the call itself is."""
+    try:
+        out = v.call(0)
+        err = v.check(out) if v.check is not None else 0.0  # no check: runs, but its numbers are not a model's
+        del out
+    except Exception as e:
+        return math.inf, f"{type(e).__name__}: {e}"[:300]
+    return err, "" if math.isfinite(err) else "non-finite output"
 
 
 def _row_key(row: SuiteRow, *, op: str, world_size: int) -> dict[str, object]:

@@ -32,6 +32,23 @@ for protocols without a fused kernel (the chunked transports): a wait issued bef
 from this rank then deadlocks here as it can on a GPU whose streams share a hardware queue."""
 _ALIGN = 256
 
+INTERPRETER_POLL_S = 1.2e-3
+"""Time of one poll of ``tileweave.kernels.sync.wait_epoch`` in Triton's interpreter (each poll is an
+interpreted atomic and a compare): 0.9-1.2 ms measured on an idle core; longer on a loaded machine,
+which stretches a bound counted in polls by as much."""
+
+EXPIRIES_PER_CALL = 2
+"""Bounded waits of one call that expire one after another when a peer is missing: the interpreter
+runs a grid's programs in turn, so each program that waits on the missing peer's data spends the
+whole bound (two for the all-gather GEMM at two ranks; one for the one-shot kernels)."""
+
+
+def default_max_spin(timeout_s: float) -> int:
+    """The in-kernel spin bound that reports a missing peer within about ``timeout_s``, the host's
+    own bound: ``timeout_s / (EXPIRIES_PER_CALL * INTERPRETER_POLL_S)`` polls, 25 000 for 60 s."""
+    return max(1, int(timeout_s / (EXPIRIES_PER_CALL * INTERPRETER_POLL_S)))
+
+
 def _read_u32(address: int) -> int:
     return ctypes.c_uint32.from_address(address).value
 
@@ -59,8 +76,9 @@ class EmulatedBackend(Backend):
         self.interpreter = True
         self.launch_blocks = True
         self.num_sms = 4
-        self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 200_000))
         self.timeout_s = float(os.environ.get("TILEWEAVE_EMULATED_TIMEOUT_S", 60))
+        spin = os.environ.get("TILEWEAVE_MAX_SPIN")
+        self.default_max_spin = int(spin) if spin else default_max_spin(self.timeout_s)
         self.region = int(os.environ[HEAP_BYTES_ENV])
         self.heap = torch.from_file(path, shared=True, size=self.region * self.world_size,
                                     dtype=torch.uint8)

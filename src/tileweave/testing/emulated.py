@@ -9,10 +9,16 @@ interpreter against the emulated backend (``tileweave.runtime.emulated``).
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
+import queue
+import re
+import signal
 import socket
 import tempfile
+import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -37,10 +43,11 @@ def _context(gpus: bool) -> mp.context.BaseContext:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, gpus: bool,
-               environ: dict[str, str]) -> None:
+               environ: dict[str, str], parent_pid: int) -> None:
     # A forked rank has the fork server's environment, not the caller's: take the caller's.
     os.environ.clear()
     os.environ.update(environ)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     try:
         import torch
         import torch.distributed as dist
@@ -81,7 +88,15 @@ def gpu_ranks() -> int:
 
 
 class RankFailed(RuntimeError):
-    pass
+    """A rank raised, died or did not finish; the message names each such rank and why."""
+
+
+HEAP_PREFIX = "tileweave-heap-"
+"""Heap files are named ``tileweave-heap-<pid>-<random>`` after the process that made them, which holds
+an exclusive ``flock`` on the file while it runs (the kernel drops it when that process dies, however
+it dies)."""
+
+_HEAP_NAME = re.compile(re.escape(HEAP_PREFIX) + r"(\d+)-[^/]+")
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 << 20,
@@ -92,58 +107,184 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
     with more ranks than GPUs, rank r runs on GPU r mod the GPU count, over a gloo group
     (``tileweave.testing.shared_gpu``).
     ``fn`` must be importable by name (module level). Raises ``RankFailed`` with every failing rank's
-    traceback, or if the ranks do not finish within ``timeout_s``.
+    traceback as soon as one fails, as soon as a rank dies without a result (its exit code or
+    signal), or if the ranks do not finish within ``timeout_s``; the other ranks are then killed.
+
+    Cleanup: the heap file goes when the call returns or raises, also on SIGTERM (turned into
+    ``KeyboardInterrupt`` while the call runs in the main thread) and Ctrl-C; ranks exit by themselves
+    when the calling process is gone. A caller killed outright (SIGKILL) leaves its heap file behind:
+    the next call removes it (``remove_stale_heaps``).
     """
     ctx = _context(gpus)
-    with tempfile.NamedTemporaryFile(prefix="tileweave-heap-", dir=_heap_dir(), delete=False) as f:
-        heap_path = f.name
-    if gpus:
-        overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1", "TRITON_INTERPRET": "0", **(env or {})}
-    else:
-        overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
-                     **(env or {})}
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    results = ctx.Queue()
-    port = _free_port()
-    environ = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, gpus, environ),
-                         daemon=True)
-             for rank in range(world_size)]
-    started = []
+    heap_path, heap_lock = _make_heap()
+    procs: list = []
+    saved: dict[str, str | None] = {}
+    previous_sigterm = _raise_on_sigterm()
+    ok = False
     try:
-        for proc in procs:
-            proc.start()
-            started.append(proc)
-        collected: dict[int, tuple[bool, Any]] = {}
-        for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except Exception:
-                break
-            collected[rank] = (ok, value)
-            if not ok:
-                break
-        failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(collected.items()) if not ok]
-        if failures:
-            raise RankFailed("\n".join(failures))
-        if len(collected) < world_size:
-            missing = sorted(set(range(world_size)) - set(collected))
-            raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-        return [collected[rank][1] for rank in range(world_size)]
+        if gpus:
+            overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                         "NVSHMEM_DISABLE_NVLS": "1", "TRITON_INTERPRET": "0", **(env or {})}
+        else:
+            overrides = {"TRITON_INTERPRET": "1", HEAP_PATH_ENV: heap_path, HEAP_BYTES_ENV: str(heap_bytes),
+                         **(env or {})}
+        saved = {key: os.environ.get(key) for key in overrides}
+        os.environ.update(overrides)
+        results = ctx.Queue()
+        port = _free_port()
+        environ = dict(os.environ)
+        for rank in range(world_size):
+            proc = ctx.Process(target=_rank_main, daemon=True,
+                               args=(rank, world_size, port, fn, args, results, gpus, environ, os.getpid()))
+            proc.start()  # a process that failed to start has nothing to join, and its error is the one to see
+            procs.append(proc)
+        values = _collect(procs, results, timeout_s)
+        ok = True
+        return values
     finally:
-        for proc in started:  # a process that failed to start has nothing to join, and its error is the one to see
-            proc.join(timeout=5)
-            if proc.is_alive():
+        for proc in procs:
+            if ok:
+                proc.join(timeout=5)
+            if proc.is_alive():  # after a failure the others are stuck in a collective: end them now
                 proc.kill()
+                proc.join(timeout=5)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        os.unlink(heap_path)
+        _remove_heap(heap_path, heap_lock)
+        _restore_sigterm(previous_sigterm)
 
 
-def _heap_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _collect(procs: list, results, timeout_s: float) -> list[Any]:
+    """Every rank's result in rank order, or ``RankFailed`` at the first failure, death or the timeout."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_s
+    collected: dict[int, tuple[bool, Any]] = {}
+
+    def take(wait_s: float) -> bool:
+        try:
+            rank, ok, value = results.get(timeout=wait_s)
+        except queue.Empty:
+            return False
+        collected[rank] = (ok, value)
+        return True
+
+    def dead() -> list[int]:
+        return [rank for rank, proc in enumerate(procs) if rank not in collected and proc.exitcode is not None]
+
+    while len(collected) < world_size:
+        if take(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if all(ok for ok, _ in collected.values()):
+                continue
+            # A rank raised, perhaps because a peer died under it: name the dead too (a death takes a
+            # moment to be seen).
+            grace = time.monotonic() + 1.0
+            while len(dead()) + len(collected) < world_size and time.monotonic() < grace:
+                time.sleep(0.05)
+        elif dead():
+            # A rank's result is in the pipe before it exits; take what is there before calling it dead.
+            while take(0.5):
+                pass
+            if not dead():
+                continue
+        elif time.monotonic() < deadline:
+            continue
+        else:
+            missing = sorted(set(range(world_size)) - set(collected))
+            raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+        deaths = [f"rank {rank} {_exit_reason(procs[rank].exitcode)} before returning a result" for rank in dead()]
+        failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(collected.items()) if not ok]
+        raise RankFailed("\n".join(deaths + failures))
+    return [collected[rank][1] for rank in range(world_size)]
+
+
+def _exit_reason(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def _raise_on_sigterm():
+    """Turn SIGTERM into KeyboardInterrupt while ranks run (main thread only), so that cleanup runs."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _heap_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _make_heap() -> tuple[str, int]:
+    """A new heap file named after this process and locked by it, after removing stale ones."""
+    directory = _heap_dir()
+    remove_stale_heaps(directory)
+    fd, path = tempfile.mkstemp(prefix=f"{HEAP_PREFIX}{os.getpid()}-", dir=directory)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, fd
+
+
+def _remove_heap(path: str, fd: int) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def remove_stale_heaps(directory: str | None = None) -> list[str]:
+    """Delete the heap files of processes that are gone (killed before they could clean up); return
+    their paths. A file counts as stale only when the process its name gives is not running and nobody
+    holds its lock; files named otherwise are left alone."""
+    directory = directory or _heap_dir()
+    removed = []
+    for name in os.listdir(directory):
+        match = _HEAP_NAME.fullmatch(name)
+        if match is None or _process_alive(int(match[1])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile, or not ours to read
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass  # locked: its owner lives (in another pid namespace), or another cleaner got there first
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Background thread of a rank: end the rank once the process that started it is gone (it was
+    killed and cannot end its ranks itself)."""
+    while _process_alive(parent_pid):
+        time.sleep(1.0)
+    os._exit(70)

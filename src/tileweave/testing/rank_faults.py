@@ -1,0 +1,27 @@
+"""Rank functions for testing ``run_ranks`` itself: ranks that die, hang or report their process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def die_on_rank(rank: int, world: int, victim: int, how: str) -> int:
+    """Rank ``victim`` ends without a result (``how``: "exit3", ``os._exit(3)``; "sigkill": killed by
+    SIGKILL) while the others wait for it in a way no collective notices (a flag wait, here a sleep)."""
+    if rank == victim:
+        if how == "exit3":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+    return rank
+
+
+def record_pid_and_hang(rank: int, world: int, directory: str) -> None:
+    """Write this rank's pid to ``directory/rank<r>.pid``, then sleep (a run that gets killed)."""
+    path = os.path.join(directory, f"rank{rank}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(600)

@@ -1,0 +1,114 @@
+"""``run_ranks`` reports a rank that dies at once, and leaves no heap file or rank behind when its
+caller is interrupted or killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tileweave.testing import emulated, rank_faults
+from tileweave.testing.emulated import RankFailed, run_ranks
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+@pytest.mark.parametrize(("how", "reason"), [("exit3", "exited with code 3"), ("sigkill", "was killed by SIGKILL")])
+def test_a_dead_rank_is_reported_at_once(how, reason):
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as caught:
+        run_ranks(2, rank_faults.die_on_rank, 1, how, timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert f"rank 1 {reason}" in str(caught.value), str(caught.value)
+    assert elapsed < 30, f"the dead rank was reported after {elapsed:.0f} s (the timeout is 120 s)"
+
+
+def _heaps_of(pid: int) -> list[str]:
+    return sorted(name for name in os.listdir(emulated._heap_dir()) if name.startswith(f"tileweave-heap-{pid}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by the fork server) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _start_hanging_run(directory: Path) -> subprocess.Popen:
+    directory.mkdir()
+    script = ("import sys\n"
+              "from tileweave.testing import emulated, rank_faults\n"
+              "if __name__ == '__main__':\n"
+              "    emulated.run_ranks(2, rank_faults.record_pid_and_hang, sys.argv[1], timeout_s=600)\n")
+    (directory / "hang.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, str(directory / "hang.py"), str(directory)], env=env)
+
+
+def _rank_pids(directory: Path, proc: subprocess.Popen) -> list[int]:
+    deadline = time.monotonic() + 90
+    while not all((directory / f"rank{r}.pid").exists() for r in range(2)):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("the ranks of the hanging run did not start")
+        time.sleep(0.1)
+    return [int((directory / f"rank{r}.pid").read_text()) for r in range(2)]
+
+
+def test_a_killed_run_leaves_no_heap_file_or_rank_behind(tmp_path):
+    # Two runs at once (their start is most of the time): one ended by SIGTERM, one killed outright.
+    signals = (signal.SIGTERM, signal.SIGKILL)
+    procs = {sig: _start_hanging_run(tmp_path / sig.name) for sig in signals}
+    ranks: list[int] = []
+    try:
+        for sig, proc in procs.items():
+            ranks += _rank_pids(tmp_path / sig.name, proc)
+            assert len(_heaps_of(proc.pid)) == 1, "a run's heap file is named after its process"
+        for sig, proc in procs.items():
+            proc.send_signal(sig)
+            proc.wait(timeout=30)
+        assert _heaps_of(procs[signal.SIGTERM].pid) == [], "a run ended by SIGTERM left its heap file behind"
+        # Nothing runs in a process killed outright: its file is stale, and the next run removes it.
+        killed = procs[signal.SIGKILL].pid
+        stale = _heaps_of(killed)
+        assert len(stale) == 1
+        removed = [os.path.basename(path) for path in emulated.remove_stale_heaps()]
+        assert stale[0] in removed and _heaps_of(killed) == []
+        deadline = time.monotonic() + 15
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, ranks)), "ranks outlived the run that started them"
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_stale_heaps_of_live_or_foreign_owners_stay(tmp_path):
+    live = tmp_path / f"tileweave-heap-{os.getpid()}-abc"
+    foreign = tmp_path / "tileweave-heap-xyz"  # no owner in the name: left alone
+    dead_pid = _a_dead_pid()
+    stale = tmp_path / f"tileweave-heap-{dead_pid}-abc"
+    for path in (live, foreign, stale):
+        path.write_bytes(b"")
+    assert emulated.remove_stale_heaps(str(tmp_path)) == [str(stale)]
+    assert live.exists() and foreign.exists() and not stale.exists()
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
