@@ -42,7 +42,7 @@ def _runner(command: str) -> Callable[[list[str]], int]:
     elif command == "demo":
         from tileweave.demo import main as run
     else:
-        from tileweave.tune.autotune import main as run
+        from tileweave.bench.tune import main as run
     return run
 
 

@@ -42,11 +42,7 @@ def test_the_installed_command_is_this_cli():
     assert (module, name) == ("tileweave.cli", "main") and getattr(cli, name) is cli.main
 
 
-@pytest.mark.parametrize("command", [
-    "bench", "demo",
-    pytest.param("tune", marks=pytest.mark.xfail(strict=True, reason="tileweave.tune.autotune.main's "
-                                                "description is its docstring, with ``markup``")),
-])
+@pytest.mark.parametrize("command", ["bench", "demo", "tune"])
 def test_subcommand_help_is_plain_text(command, capsys):
     with pytest.raises(SystemExit) as done:
         cli.main([command, "--help"])

@@ -43,7 +43,8 @@ def autotune_gemm(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, *
 
 def main(argv=None) -> int:
     """``tileweave tune``: tune the local GEMMs of the benchmark suite on GPU 0."""
-    parser = argparse.ArgumentParser(prog="tileweave tune", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="tileweave tune",
+                                     description="Tune the local GEMMs of the benchmark suite on GPU 0 and cache the winners.")
     parser.add_argument("--m", default="1024,2048,4096,8192,16384", help="token counts (comma list)")
     parser.add_argument("--layer", nargs="+", default=None, help="suite layer filters, as for bench")
     args = parser.parse_args(argv)
