@@ -1,11 +1,13 @@
 """The grouped GEMM core in Triton's interpreter against a float64 reference written here."""
 
+import json
 import threading
 import time
 
 import pytest
 import torch
 
+from tileweave.bench import grouped as bench
 from tileweave.ops import grouped_gemm as gg_module
 from tileweave.ops.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
@@ -227,3 +229,14 @@ def test_signal_counts_every_tile_of_each_source():
         out = grouped_gemm(x, b, offsets, a_rows=a_rows, experts=experts, config=config, signal=(counters,))
         assert counters.tolist() == [40 + 4 * call, -3 + 6 * call]
     assert _rel(out, _reference(x, b, counts, a_rows, experts=experts)) < TOL[torch.float32]
+
+
+def test_benchmark_smoke(tmp_path):
+    """``python -m tileweave.bench.grouped --smoke`` checks every variant's output on tiny shapes."""
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "grouped.json").read_text())
+    assert len(report["rows"]) == 8
+    for row in report["rows"]:
+        assert set(row["results"]) == ({"ours", "torch", "torch+gather"} if row["layer"] == 0 else {"ours", "torch"})
+        assert all(r["rel_err"] < 1e-5 and "error" not in r for r in row["results"].values())
+    assert "| tiny-a |" in (tmp_path / "grouped.md").read_text()
