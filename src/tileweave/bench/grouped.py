@@ -40,6 +40,7 @@ from tileweave.bench.report import collect_metadata, geomean
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
 from tileweave.ops import _launch
 from tileweave.ops.grouped_gemm import grouped_config, grouped_gemm
+from tileweave.tune.grouped import GroupedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +89,17 @@ class Case:
                 "topk": self.model.topk}
 
 
-def route(tokens: int, experts: int, topk: int, routing: str, gen: torch.Generator,
-          device: torch.device) -> torch.Tensor:
-    """Top-k expert ids ``[T, k]`` (distinct per token): Gumbel top-k over uniform or Zipf weights."""
+def route(tokens: int, experts: int, topk: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """Top-k expert ids ``[T, k]`` (distinct per token) on ``gen``'s device: Gumbel top-k over uniform
+    or Zipf weights."""
+    device = gen.device
     if routing == "uniform":
-        logits = torch.zeros(experts)
+        logits = torch.zeros(experts, device=device)
     else:
-        logits = -ZIPF_S * torch.log(torch.arange(1, experts + 1, dtype=torch.float32))
-    u = torch.rand(tokens, experts, generator=gen).clamp_(1e-9, 1 - 1e-9)
+        logits = -ZIPF_S * torch.log(torch.arange(1, experts + 1, dtype=torch.float32, device=device))
+    u = torch.rand(tokens, experts, generator=gen, device=device).clamp_(1e-9, 1 - 1e-9)
     gumbel = -torch.log(-torch.log(u))
-    return (logits + gumbel).topk(topk, dim=1).indices.to(device)
+    return (logits + gumbel).topk(topk, dim=1).indices
 
 
 def plan(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,40 +154,59 @@ def build_inputs(case: Case, *, seed: int, device: torch.device, b_layout: str) 
     """Tensors of one case: A (tokens for layer 0, plan-ordered activations for layer 1), B, the plan."""
     m = case.model
     k, n = case.k_n
-    gen = torch.Generator().manual_seed(seed)
-    ids = route(case.tokens, m.experts, m.topk, case.routing, gen, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = route(case.tokens, m.experts, m.topk, case.routing, gen)
     offsets, row_token, ends = plan(ids, m.experts)
     counts = torch.diff(offsets).tolist()
     rows = case.tokens * m.topk
-    scale = 1.0 / math.sqrt(k)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(case.dtype)
+
     if b_layout == "linear":
-        b = (torch.randn(m.experts, n, k, generator=gen) * scale).to(case.dtype).to(device).transpose(1, 2)
+        b = randn(m.experts, n, k, scale=1 / math.sqrt(k)).transpose(1, 2)
     else:
-        b = (torch.randn(m.experts, k, n, generator=gen) * scale).to(case.dtype).to(device)
+        b = randn(m.experts, k, n, scale=1 / math.sqrt(k))
     if case.layer == 0:
-        a = torch.randn(case.tokens, k, generator=gen).to(case.dtype).to(device)
+        a = randn(case.tokens, k)
         a_perm = a.index_select(0, row_token)
     else:
-        a = torch.randn(rows, k, generator=gen).to(case.dtype).to(device)
+        a = randn(rows, k)
         a_perm = a
     return {"a": a, "a_perm": a_perm, "b": b, "offsets": offsets, "row_token": row_token, "ends": ends,
             "counts": counts}
 
 
-def variants(case: Case, t: dict) -> dict[str, Callable[[dict], torch.Tensor]]:
-    """name -> call(inputs) for the case's layer."""
+def parse_config(text: str) -> GroupedConfig:
+    """``BMxBNxBK/stages/warps[/group_m]``, e.g. ``128x256x64/3/8``."""
+    try:
+        tile, *rest = text.split("/")
+        bm, bn, bk = (int(v) for v in tile.split("x"))
+        stages, warps, *group = (int(v) for v in rest)
+        return GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                             group_m=group[0] if group else 8)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"config {text!r}: expected BMxBNxBK/stages/warps[/group_m] ({exc})")
+
+
+def _ours(layer: int, config: GroupedConfig | None) -> Callable[[dict], torch.Tensor]:
+    if layer == 0:
+        return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=s["row_token"], config=config)
+    return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], config=config)
+
+
+def variants(case: Case, t: dict, configs: Sequence[GroupedConfig] = ()) -> dict[str, Callable[[dict], torch.Tensor]]:
+    """name -> call(inputs) for the case's layer; ``configs`` add ``ours@config`` variants."""
     counts = t["counts"]
+    calls = {"ours": _ours(case.layer, None)}
+    for c in configs:
+        calls[f"ours@{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}/{c.num_warps}/{c.group_m}"] = \
+            _ours(case.layer, c)
+    calls["torch"] = lambda s: _grouped_mm_or_loop(s["a_perm"], s["b"], s["ends"], counts)
     if case.layer == 0:
-        return {
-            "ours": lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=s["row_token"]),
-            "torch": lambda s: _grouped_mm_or_loop(s["a_perm"], s["b"], s["ends"], counts),
-            "torch+gather": lambda s: _grouped_mm_or_loop(s["a"].index_select(0, s["row_token"]), s["b"], s["ends"],
-                                                          counts),
-        }
-    return {
-        "ours": lambda s: grouped_gemm(s["a"], s["b"], s["offsets"]),
-        "torch": lambda s: _grouped_mm_or_loop(s["a"], s["b"], s["ends"], counts),
-    }
+        calls["torch+gather"] = lambda s: _grouped_mm_or_loop(s["a"].index_select(0, s["row_token"]), s["b"],
+                                                              s["ends"], counts)
+    return calls
 
 
 def _set_bytes(t: dict) -> int:
@@ -195,7 +216,7 @@ def _set_bytes(t: dict) -> int:
 
 
 def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timing: TimingConfig | None,
-             clocks: ClockReader | None, loop: bool) -> dict:
+             clocks: ClockReader | None, loop: bool, configs: Sequence[GroupedConfig] = ()) -> dict:
     row = dict(case.key())
     row["results"] = {}
     t = build_inputs(case, seed=seed, device=device, b_layout=b_layout)
@@ -205,7 +226,7 @@ def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timi
     k, n = case.k_n
     cfg = grouped_config(row["rows"], n, k, case.model.experts, case.dtype, device)
     row["config"] = dataclasses.asdict(cfg)
-    calls = variants(case, t)
+    calls = variants(case, t, configs)
     if loop:
         calls["loop"] = lambda s: _expert_loop(s["a_perm"], s["b"], counts)
     ref = _reference(t["a_perm"], t["b"], counts)
@@ -313,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--loop", action="store_true", help="also time a per-expert torch.matmul loop")
     parser.add_argument("--budget-s", type=float, default=210.0,
                         help="stop starting new shapes after this many seconds (default 210)")
+    parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
+                        help="also time ours with these configs (BMxBNxBK/stages/warps[/group_m])")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
 
@@ -355,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(row)
             continue
         row = run_case(case, seed=args.seed + i, device=device, b_layout=args.b_layout, timing=timing,
-                       clocks=clocks, loop=args.loop)
+                       clocks=clocks, loop=args.loop, configs=args.configs)
         rows.append(row)
         res = row["results"]
         print(f"[{time.monotonic() - start:6.1f}s] {case.model.name} T={case.tokens} {case.routing} "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -87,6 +89,89 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     Concurrency: ``out`` rows of the computed groups are written, nothing else; the call is ordered on
     the current stream like any kernel.
     """
+    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        # First call with arguments like these: check them and derive the launch.
+        plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    if out is None:
+        out = torch.empty((plan.rows, plan.n), dtype=a.dtype, device=a.device)
+    if _launch.debug_mode():
+        _check_offsets(offsets, plan.rows)
+    if plan.empty:
+        return out
+    epoch = max_spin = 0
+    ready = err = counters = None
+    if gate is not None:
+        ready, epoch, _, err, max_spin = gate
+    if signal is not None:
+        counters = signal[0]
+    if plan.upcast:
+        # The interpreter's bfloat16 dot is wrong: compute in float32 and round once at the end.
+        staged = out.float()
+        _run(plan, a.float(), b.float(), offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin)
+        out.copy_(staged)
+    else:
+        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin)
+    return out
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a launch derives from the arguments' shapes, strides, dtypes and alignment (the key of
+    ``_plans``): later calls with arguments alike in all of those skip the checks and the derivation."""
+
+    rows: int
+    n: int
+    empty: bool
+    upcast: bool = False
+    copy_a: bool = False
+    copy_b: bool = False
+    scalars: tuple = ()
+    """rank, g_lo, n_groups, rotate, E, N, K and the strides."""
+    constexprs: dict = dataclasses.field(default_factory=dict)
+    programs: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    compiled: list = dataclasses.field(default_factory=list)
+    """The compiled kernel once known (CUDA): later calls launch it with pointers as ints."""
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> tuple | None:
+    """Everything about the arguments that the launch depends on, or None to take the checked path."""
+    layout = _launch.layout
+    for t in (a, b, offsets, a_rows, row_scale, out):
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    if config is not None and type(config) is not GroupedConfig or experts is not None and type(experts) is not int \
+            or group_range is not None and (type(group_range) is not tuple or len(group_range) != 2):
+        return None
+    gate_key = None
+    if gate is not None:
+        if type(gate) is not tuple or len(gate) != 5 or type(gate[0]) is not torch.Tensor \
+                or type(gate[3]) is not torch.Tensor or type(gate[1]) is not int or type(gate[2]) is not int \
+                or type(gate[4]) is not int or not 0 < gate[4] < 1 << 31:
+            return None
+        gate_key = (layout(gate[0]), layout(gate[3]), gate[2])
+    signal_key = None
+    if signal is not None:
+        if type(signal) is not tuple or len(signal) != 1 or type(signal[0]) is not torch.Tensor:
+            return None
+        signal_key = layout(signal[0])
+    return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
+            group_range, gate_key, signal_key, _launch.interpreting(), G_BLOCK_MAX,
+            a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> _Plan:
     _launch.check_matrix("a", a)
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D tensor [E, K, N], got {_describe(b)}")
@@ -111,45 +196,30 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
                              f"got {_describe(row_scale)}")
-    out = _launch.check_out(out, (rows, n), a.dtype, a.device)
+    _launch.check_out(out, (rows, n), a.dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)
     sources = math.ceil(groups / experts)
     gate = _check_gate(gate, sources, a.device)
-    counters = _check_signal(signal, sources, a.device)
-    if out is None:
-        out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    if _launch.debug_mode():
-        _check_offsets(offsets, rows)
+    _check_signal(signal, sources, a.device)
     if rows == 0 or n == 0 or g_hi == g_lo:
-        return out
+        return _Plan(rows=rows, n=n, empty=True)
     if a.device.type == "cpu" and not _launch.interpreting():
         raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
-    chosen = config or grouped_config(rows, n, k, groups, a.dtype, a.device)
-    if not isinstance(chosen, GroupedConfig):
-        raise TypeError(f"config must be a GroupedConfig, got {type(chosen).__name__}")
-    if a.dtype == torch.bfloat16 and _launch.interpreting():
-        # The interpreter's bfloat16 dot is wrong: compute in float32 and round once at the end.
-        staged = out.float()
-        _run(a.float(), b.float(), offsets, a_rows, row_scale, staged, experts, chosen, g_lo, g_hi, gate,
-             counters)
-        out.copy_(staged)
-        return out
-    _run(a, b, offsets, a_rows, row_scale, out, experts, chosen, g_lo, g_hi, gate, counters)
-    return out
-
-
-def _run(a, b, offsets, a_rows, row_scale, out, experts, config, g_lo, g_hi, gate, counters) -> None:
-    _launch._install_allocator()
-    if a.stride(1) != 1:
+    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device)
+    if not isinstance(config, GroupedConfig):
+        raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
+    upcast = a.dtype == torch.bfloat16 and _launch.interpreting()
+    if upcast:
+        a, b = a.float(), b.float()
+    copy_a = a.stride(1) != 1
+    if copy_a:
         a = a.contiguous()
     if b.stride(2) == 1:
-        b_nk = False
+        b_nk, copy_b = False, False
     elif b.stride(1) == 1:
-        b_nk = True
+        b_nk, copy_b = True, False
     else:
-        b = b.contiguous()
-        b_nk = False
-    num_b, k, n = b.shape
+        b, b_nk, copy_b = b.contiguous(), False, True
     elem = b.element_size()
     # A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
     inner = b.stride(2) if b_nk else b.stride(1)
@@ -157,31 +227,48 @@ def _run(a, b, offsets, a_rows, row_scale, out, experts, config, g_lo, g_hi, gat
              and (_launch.interpreting() or _sm90(a.device)))
     n_groups = g_hi - g_lo
     g_block = triton.next_power_of_2(n_groups) if n_groups <= G_BLOCK_MAX else 0
-    rows = out.shape[0]
     bound = (math.ceil(rows / config.block_m) + n_groups) * math.ceil(n / config.block_n)
     programs = max(1, min(config.programs or _sm_count(a.device.type, a.device.index), bound))
     if a.dtype == torch.float32:
         precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
     else:
         precision = None
-    rotate = 0
-    ready = err = out
-    epoch = max_spin = rank = 0
+    rank = rotate = 0
     if gate is not None:
-        ready, epoch, rank, err, max_spin = gate
+        rank = gate.rank
         rotate = (rank * experts - g_lo) % n_groups
-    dummy = out
+    out_strides = (n, 1) if out is None else out.stride()
+    constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
+                      G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
+                      HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
+                      PRECISION=precision)
+    scalars = (rank, g_lo, n_groups, rotate, experts, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               b.stride(2), *out_strides)
+    return _Plan(rows=rows, n=n, empty=False, upcast=upcast, copy_a=copy_a, copy_b=copy_b, scalars=scalars,
+                 constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin) -> None:
+    if plan.copy_a:
+        a = a.contiguous()
+    if plan.copy_b:
+        b = b.contiguous()
+    tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
+               out if ready is None else ready, out if err is None else err, out if counters is None else counters)
+    scalars = (_launch._i32(epoch), max_spin, *plan.scalars)
+    if plan.compiled and torch.cuda.current_device() == a.device.index:
+        _launch._launch_compiled(plan.compiled[0], a.device.index, plan.programs,
+                                 (*(t.data_ptr() for t in tensors), *scalars), tuple(plan.constexprs.values()))
+        return
+    _launch._install_allocator()
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        grouped_gemm_kernel[(programs,)](
-            a, a_rows if a_rows is not None else offsets, b, out, offsets,
-            row_scale if row_scale is not None else dummy, ready, err,
-            counters if counters is not None else dummy,
-            _launch._i32(epoch), max_spin, rank, g_lo, n_groups, rotate, experts, n, k,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-            BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
-            G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None, HAS_SCALE=row_scale is not None,
-            GATE=gate is not None, SIGNAL=counters is not None, PRECISION=precision,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        kernel = grouped_gemm_kernel[(plan.programs,)](*tensors, *scalars, **plan.constexprs,
+                                                       num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if a.is_cuda and _FAST_LAUNCH:
+        plan.compiled.append(kernel.result() if hasattr(kernel, "result") else kernel)
+
+
+_FAST_LAUNCH = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 
 
 def expected_tiles(offsets: torch.Tensor, *, experts: int, n: int, config: GroupedConfig,
