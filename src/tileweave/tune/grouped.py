@@ -2,25 +2,27 @@
 
 The host knows the total row count P, the width N, the depth K and the number of groups G, not how the
 rows split between groups (that stays on the device). The choice works from the mean rows per group,
-``P / G``, and the number of tiles it implies:
+``P / G``, and the column tiles N needs. Measured on an H200 (132 SMs, bf16, TP=2 shards of the MoE
+shapes of DESIGN.md, T = 4096 and 16384, against ``torch._grouped_mm``):
 
-* Row tiles: a group's last row tile is partly empty, on average half of BM wasted per group. With few
-  rows per group (many experts: Qwen3-30B-A3B's 128 experts at T*k = 16384 have 128 rows each, and at
-  Zipf skew most have far fewer) 64-row tiles waste half as much as 128-row ones; BM = 128 once groups
-  average 512 rows or more (the waste is then under 1/8 of a tile row-block per group).
-* Column tiles: 128 x 256 tiles (8 warps, two warpgroups) reuse each A load over 256 columns, which
-  matters here because A rows are gathered by pointer loads (no TMA for them); they need enough tiles
-  to fill the SMs: at least 2 waves, else 128 x 128.
-* BK = 64, 3 stages for 128 x 256 (3 x (16 + 32) KB of shared memory in bf16), 4 stages for smaller
-  tiles; 4 warps for 64 x 128 tiles.
-* fp32 inputs halve what fits in shared memory: BK = 32.
+* Row tiles: 128 rows. 64-row tiles waste less of a group's last, partial tile, but were slower at
+  every measured shape, down to Qwen3-30B-A3B at T = 4096 (128 experts, 256 rows each: 64 x 256 tiles
+  0.18 ms, 128 x 256 0.15 ms for layer 0). 64 only where groups average under 128 rows, where a
+  128-row tile would be mostly empty.
+* Column tiles: 256 columns (8 warps, two warpgroups), which reuse each gathered A load over 256
+  columns, unless 256 wastes much more of N than 128 does: N = 384 (Qwen3 layer 0) fills 2 x 256
+  columns at 75 % and 3 x 128 fully, and 128 x 128 tiles ran 8 % faster there (0.46 against 0.50 ms at
+  T = 16384). Narrow grids (fewer than two waves of 256-column tiles) also take 128.
+* BK = 64, 3 stages for 128 x 256 (3 x (16 + 32) KB of shared memory in bf16: 4 stages and an L2
+  super-group of 4 instead of 8 measured the same), 4 stages for smaller tiles. fp32 inputs halve
+  what fits in shared memory: BK = 32.
 
-Worked example (H200, 132 SMs): Mixtral-8x7B layer 0 at TP=2, T = 8192, k = 2: P = 16384 rows over
-G = 8 experts (2048 rows each), N = F/2 = 7168, K = 4096. Rows per group 2048 >= 512 gives BM = 128;
-tiles with BN = 256: 8 * 16 * 28 = 3584, 27 waves, so 128 x 256 x 64, 3 stages, 8 warps.
-Qwen3-30B-A3B layer 1 at T = 4096, k = 8: P = 32768 rows over 128 experts (256 each), N = H = 2048,
-K = F/2 = 384: 256 < 512 gives BM = 64; 64 x 256 tiles: 128 * 4 * 8 = 4096 tiles, so 64 x 256 x 64
-with 4 stages and 8 warps.
+Worked example: Mixtral-8x7B layer 0 at TP=2, T = 8192, k = 2: P = 16384 rows over G = 8 experts
+(2048 rows each), N = F/2 = 7168, K = 4096. 2048 >= 128 rows gives BM = 128; 7168 is 28 x 256 columns
+exactly, and 8 * 16 * 28 = 3584 tiles are 27 waves on 132 SMs: 128 x 256 x 64, 3 stages, 8 warps.
+Qwen3-30B-A3B layer 0 at T = 4096, k = 8: P = 32768 rows over 128 experts (256 each), N = F/2 = 384:
+BM = 128; 256-column tiles would cover 512 columns (1.33 x N), 128-column ones 384 (1.0 x): 128 x 128
+x 64, 4 stages, 8 warps.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ INTERPRETER_CONFIG = GroupedConfig(block_m=32, block_n=32, block_k=32, group_m=2
 program steps, and small tiles exercise partial tiles at small shapes."""
 
 
+def column_waste(n: int, block_n: int) -> float:
+    """Columns computed over columns needed: ``ceil(n / block_n) * block_n / n``."""
+    return math.ceil(n / block_n) * block_n / n
+
+
 def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype, *, num_sms: int,
                           interpreter: bool = False) -> GroupedConfig:
     """The config for ``rows`` output rows over ``groups`` groups, ``[rows, k] x [k, n]`` per group; see
@@ -76,15 +83,13 @@ def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.d
     if interpreter:
         return INTERPRETER_CONFIG
     per_group = rows / max(groups, 1)
-    block_m = 128 if per_group >= 512 else 64
+    block_m = 128 if per_group >= 128 else 64
     block_k = 32 if dtype == torch.float32 else 64
-    row_tiles = groups * math.ceil(per_group / block_m) if per_group >= 1 else max(1, math.ceil(rows / block_m))
-    if row_tiles * math.ceil(n / 256) >= 2 * num_sms:
-        block_n = 256
-    else:
-        block_n = 128
-    if block_m == 128 and block_n == 256:
-        return GroupedConfig(block_m=128, block_n=256, block_k=block_k, num_stages=3, num_warps=8)
-    if block_m == 64 and block_n == 128:
-        return GroupedConfig(block_m=64, block_n=128, block_k=block_k, num_stages=4, num_warps=4)
-    return GroupedConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=4, num_warps=8)
+    row_tiles = max(1, math.ceil(rows / block_m))
+    wide = row_tiles * math.ceil(n / 256) >= 2 * num_sms and column_waste(n, 256) <= 1.1 * column_waste(n, 128)
+    block_n = 256 if wide else 128
+    if block_n == 256:
+        return GroupedConfig(block_m=block_m, block_n=256, block_k=block_k, num_stages=3 if block_m == 128 else 4,
+                             num_warps=8)
+    return GroupedConfig(block_m=block_m, block_n=128, block_k=block_k, num_stages=4,
+                         num_warps=8 if block_m == 128 else 4)
