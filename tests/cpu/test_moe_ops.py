@@ -1,0 +1,68 @@
+"""The MoE pair ops on emulated ranks (W CPU processes sharing a symmetric heap, the real kernels in
+Triton's interpreter, a concurrent copy-engine thread) against float64 references of the unsharded
+problem (``tileweave.testing.moe_reference``)."""
+
+import pytest
+
+from tileweave.testing import moe_scenarios
+from tileweave.testing.emulated import run_ranks
+
+C = moe_scenarios.MoECase
+TOL = {"float16": 2e-3, "float32": 1e-5}
+EXPECTED = {"fused": ("fused", "chunked"), "fallback": ("fallback", "fallback")}
+"""The paths each policy takes at W > 1: layer 0, layer 1 (its overlapped path is the chunked one)."""
+
+
+def _check(rows_per_rank, cases):
+    for rows in rows_per_rank:
+        assert len(rows) == sum(case.iters for case in cases)
+        for row in rows:
+            case = row["case"]
+            paths = EXPECTED[case["policy"]]
+            assert (row["path0"], row["path1"]) == paths, row
+            assert row["plan_ok"], row
+            assert row["err0"] < TOL[case["dtype"]], row
+            assert row["err1"] < TOL[case["dtype"]], row
+            assert row["gathered_exact"], row
+            repeated = case["repeat"] and row["it"] == case["iters"] - 1
+            assert (row["repeat0"], row["repeat1"]) == ((True, True) if repeated else (None, None)), row
+
+
+# Few launches: each costs about a second in the interpreter. Spread over the three group sizes:
+# random routing, every token to one expert, an expert with no tokens; k 1, 2, 6, 8; E 1, 8, 64; T
+# not a multiple of any tile; a straggling copy engine; back-to-back calls with fresh routing; both
+# paths; fp16 and fp32; both weight layouts.
+@pytest.mark.parametrize("world,cases", [
+    (2, [C(12, 32, 16, 8, 2, straggler=1, delay_s=0.2, repeat=True),
+         C(5, 32, 24, 64, 6, dtype="float32", linear_layout=False, policy="fallback", iters=1, repeat=True)]),
+    (3, [C(7, 32, 16, 1, 1, routing="one_expert", iters=1),
+         C(3, 32, 48, 64, 8, routing="skip_expert", dtype="float32", iters=1, repeat=True)]),
+    (4, [C(4, 32, 16, 8, 2, straggler=0, delay_s=0.2)]),
+])
+def test_moe_pair(world, cases):
+    _check(run_ranks(world, moe_scenarios.pair_check, cases), cases)
+
+
+EXPECTED_ERRORS = {
+    "ids_float": ("TypeError", "topk_ids"), "ids_1d": ("ValueError", "topk_ids must be"),
+    "ids_high": ("ValueError", "outside [0, num_experts=4)"), "ids_negative": ("ValueError", "expert id -1"),
+    "tokens_not_divisible": ("ValueError", "divisible"), "plan_shard_high": ("ValueError", "topk_ids_shard"),
+    "w0_experts": ("ValueError", "E=4 experts but the weights have 3"), "w0_hidden": ("ValueError", "w0"),
+    "w0_2d": ("ValueError", "w0 must be 3-D"), "w0_dtype": ("TypeError", "w0 has dtype"),
+    "x_dtype": ("TypeError", "x_shard"), "plan_world": ("ValueError", "world_size="),
+    "plan_tokens": ("ValueError", "tokens"), "plan_type": ("TypeError", "MoEPlan"), "out_shape": ("ValueError", "out"),
+    "h_rows": ("ValueError", "h has"), "w1_experts": ("ValueError", "weights have"), "w1_rows": ("ValueError", "w1"),
+    "weights_shape": ("ValueError", "topk_weights_shard"), "weights_dtype": ("TypeError", "topk_weights_shard"),
+    "plan_ranks_disagree": ("TileweaveError", "every rank must route"),
+    "layer0_ranks_disagree": ("TileweaveError", "every rank of the group must pass the same"),
+}
+
+
+def test_bad_inputs():
+    for result in run_ranks(2, moe_scenarios.bad_inputs):
+        assert set(result["errors"]) == set(EXPECTED_ERRORS)
+        for name, (kind, text) in EXPECTED_ERRORS.items():
+            got = result["errors"][name]
+            assert got is not None, f"{name}: nothing raised"
+            assert got[0] == kind and text in got[1], (name, got)
+        assert result["after_ok"]
