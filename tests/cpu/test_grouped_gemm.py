@@ -157,9 +157,11 @@ def test_config_rule():
         GroupedConfig(block_n=96)
     # The module docstring's worked examples.
     mixtral = choose_grouped_config(16384, 7168, 4096, 8, torch.bfloat16, num_sms=132)
-    assert (mixtral.block_m, mixtral.block_n, mixtral.block_k, mixtral.num_stages) == (128, 256, 64, 3)
+    assert (mixtral.block_m, mixtral.block_n, mixtral.block_k, mixtral.num_stages, mixtral.flatten) == \
+        (128, 256, 64, 3, True)
     qwen = choose_grouped_config(32768, 384, 2048, 128, torch.bfloat16, num_sms=132)
-    assert (qwen.block_m, qwen.block_n, qwen.block_k, qwen.num_stages, qwen.num_warps) == (128, 128, 64, 4, 8)
+    assert (qwen.block_m, qwen.block_n, qwen.block_k, qwen.num_stages, qwen.num_warps, qwen.flatten) == \
+        (128, 128, 64, 4, 8, False)
     # Few rows per group: 64-row tiles; 704 columns: 3 x 256 waste no more than 6 x 128.
     sparse = choose_grouped_config(64 * 100, 704, 2048, 100, torch.bfloat16, num_sms=132)
     assert (sparse.block_m, sparse.block_n) == (64, 256)

@@ -72,6 +72,7 @@ def test_matches_reference(dtype, rows, k, n, experts, nk):
 @needs_gpu
 @pytest.mark.parametrize("config", [GroupedConfig(block_m=64, block_n=128, num_stages=4, num_warps=4),
                                     GroupedConfig(block_m=128, block_n=256, num_stages=3, num_warps=8),
+                                    GroupedConfig(block_m=128, block_n=256, num_stages=3, num_warps=8, flatten=True),
                                     GroupedConfig(block_m=64, block_n=256, num_stages=4, num_warps=8),
                                     GroupedConfig(block_m=128, block_n=128, num_stages=4, num_warps=8)])
 def test_configs_and_walk(config, monkeypatch):

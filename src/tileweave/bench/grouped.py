@@ -178,13 +178,16 @@ def build_inputs(case: Case, *, seed: int, device: torch.device, b_layout: str) 
 
 
 def parse_config(text: str) -> GroupedConfig:
-    """``BMxBNxBK/stages/warps[/group_m]``, e.g. ``128x256x64/3/8``."""
+    """``BMxBNxBK/stages/warps[/group_m][/f]``, e.g. ``128x256x64/3/8`` (``f``: flattened loops)."""
     try:
         tile, *rest = text.split("/")
+        flatten = rest[-1:] == ["f"]
+        if flatten:
+            rest = rest[:-1]
         bm, bn, bk = (int(v) for v in tile.split("x"))
         stages, warps, *group = (int(v) for v in rest)
         return GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
-                             group_m=group[0] if group else 8)
+                             group_m=group[0] if group else 8, flatten=flatten)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"config {text!r}: expected BMxBNxBK/stages/warps[/group_m] ({exc})")
 
@@ -200,7 +203,8 @@ def variants(case: Case, t: dict, configs: Sequence[GroupedConfig] = ()) -> dict
     counts = t["counts"]
     calls = {"ours": _ours(case.layer, None)}
     for c in configs:
-        calls[f"ours@{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}/{c.num_warps}/{c.group_m}"] = \
+        calls[f"ours@{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}/{c.num_warps}/{c.group_m}"
+              + ("/f" if c.flatten else "")] = \
             _ours(case.layer, c)
     calls["torch"] = lambda s: _grouped_mm_or_loop(s["a_perm"], s["b"], s["ends"], counts)
     if case.layer == 0:

@@ -110,8 +110,10 @@ def grouped_gemm_kernel(
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, P: tl.constexpr,
         G_BLOCK: tl.constexpr, B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr,
-        HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr):
-    """See the module docstring. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in
+        HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+        FLATTEN: tl.constexpr = False):
+    """See the module docstring. ``FLATTEN`` (``G_BLOCK`` > 0, no ``GATE``): the tile and K loops
+    pipelined as one, so that a tile's epilogue overlaps the next tile's first loads. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in
     ``[0, n_groups)`` are visited in order of ``i``; group g multiplies by expert ``g % E``, its source
     rank (``GATE``, ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read
     only under ``GATE`` / ``SIGNAL``; ``epoch`` and ``max_spin`` belong to ``GATE``."""
@@ -132,7 +134,7 @@ def grouped_gemm_kernel(
         tiles = tl.cdiv(hi - lo, BM) * num_n
         ends = tl.cumsum(tiles, 0)
         total = tl.sum(tiles)
-        for t in range(pid, total, P):
+        for t in tl.range(pid, total, P, flatten=FLATTEN):
             i = tl.sum((ends <= t).to(tl.int32))
             first = tl.sum(tl.where(lane < i, tiles, 0))
             row_lo = tl.sum(tl.where(lane == i, lo, 0))

@@ -241,7 +241,7 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
                       G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
                       HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
-                      PRECISION=precision)
+                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None)
     scalars = (rank, g_lo, n_groups, rotate, experts, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                b.stride(2), *out_strides)
     return _Plan(rows=rows, n=n, empty=False, upcast=upcast, copy_a=copy_a, copy_b=copy_b, scalars=scalars,
