@@ -214,7 +214,7 @@ def variants(case: Case, t: dict, configs: Sequence[GroupedConfig] = ()) -> dict
 
 
 def _set_bytes(t: dict) -> int:
-    k, n = t["b"].shape[1], t["b"].shape[2]
+    n = t["b"].shape[2]
     rows = t["a_perm"].shape[0]
     return (t["a"].numel() + t["b"].numel() + rows * n) * t["a"].element_size() + 8 * rows
 

@@ -112,11 +112,12 @@ def grouped_gemm_kernel(
         G_BLOCK: tl.constexpr, B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr,
         HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
         FLATTEN: tl.constexpr = False):
-    """See the module docstring. ``FLATTEN`` (``G_BLOCK`` > 0, no ``GATE``): the tile and K loops
-    pipelined as one, so that a tile's epilogue overlaps the next tile's first loads. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in
-    ``[0, n_groups)`` are visited in order of ``i``; group g multiplies by expert ``g % E``, its source
-    rank (``GATE``, ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read
-    only under ``GATE`` / ``SIGNAL``; ``epoch`` and ``max_spin`` belong to ``GATE``."""
+    """See the module docstring. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in ``[0, n_groups)``
+    are visited in order of ``i``; group g multiplies by expert ``g % E``, its source rank (``GATE``,
+    ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read only under
+    ``GATE`` / ``SIGNAL``; ``epoch`` and ``max_spin`` belong to ``GATE``. ``FLATTEN`` (``G_BLOCK`` > 0,
+    no ``GATE``): the tile and K loops are pipelined as one, so that a tile's epilogue overlaps the next
+    tile's first loads."""
     pid = tl.program_id(0)
     if B_TMA:
         b_src = _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn, BN, BK, B_NK)
