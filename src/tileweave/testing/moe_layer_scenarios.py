@@ -9,6 +9,7 @@ empty experts) is what the case asks for.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -111,11 +112,12 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     from tileweave.nn.moe import TPMoE
 
     dtype = getattr(torch, case.dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     group = dist.group.WORLD
     state = layer_state(case)
-    state = {k: v.to(dtype) for k, v in state.items()}  # the reference sees the rounded weights
+    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}  # the reference sees them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
-                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), dtype=dtype)
+                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), device=device, dtype=dtype)
     layer.load_full_state_dict(state)
     rows = slice(rank * case.tokens // world, (rank + 1) * case.tokens // world)
     cols = slice(rank * case.ffn // world, (rank + 1) * case.ffn // world)
@@ -123,7 +125,7 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     results: dict = {"steps": []}
     for step in range(case.steps):
         x_full, dout = layer_tokens(case, step)
-        x_full, dout = x_full.to(dtype), dout.to(dtype)
+        x_full, dout = x_full.to(dtype=dtype, device=device), dout.to(dtype=dtype, device=device)
         results.setdefault("gap", routing_gap(x_full, state["router.weight"], case.top_k))
         layer.zero_grad(set_to_none=True)
         x = x_full[rows].clone().requires_grad_(True)
@@ -147,6 +149,7 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     full = layer.full_state_dict()
     results["round_trip"] = all(torch.equal(full[k], state[k]) for k in state)
     results["paths"] = (_launch.last_path("moe_all_gather_gemm"), _launch.last_path("moe_gemm_reduce_scatter"))
+    results["cpu_s"] = time.process_time()
     return results
 
 

@@ -1,0 +1,489 @@
+"""The ``moe`` section: the MoE pair and the TP MoE layer against what users run today.
+
+    python -m tileweave.bench.moe                   # one process per GPU, every model, T and routing
+    python -m tileweave.bench.moe --smoke           # the CPU: tiny shapes on 2 emulated ranks, verified
+
+Parts (``--parts``): ``layer0`` (AllGather + grouped GEMM), ``layer1`` (grouped GEMM + top-k reduce +
+ReduceScatter), ``layer`` (``TPMoE`` forward: router, plan, both layers, SwiGLU) and ``layer-bwd``
+(forward + backward). Variants, on the same inputs:
+
+* ``ours``: tileweave's MoE pair (``tileweave.ops.moe``), the layer on its default ops;
+* ``grouped``: NCCL all-gather + index gather + ``torch._grouped_mm`` + weighted ``index_add`` + NCCL
+  reduce-scatter, rows in expert order (a Megatron-style layer with grouped GEMM);
+* ``loop``: the same with one cuBLAS GEMM per expert (the counts read on the host);
+* ``floor``: the grouped GEMMs alone (``torch._grouped_mm``), inputs already gathered and permuted:
+  the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
+  backward GEMMs).
+
+The layer parts run one ``TPMoE`` whose ``ops`` are swapped (``tileweave.nn.moe_autograd.MoEOps``), so
+the backward of ``grouped`` and ``loop`` runs their own collectives and GEMMs. Routing is imposed
+through the router (the first E features of a token score the experts, read by a near-identity
+router): ``uniform`` or ``zipf`` (expert e drawn with weight ``1/(e+1)**1.2``).
+
+Method (DESIGN.md, "How to time"): every variant is verified against a float32 computation of the same
+inputs before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back
+calls between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
+rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib) into ``--out``. With
+``--smoke`` the ranks are emulated on the CPU, each variant runs and is checked once (times are the
+interpreter's and mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tileweave.bench.report import SCHEMA, Measurement, collect_metadata
+from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
+from tileweave.ops._launch import last_path
+from tileweave.ops.moe import build_plan, moe_all_gather_gemm, moe_gemm_reduce_scatter, moe_plan
+from tileweave.testing.emulated import run_ranks
+
+MODELS: dict[str, tuple[int, int, int, int]] = {
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v2-lite": (2048, 1408, 64, 6),
+    "flux": (8192, 8192, 32, 4),
+}
+"""(hidden H, expert width F, experts E, top-k k)."""
+SMOKE_MODELS: dict[str, tuple[int, int, int, int]] = {"smoke": (16, 32, 4, 2)}
+TOKENS = (2048, 4096, 8192, 16384)
+ROUTINGS = ("uniform", "zipf")
+PARTS = ("layer0", "layer1", "layer", "layer-bwd")
+VARIANTS = ("ours", "grouped", "loop", "floor")
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+"""Relative Frobenius error against the float32 computation (bf16: the fp32 accumulations of the
+variants round differently to bf16 at each of the layer's steps)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The baselines as MoEOps: expert-major rows (the plan of one source), torch GEMMs, NCCL collectives.
+
+def _baseline_plan(topk_ids_shard, num_experts, group):
+    return build_plan(gather_rows(topk_ids_shard, group), num_experts=num_experts, world_size=1, validate=False)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, plan) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=plan.offsets[1:])
+
+
+def _expert_loop(a: torch.Tensor, b: torch.Tensor, plan) -> torch.Tensor:
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    bounds = plan.offsets.tolist()
+    for e in range(plan.num_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.matmul(a[lo:hi], b[e], out=out[lo:hi])
+    return out
+
+
+def baseline_ops(gemm: Callable) -> MoEOps:
+    """The NCCL + torch layer with ``gemm(a [P, K], b [E, K, N], plan)`` as its expert GEMM."""
+
+    def layer0(x_shard, w, plan, group, return_gathered):
+        x = gather_rows(x_shard, group)
+        y = gemm(x[plan.row_token.long()], w, plan)
+        return (y, x) if return_gathered else y
+
+    def layer1(h, w, plan, weights_shard, group):
+        z = gemm(h, w, plan)
+        if weights_shard is not None:
+            z = z * row_weights(plan, gather_rows(weights_shard, group))[:, None].to(z.dtype)
+        out = torch.zeros((plan.tokens, w.shape[2]), dtype=torch.float32, device=h.device)
+        out.index_add_(0, plan.row_token.long(), z.float())
+        return reduce_scatter_rows(out.to(h.dtype), group)
+
+    return MoEOps(plan=_baseline_plan, layer0=layer0, layer1=layer1)
+
+
+def _ours_layer0(x_shard, w, plan, group):
+    return moe_all_gather_gemm(x_shard, w, plan, group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs.
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    tokens: int
+    routing: str
+    part: str
+
+    def dims(self, smoke: bool) -> tuple[int, int, int, int]:
+        return (SMOKE_MODELS if smoke else MODELS)[self.model]
+
+
+def _routing_ids(t: int, e: int, k: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    weights = torch.ones(e) if routing == "uniform" else 1.0 / torch.arange(1, e + 1, dtype=torch.float32) ** 1.2
+    return torch.multinomial(weights.expand(t, e), k, replacement=False, generator=gen)
+
+
+def _routed_tokens(ids: torch.Tensor, h: int, e: int, gen: torch.Generator) -> torch.Tensor:
+    """Tokens whose first E features score the experts of ``ids`` far above the rest."""
+    x = 0.5 * torch.randn(ids.shape[0], h, generator=gen)
+    scores = -0.5 * torch.rand(ids.shape[0], e, generator=gen)
+    scores.scatter_(1, ids, 1.0 + 0.5 * torch.rand(ids.shape, generator=gen))
+    x[:, :e] = scores
+    return x
+
+
+class Inputs:
+    """One row's data on this rank (the same seed on every rank: each takes its shard)."""
+
+    def __init__(self, row: Row, *, rank: int, world: int, smoke: bool, dtype, device) -> None:
+        h, f, e, k = row.dims(smoke)
+        t = row.tokens
+        self.h, self.f, self.e, self.k, self.t, self.f_loc = h, f, e, k, t, f // world
+        gen = torch.Generator().manual_seed(1000 + t + 7 * e + (0 if row.routing == "uniform" else 1))
+        ids = _routing_ids(t, e, k, row.routing, gen)
+        rows = slice(rank * t // world, (rank + 1) * t // world)
+        cast = dict(dtype=dtype, device=device)
+        self.x_shard = _routed_tokens(ids, h, e, gen)[rows].to(**cast)
+        self.ids_shard = ids[rows].to(device)
+        self.weights_shard = torch.softmax(torch.randn(t, k, generator=gen), -1)[rows].to(device)
+        self.state = {"router.weight": 0.02 * torch.randn(e, h, generator=gen),
+                      "experts.gate": torch.randn(e, f, h, generator=gen) / h ** 0.5,
+                      "experts.up": torch.randn(e, f, h, generator=gen) / h ** 0.5,
+                      "experts.down": torch.randn(e, h, f, generator=gen) / f ** 0.5}
+        self.state["router.weight"][:, :e] += 2.0 * torch.eye(e)
+        cols = slice(rank * self.f_loc, (rank + 1) * self.f_loc)
+        self.w0 = torch.cat([self.state["experts.gate"][:, cols], self.state["experts.up"][:, cols]], 1).to(**cast)
+        self.w1 = self.state["experts.down"][:, :, cols].contiguous().to(**cast)
+        self.dout_shard = torch.randn(t, h, generator=gen)[rows].to(**cast)
+        own = torch.Generator().manual_seed(2000 + rank)  # layer 1's input: this rank's F_loc features
+        self.h_rows = (torch.randn(t * k, self.f_loc, generator=own) / 2).to(**cast)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One part's calls, per variant: call() -> the tensor(s) to verify.
+
+def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device):
+    from tileweave.nn.moe import TPMoE
+
+    layer = TPMoE(inp.h, inp.f, inp.e, inp.k, group=group, ops=ops, device=device, dtype=dtype)
+    layer.load_full_state_dict(inp.state)
+    return layer
+
+
+def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Callable[[], list[torch.Tensor]]:
+    """A closure running ``part`` once on ``variant``; its results in a form every variant shares (rows in
+    plan order are returned per (token, slot) pair)."""
+    if variant == "floor":
+        return _floor_call(part, inp, group)
+    ops = {"ours": TILEWEAVE_OPS, "grouped": baseline_ops(_grouped_mm), "loop": baseline_ops(_expert_loop)}[variant]
+    if part in ("layer", "layer-bwd"):
+        layer = _layer_module(inp, ops, group, dtype, device)
+        x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
+
+        def run_layer():
+            out = layer(x)
+            if part == "layer":
+                return [out]
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            out.backward(inp.dout_shard)
+            return [out, x.grad, layer.w0.grad, layer.w1.grad, layer.router.weight.grad]
+        return run_layer
+    plan = ops.plan(inp.ids_shard, inp.e, group)
+    if part == "layer0":
+        w0 = inp.w0.transpose(1, 2)
+        layer0 = _ours_layer0 if variant == "ours" else (lambda x, w, p, g: ops.layer0(x, w, p, g, False))
+        return lambda: [layer0(inp.x_shard, w0, plan, group)[plan.pair_row.reshape(-1).long()]]
+    # layer1's input is given per (token, slot) pair; each variant takes it in its own plan's order
+    h = torch.empty_like(inp.h_rows)
+    h[plan.pair_row.reshape(-1).long()] = inp.h_rows
+    w1 = inp.w1.transpose(1, 2)
+    if variant == "ours":
+        return lambda: [moe_gemm_reduce_scatter(h, w1, plan, inp.weights_shard, group)]
+    return lambda: [ops.layer1(h, w1, plan, inp.weights_shard, group)]
+
+
+def _floor_call(part: str, inp: Inputs, group) -> Callable[[], list[torch.Tensor]]:
+    plan = _baseline_plan(inp.ids_shard, inp.e, group)
+    x = gather_rows(inp.x_shard, group)[plan.row_token.long()].contiguous()
+    w0, w1 = inp.w0.transpose(1, 2), inp.w1.transpose(1, 2)
+    h = torch.empty_like(inp.h_rows)
+    h[plan.pair_row.reshape(-1).long()] = inp.h_rows
+    dz = gather_rows(inp.dout_shard, group)[plan.row_token.long()].contiguous()
+
+    def run():
+        if part == "layer0":
+            return [_grouped_mm(x, w0, plan)[plan.pair_row.reshape(-1).long()]]
+        if part == "layer1":
+            return [_grouped_mm(h, w1, plan)]
+        y = _grouped_mm(x, w0, plan)
+        gate, up = y.split(inp.f_loc, dim=1)
+        a = F.silu(gate) * up
+        z = _grouped_mm(a, w1, plan)
+        if part == "layer-bwd":
+            da = _grouped_mm(dz, inp.w1, plan)                              # dgrad of layer 1
+            _grouped_mm(y, inp.w0, plan)                                    # dgrad of layer 0 (its shape)
+            torch._grouped_mm(dz.t(), a, offs=plan.offsets[1:])             # wgrad of layer 1
+            torch._grouped_mm(y.t(), x, offs=plan.offsets[1:])              # wgrad of layer 0
+            return [z, da]
+        return [z]
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verification: every variant against the float32 computation of the same inputs.
+
+def reference(part: str, variant: str, inp: Inputs, group, device) -> list[torch.Tensor]:
+    """float32 results of ``part`` in the variants' shared form: the loop variant on upcast inputs, or
+    for ``floor`` (whose results are its GEMMs' outputs, not the layer's) the floor on upcast inputs."""
+    up = Inputs.__new__(Inputs)
+    up.__dict__.update({k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v)
+                        for k, v in inp.__dict__.items()})
+    up.state = {k: v.float() for k, v in inp.state.items()}
+    name = "floor" if variant == "floor" else "loop"
+    with torch.no_grad() if part != "layer-bwd" else torch.enable_grad():
+        return [t.detach().float() for t in make_call(part, name, up, group, torch.float32, device)()]
+
+
+def _rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for g, r in zip(got, ref):
+        g = g.detach().float()
+        if g.shape != r.shape or not torch.isfinite(g).all():
+            return math.inf
+        worst = max(worst, ((g - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------
+# One rank's run: every row, every variant, verified then timed, in the same order on every rank.
+
+@dataclasses.dataclass(frozen=True)
+class MoEBenchConfig:
+    models: tuple[str, ...]
+    tokens: tuple[int, ...]
+    routings: tuple[str, ...]
+    parts: tuple[str, ...]
+    variants: tuple[str, ...] = VARIANTS
+    smoke: bool = False
+    warmup_s: float = 0.5
+    iters: int = 20
+    reps: int = 5
+
+
+def _agree_max(value: float, group, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _time_variant(call: Callable, cfg: MoEBenchConfig, group, device) -> tuple[float, float | None, float | None,
+                                                                               float | None]:
+    """``(ms, clock_mhz, peak_mb, other_mb)``, max over ranks, on the GPU."""
+    from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
+
+    watch = MemoryWatch()
+    timing = measure(lambda i: call(), cfg=TimingConfig(warmup_s=cfg.warmup_s, iters=cfg.iters, reps=cfg.reps),
+                     agree=DistAgreement(group, device), clocks=ClockReader())
+    peak, other = watch.read()
+    peak_mb, other_mb = (_agree_max(v / 2**20, group, device) for v in (peak, other))
+    return timing.ms, timing.clock_mhz, peak_mb, other_mb
+
+
+def bench_rank(rank: int, world: int, cfg: MoEBenchConfig) -> list[dict]:
+    """Every (model, T, routing, part) row's variants on this rank; rank 0's list is the report."""
+    group = dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tol = TOLERANCE[dtype]
+    results = []
+    for model in cfg.models:
+        for t in cfg.tokens:
+            for routing in cfg.routings:
+                for part in cfg.parts:
+                    row = Row(model, t, routing, part)
+                    inp = Inputs(row, rank=rank, world=world, smoke=cfg.smoke, dtype=dtype, device=device)
+                    refs = {}
+                    for variant in cfg.variants:
+                        key = "floor" if variant == "floor" else "loop"
+                        if key not in refs:
+                            refs[key] = reference(part, variant, inp, group, device)
+                        results.append(_one(row, variant, inp, refs[key], tol, cfg, group, dtype, device, world))
+                    del inp, refs
+    return results
+
+
+def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConfig, group, dtype, device,
+         world: int) -> dict:
+    h, f, e, k = row.dims(cfg.smoke)
+    entry = {"op": "moe", "layer": f"{row.model} {row.part} {row.routing}", "world_size": world, "m": row.tokens,
+             "k": h, "n": f, "variant": variant, "status": "ok", "note": f"E={e} top-{k}"}
+    try:
+        call = make_call(row.part, variant, inp, group, dtype, device)
+        start = time.perf_counter()
+        err = _rel_err(call(), ref)
+        host_ms = (time.perf_counter() - start) * 1e3
+    except Exception as exc:  # the other ranks see it in the agreed error below
+        err, entry["note"] = math.inf, f"{type(exc).__name__}: {exc}"[:300]
+    err = _agree_max(err if math.isfinite(err) else 1e300, group, device)
+    entry["rel_err"] = err
+    if err > tol:
+        entry["status"] = "FAILED"
+        entry["note"] += f"; rel_err {err:.3g} > {tol:g}" if err < 1e300 else "; did not run on some rank"
+        return entry
+    if variant == "ours" and row.part in ("layer0", "layer1"):
+        entry["path"] = last_path("moe_all_gather_gemm" if row.part == "layer0" else "moe_gemm_reduce_scatter")
+    if device.type != "cuda":  # emulated ranks: the checked call's own time, which means nothing
+        entry["ms"] = _agree_max(host_ms, group, device)
+        return entry
+    ms, mhz, peak, other = _time_variant(call, cfg, group, device)
+    entry.update(ms=ms, clock_mhz=mhz, mem_peak_mb=peak, mem_other_mb=other)
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report.
+
+def markdown(measurements: list[Measurement], meta: dict) -> str:
+    by_row: dict[tuple, dict[str, Measurement]] = {}
+    for r in measurements:
+        by_row.setdefault((r.layer, r.m), {})[r.variant] = r
+
+    def cell(r: Measurement | None) -> str:
+        if r is None:
+            return "-"
+        return f"{r.ms:.3f}" if r.status == "ok" and r.ms is not None else r.status
+
+    def ratio(a: Measurement | None, b: Measurement | None) -> str:
+        if a is None or b is None or a.ms is None or b.ms is None or a.ms <= 0:
+            return "-"
+        return f"{b.ms / a.ms:.2f}"
+
+    lines = [f"# moe: TP={meta.get('world_size')}, {meta.get('gpu_name')}, {meta.get('date')}", "",
+             "ms per call, max over ranks (median of reps). x grouped / x loop: speedup of ours over the "
+             "baselines; floor/ours: share of the compute floor reached. mem: peak MB (ours).", "",
+             "| row | T | ours | grouped | loop | floor | x grouped | x loop | floor/ours | err ours | mem ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (layer, m), v in by_row.items():
+        ours = v.get("ours")
+        err = f"{ours.rel_err:.1e}" if ours is not None and ours.rel_err is not None else "-"
+        mem = f"{ours.mem_peak_mb:.0f}" if ours is not None and ours.mem_peak_mb is not None else "-"
+        lines.append(f"| {layer} | {m} | {cell(ours)} | {cell(v.get('grouped'))} | {cell(v.get('loop'))} | "
+                     f"{cell(v.get('floor'))} | {ratio(ours, v.get('grouped'))} | {ratio(ours, v.get('loop'))} | "
+                     f"{ratio(ours, v.get('floor'))} | {err} | {mem} |")
+    failed = [r for r in measurements if r.status != "ok"]
+    if failed:
+        lines += ["", "Failed:"] + [f"- {r.layer} T={r.m} {r.variant}: {r.note}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(path: Path, measurements: list[Measurement]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    rows: dict[tuple, dict[str, float]] = {}
+    for r in measurements:
+        if r.ms is not None:
+            rows.setdefault((r.layer, r.m), {})[r.variant] = r.ms
+    labels = [f"{layer}\nT={m}" for layer, m in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(labels) + 2), 4.5))
+    for i, base in enumerate(("grouped", "loop")):
+        vals = [v[base] / v["ours"] if "ours" in v and base in v else 0.0 for v in rows.values()]
+        ax.bar([j + (i - 0.5) * 0.4 for j in range(len(labels))], vals, width=0.4, label=f"ours over {base}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel("speedup")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(out_dir: Path, tag: str, measurements: list[Measurement], meta: dict) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{tag}_moe_{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = {"schema": SCHEMA, "meta": {**meta, "op": "moe", "tag": tag},
+           "measurements": [dataclasses.asdict(r) for r in measurements]}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=lambda o: None) + "\n")
+    stem.with_suffix(".md").write_text(markdown(measurements, meta))
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    if write_chart(stem.with_suffix(".png"), measurements):
+        paths.append(stem.with_suffix(".png"))
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line.
+
+def _csv(kind: type, allowed: tuple | None = None):
+    def parse(text: str):
+        values = tuple(kind(v) for v in text.split(",") if v)
+        bad = [v for v in values if allowed is not None and v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, bad))} not in {', '.join(map(str, allowed))}")
+        return values
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tileweave.bench.moe", description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on 2 emulated CPU ranks, every variant checked")
+    p.add_argument("--models", type=_csv(str, tuple(MODELS)), default=tuple(MODELS))
+    p.add_argument("--tokens", type=_csv(int), default=TOKENS, help="tokens T over the group")
+    p.add_argument("--routing", type=_csv(str, ROUTINGS), default=ROUTINGS)
+    p.add_argument("--parts", type=_csv(str, PARTS), default=PARTS)
+    p.add_argument("--variants", type=_csv(str, VARIANTS), default=VARIANTS)
+    p.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU; 2 with --smoke)")
+    p.add_argument("--warmup-s", type=float, default=0.5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--tag", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        cfg = MoEBenchConfig(models=tuple(SMOKE_MODELS), tokens=(8,), routings=args.routing, parts=args.parts,
+                             variants=args.variants, smoke=True)
+        world, gpus = args.nproc or 2, False
+    else:
+        if not torch.cuda.is_available():
+            print("tileweave.bench.moe: no CUDA GPU; use --smoke on the CPU", file=sys.stderr)
+            return 2
+        cfg = MoEBenchConfig(models=args.models, tokens=args.tokens, routings=args.routing, parts=args.parts,
+                             variants=args.variants, warmup_s=args.warmup_s, iters=args.iters, reps=args.reps)
+        world, gpus = args.nproc or torch.cuda.device_count(), True
+    bad = [t for t in cfg.tokens if t % world]
+    if bad:
+        print(f"tileweave.bench.moe: --tokens {bad} not divisible by {world} ranks", file=sys.stderr)
+        return 2
+    # The ranks import this module by name (under ``python -m`` it is ``__main__`` here).
+    rank_fn = importlib.import_module("tileweave.bench.moe").bench_rank
+    rows = run_ranks(world, rank_fn, cfg, gpus=gpus, heap_bytes=64 << 20)[0]
+    measurements = [Measurement(**r) for r in rows]
+    meta = collect_metadata(world_size=world, timing={"warmup_s": cfg.warmup_s, "iters": cfg.iters,
+                                                      "reps": cfg.reps, "smoke": cfg.smoke},
+                            argv=sys.argv if argv is None else ["tileweave.bench.moe", *argv])
+    paths = write_report(args.out, args.tag or ("smoke" if cfg.smoke else f"tp{world}"), measurements, meta)
+    print(markdown(measurements, meta), flush=True)
+    print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
+    return 1 if any(m.status != "ok" for m in measurements) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
