@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tileweave.ops.moe import build_plan
+from tileweave.ops.moe import build_plan, choose_path
 from tileweave.testing.moe_reference import reference_plan
 
 
@@ -23,6 +23,8 @@ def test_worked_example():
     assert plan.offsets.dtype == plan.row_token.dtype == plan.pair_row.dtype == torch.int32
     assert (plan.rows, plan.groups) == (8, 6)
     assert [int(v) for v in plan.source_rows(1)] == [4, 8]
+    again = type(plan).from_tensors(*plan.tensors())
+    assert again.signature() == plan.signature() == (2, 4, 2, 3) and _as_lists(again) == _as_lists(plan)
 
 
 @pytest.mark.parametrize("tokens,topk,experts,world,dtype", [
@@ -74,3 +76,16 @@ def test_unchecked_bad_ids_stay_in_bounds():
     assert plan.row_token.min() >= 0 and plan.row_token.max() < 4
     assert plan.row_expert.min() >= 0 and plan.row_expert.max() < 2
     assert plan.splits.tolist() == [3, 3]
+
+
+def test_path_rule_worked_example():
+    # The examples of tileweave.ops.moe.paths.choose_path's docstring.
+    bf16 = torch.bfloat16
+    mixtral = dict(hidden=4096, f_loc=14336 // 2, topk=2, world=2, dtype=bf16)
+    qwen = dict(hidden=2048, f_loc=768 // 2, topk=8, world=2, dtype=bf16)
+    assert choose_path(tokens=4096, **mixtral) == "fused"
+    assert choose_path(tokens=256, **mixtral) == "fallback"
+    assert choose_path(tokens=8192, **qwen) == "fused"
+    assert choose_path(tokens=2048, **qwen) == "fallback"
+    assert choose_path(tokens=256, **{**mixtral, "world": 1}) == "local"
+    assert choose_path(tokens=8, **mixtral, interpreter=True) == "fused"

@@ -20,8 +20,9 @@ def reference_plan(ids: list[list[int]], num_experts: int, world: int) -> dict:
     offsets = [0]
     for c in counts:
         offsets.append(offsets[-1] + c)
+    row_of = {pair: row for row, pair in enumerate(pairs)}
     return {"row_token": [t for t, _ in pairs], "row_expert": [ids[t][j] for t, j in pairs], "offsets": offsets,
-            "pair_row": [[pairs.index((t, j)) for j in range(len(ids[t]))] for t in range(tokens)],
+            "pair_row": [[row_of[(t, j)] for j in range(len(ids[t]))] for t in range(tokens)],
             "splits": [sum(row.count(e) for row in ids) for e in range(num_experts)]}
 
 

@@ -162,6 +162,22 @@ def _error(fn) -> tuple[str, str] | None:
     return None
 
 
+BAD_INPUT_ERRORS = {
+    "ids_float": ("TypeError", "topk_ids"), "ids_1d": ("ValueError", "topk_ids must be"),
+    "ids_high": ("ValueError", "outside [0, num_experts=4)"), "ids_negative": ("ValueError", "expert id -1"),
+    "tokens_not_divisible": ("ValueError", "divisible"), "plan_shard_high": ("ValueError", "topk_ids_shard"),
+    "w0_experts": ("ValueError", "E=4 experts but the weights have 3"), "w0_hidden": ("ValueError", "w0"),
+    "w0_2d": ("ValueError", "w0 must be 3-D"), "w0_dtype": ("TypeError", "w0 has dtype"),
+    "x_dtype": ("TypeError", "x_shard"), "plan_world": ("ValueError", "world_size="),
+    "plan_tokens": ("ValueError", "tokens"), "plan_type": ("TypeError", "MoEPlan"), "out_shape": ("ValueError", "out"),
+    "h_rows": ("ValueError", "h has"), "w1_experts": ("ValueError", "weights have"), "w1_rows": ("ValueError", "w1"),
+    "weights_shape": ("ValueError", "topk_weights_shard"), "weights_dtype": ("TypeError", "topk_weights_shard"),
+    "plan_ranks_disagree": ("TileweaveError", "every rank must route"),
+    "layer0_ranks_disagree": ("TileweaveError", "every rank of the group must pass the same"),
+}
+"""What ``bad_inputs`` must see for each bad input: the exception type and a part of its message."""
+
+
 def bad_inputs(rank: int, world: int) -> dict:
     """Each bad input's ``(exception type, message)`` (None if nothing was raised), then whether the
     ops still work after them (the errors left no rank out of step)."""
@@ -212,3 +228,38 @@ def bad_inputs(rank: int, world: int) -> dict:
     y = layer0(x, w0, plan)
     out = layer1(h, w1, plan, wt)
     return {"errors": errors, "after_ok": bool(torch.isfinite(y).all() and torch.isfinite(out).all())}
+
+
+def no_host_sync_check(rank: int, world: int, policy: str) -> dict:
+    """A second call of the plan and both layers (same shapes, fresh routing) under
+    ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation raises (GPUs only; the
+    first call may synchronise, it agrees on the shapes). Returns the paths and the outputs' errors."""
+    device = _device()
+    case = MoECase(64, 256, 128, 8, 2, dtype="bfloat16", policy=policy)
+    tc, k, e = case.tokens_per_rank, case.topk, case.experts
+    mine = slice(rank * tc, (rank + 1) * tc)
+    w0_all, w1_all = _weights(case, world)
+    w0 = _as_op_weight(w0_all[rank], case, torch.bfloat16, device)
+    w1 = _as_op_weight(w1_all[rank], case, torch.bfloat16, device)
+    layer0, layer1 = MoEAllGatherGemm(policy=policy), MoEGemmReduceScatter(policy=policy)
+    result = {}
+    for it in range(2):
+        ids, weights = routing(case, world, it)
+        x = _randn((tc * world, case.hidden), "x", case, it).to(torch.bfloat16)
+        x_shard, ids_shard, wt = x[mine].to(device), ids[mine].to(device), weights[mine].to(device)
+        torch.cuda.synchronize()
+        if it == 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            plan = moe_plan(ids_shard, num_experts=e, validate=it == 0)
+            y = layer0(x_shard, w0, plan)
+            out = layer1(y, w1, plan, wt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        # y as layer 1's input: its reference is layer 0's output, per pair, on every rank; checked here
+        # for layer 0 only, and for layer 1 through finiteness (pair_check covers its arithmetic).
+        y_pairs = y[plan.pair_row.reshape(-1).long()].view(tc * world, k, case.f_loc)
+        result = {"path0": _launch.last_path("moe_all_gather_gemm"), "path1": _launch.last_path("moe_gemm_reduce_scatter"),
+                  "err0": _rel_err(y_pairs, moe_reference.layer0_reference(x, ids, w0_all[rank].to(torch.bfloat16))),
+                  "finite1": bool(torch.isfinite(out).all())}
+    return result

@@ -153,11 +153,16 @@ def check_weight(name: str, w: torch.Tensor, *, rows: int, rows_name: str, dtype
     return w.shape[0]
 
 
+def nccl(backend: Backend) -> bool:
+    """Whether the group runs NCCL (tensor collectives); else gloo (emulated or GPU-sharing test ranks)."""
+    return dist.get_backend(backend.group) == "nccl"
+
+
 def all_gather_rows(t: torch.Tensor, backend: Backend) -> torch.Tensor:
     """NCCL (or gloo) all-gather of ``t [rows, ...]`` along its first dimension, on the caller's stream."""
     t = t.contiguous()
     out = t.new_empty((t.shape[0] * backend.world_size, *t.shape[1:]))
-    if t.is_cuda:
+    if nccl(backend):
         dist.all_gather_into_tensor(out, t, group=backend.group)
     else:
         dist.all_gather(list(out.chunk(backend.world_size)), t, group=backend.group)

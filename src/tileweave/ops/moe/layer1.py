@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from tileweave.ops import _launch
 from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
 from tileweave.runtime.backend import Backend
@@ -120,7 +120,7 @@ class MoEGemmReduceScatter(MoEOp):
     def _fallback(self, backend: Backend, h, w1, plan: MoEPlan, weights, out) -> None:
         z = grouped_gemm(h, w1, plan.offsets, experts=plan.num_experts)
         partial = topk_reduce(z, plan.pair_row, weights)
-        if h.is_cuda:
+        if nccl(backend):
             dist.reduce_scatter_tensor(out, partial.to(h.dtype), group=backend.group)
         else:  # gloo has no reduce-scatter
             dist.all_reduce(partial, group=backend.group)

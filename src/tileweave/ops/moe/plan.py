@@ -75,6 +75,20 @@ class MoEPlan:
         e = self.num_experts
         return self.offsets[source * e], self.offsets[(source + 1) * e]
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(offsets, row_token, row_expert, pair_row, splits)``: the plan as tensors alone (a custom
+        op's arguments); ``from_tensors`` rebuilds it."""
+        return (self.offsets, self.row_token, self.row_expert, self.pair_row, self.splits)
+
+    @classmethod
+    def from_tensors(cls, offsets: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor,
+                     pair_row: torch.Tensor, splits: torch.Tensor) -> "MoEPlan":
+        """The plan of ``tensors()`` (W, T, k and E follow from their shapes)."""
+        tokens, topk = pair_row.shape
+        experts = splits.shape[0]
+        return cls(world_size=(offsets.shape[0] - 1) // experts, tokens=tokens, topk=topk, num_experts=experts,
+                   offsets=offsets, row_token=row_token, row_expert=row_expert, pair_row=pair_row, splits=splits)
+
     def signature(self) -> tuple[int, int, int, int]:
         """(W, T, k, E): what two calls' plans must share to be interchangeable."""
         return (self.world_size, self.tokens, self.topk, self.num_experts)
@@ -169,7 +183,7 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
     gathered = ids.new_empty((ids.shape[0] * world, ids.shape[1]))
     if world == 1:
         gathered.copy_(ids)
-    elif ids.is_cuda:
+    elif dist.get_backend(group) == "nccl":
         dist.all_gather_into_tensor(gathered, ids, group=group)
     else:
         dist.all_gather(list(gathered.chunk(world)), ids, group=group)
