@@ -13,12 +13,12 @@ EXPECTED = {"fused": ("fused", "chunked"), "fallback": ("fallback", "fallback")}
 """The paths each policy takes at W > 1: layer 0, layer 1 (its overlapped path is the chunked one)."""
 
 
-def _check(rows_per_rank, cases):
+def _check(rows_per_rank, cases, world):
     for rows in rows_per_rank:
         assert len(rows) == sum(case.iters for case in cases)
         for row in rows:
             case = row["case"]
-            paths = EXPECTED[case["policy"]]
+            paths = ("local", "local") if world == 1 else EXPECTED[case["policy"]]
             assert (row["path0"], row["path1"]) == paths, row
             assert row["plan_ok"], row
             assert row["err0"] < TOL[case["dtype"]], row
@@ -33,6 +33,7 @@ def _check(rows_per_rank, cases):
 # not a multiple of any tile; a straggling copy engine; back-to-back calls with fresh routing; both
 # paths; fp16 and fp32; both weight layouts.
 @pytest.mark.parametrize("world,cases", [
+    (1, [C(6, 32, 16, 8, 2, iters=1)]),                                         # a group of one: no communication
     (2, [C(12, 32, 16, 4, 2, straggler=1, delay_s=0.2, repeat=True),           # random, back to back, late rank
          C(3, 32, 24, 64, 2, dtype="float32", linear_layout=False, policy="fallback", iters=1)]),  # E = 64
     (3, [C(5, 32, 16, 1, 1, routing="one_expert", iters=1),                    # E = 1, k = 1, T = 15
@@ -40,7 +41,7 @@ def _check(rows_per_rank, cases):
     (4, [C(3, 32, 16, 8, 6, routing="skip_expert", straggler=0, delay_s=0.2)]),  # k = 6, expert 0 empty
 ])
 def test_moe_pair(world, cases):
-    _check(run_ranks(world, moe_scenarios.pair_check, cases), cases)
+    _check(run_ranks(world, moe_scenarios.pair_check, cases), cases, world)
 
 
 def test_bad_inputs():
@@ -51,3 +52,11 @@ def test_bad_inputs():
             assert got is not None, f"{name}: nothing raised"
             assert got[0] == kind and text in got[1], (name, got)
         assert result["after_ok"]
+
+
+def test_lost_peer_raises():
+    # Rank 1's shard comes 3 s late; rank 0's tiles of it poll 200 times at most, then report it.
+    results = run_ranks(2, moe_scenarios.gate_timeout_check, 1, 3.0, 200)
+    assert results[0] is not None and results[0].startswith("CollectiveTimeout"), results
+    assert "the shard of rank 1" in results[0], results
+    assert results[1] is None, results  # rank 0's shard was on time

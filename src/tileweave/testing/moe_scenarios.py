@@ -263,3 +263,26 @@ def no_host_sync_check(rank: int, world: int, policy: str) -> dict:
                   "err0": _rel_err(y_pairs, moe_reference.layer0_reference(x, ids, w0_all[rank].to(torch.bfloat16))),
                   "finite1": bool(torch.isfinite(out).all())}
     return result
+
+
+def gate_timeout_check(rank: int, world: int, late: int, delay_s: float, max_spin: int) -> str | None:
+    """Layer 0 with rank ``late``'s copy engine ``delay_s`` late and a spin bound of ``max_spin`` polls on
+    the other ranks (the late rank keeps the default bound, so that only they can give up): their gated
+    tiles give up waiting for its shard and the call raises (the message is returned; None where
+    nothing was raised) instead of hanging or returning wrong rows silently."""
+    device = _device()
+    case = MoECase(4, 32, 16, 4, 2)
+    ids, _ = routing(case, world, 0)
+    mine = slice(rank * 4, (rank + 1) * 4)
+    layer0 = MoEAllGatherGemm(policy="fused", max_spin=None if rank == late else max_spin)
+    plan = moe_plan(ids[mine].to(device), num_experts=case.experts)
+    x = _randn((4, 32), "x", rank).half().to(device)
+    w0 = _randn((4, 32, 16), "w0", rank).half().to(device)
+    set_producer_delay(delay_s if rank == late else 0.0)
+    try:
+        layer0(x, w0, plan)
+    except TileweaveError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        set_producer_delay(0.0)
+    return None
