@@ -51,21 +51,10 @@ class MoEStack(torch.nn.Module):
 
 
 def _ops(policy: str):
-    """The layers' ops: tileweave's functional MoE pair, or op objects under an explicit policy."""
-    from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps
-    from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, moe_plan
+    """The layers' ops: tileweave's functional MoE pair, or op objects of their own under ``policy``."""
+    from tileweave.nn.moe_autograd import TILEWEAVE_OPS, tileweave_ops
 
-    if policy == "auto":
-        return TILEWEAVE_OPS
-    up, down = MoEAllGatherGemm(policy=policy), MoEGemmReduceScatter(policy=policy)
-
-    def layer1(h, w, plan, weights_shard, group):
-        if weights_shard is None:
-            weights_shard = torch.ones((plan.tokens // plan.world_size, plan.topk), device=h.device)
-        return down(h, w, plan, weights_shard)
-
-    return MoEOps(plan=lambda ids, e, group: moe_plan(ids, num_experts=e, group=group),
-                  layer0=lambda x, w, plan, group, keep: up(x, w, plan, return_gathered=keep), layer1=layer1)
+    return TILEWEAVE_OPS if policy == "auto" else tileweave_ops(policy=policy)
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> dict:

@@ -32,8 +32,12 @@ Backward runs on the same ops by duality (``tileweave.nn.moe_autograd``). The ro
 like the dense block's norm weights, each rank's ``router.weight.grad`` covers its own tokens, and the
 gradient of the replicated weight is their sum over the group (``all_reduce_replicated_grads``).
 
+Kept for backward, per rank: the gathered input ``[T, H]`` (unless ``save_gathered=False``: gathered
+again), layer 0's output ``[T*k, 2*F_loc]`` and the SwiGLU output ``[T*k, F_loc]``.
+
 Every rank must call the layer, its backward and the state-dict methods in the same order, like any
-collective; the expert counts per rank never reach the host on the forward path.
+collective; the expert counts never reach the host on the forward path (the weight gradients read
+them where ``torch._grouped_mm`` does not take the shapes: ``tileweave.nn.moe_autograd``).
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tileweave.ops.moe import MoEPlan, moe_all_gather_gemm, moe_gemm_reduce_scatter, moe_plan
+from tileweave.ops.moe import (MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_all_gather_gemm,
+                               moe_gemm_reduce_scatter, moe_plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +81,35 @@ def _tileweave_layer0(x_shard, w, plan, group, return_gathered):
 
 
 def _tileweave_layer1(h, w, plan, weights_shard, group):
-    if weights_shard is None:
-        # Every weight 1, as a tensor until the op takes None for it.
-        weights_shard = torch.ones((plan.tokens // plan.world_size, plan.topk), dtype=torch.float32,
-                                   device=h.device)
-    return moe_gemm_reduce_scatter(h, w, plan, weights_shard, group)
+    return moe_gemm_reduce_scatter(h, w, plan, _ones_if_none(weights_shard, plan, h.device), group)
 
 
 TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1)
+"""tileweave's functional MoE ops (one cached op object per group and device, ``policy="auto"``)."""
+
+
+def tileweave_ops(*, policy: str = "auto", group: dist.ProcessGroup | None = None,
+                  max_spin: int | None = None) -> MoEOps:
+    """tileweave's MoE pair on op objects of their own, bound to ``group`` (None: WORLD), with ``policy``
+    (``"auto"``, ``"fused"``, ``"fallback"``) and ``max_spin`` (see ``tileweave.ops.moe``). The layers
+    given these ops must all run on ``group``."""
+    up = MoEAllGatherGemm(group, policy=policy, max_spin=max_spin)
+    down = MoEGemmReduceScatter(group, policy=policy, max_spin=max_spin)
+
+    def layer0(x_shard, w, plan, group, return_gathered):
+        return up(x_shard, w, plan, return_gathered=return_gathered)
+
+    def layer1(h, w, plan, weights_shard, group):
+        return down(h, w, plan, _ones_if_none(weights_shard, plan, h.device))
+
+    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1)
+
+
+def _ones_if_none(weights_shard: torch.Tensor | None, plan: MoEPlan, device: torch.device) -> torch.Tensor:
+    """Layer 1 with every weight 1 (layer 0's input gradient), as a tensor until the op takes None."""
+    if weights_shard is not None:
+        return weights_shard
+    return torch.ones((plan.tokens // plan.world_size, plan.topk), dtype=torch.float32, device=device)
 
 
 def gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

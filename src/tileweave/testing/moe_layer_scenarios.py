@@ -14,8 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from tileweave.nn.moe import TPMoE
+from tileweave.nn.moe_autograd import TILEWEAVE_OPS, tileweave_ops
 from tileweave.ops import _launch
-from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, moe_plan
 from tileweave.runtime.backend import set_producer_delay
 from tileweave.testing.moe_layer_reference import reference_moe, routing_gap
 
@@ -91,26 +92,12 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _ops_for(policy: str, group: dist.ProcessGroup):
     """The layer's ops under ``policy`` (``auto`` is the layer's default: tileweave's functional ops)."""
-    from tileweave.nn.moe_autograd import MoEOps, TILEWEAVE_OPS
-
-    if policy == "auto":
-        return TILEWEAVE_OPS
-    up, down = MoEAllGatherGemm(group, policy=policy), MoEGemmReduceScatter(group, policy=policy)
-
-    def layer1(h, w, plan, weights_shard, group):
-        if weights_shard is None:
-            weights_shard = torch.ones((plan.tokens // plan.world_size, plan.topk), device=h.device)
-        return down(h, w, plan, weights_shard)
-
-    return MoEOps(plan=lambda ids, e, grp: moe_plan(ids, num_experts=e, group=grp),
-                  layer0=lambda x, w, plan, grp, keep: up(x, w, plan, return_gathered=keep), layer1=layer1)
+    return TILEWEAVE_OPS if policy == "auto" else tileweave_ops(policy=policy, group=group)
 
 
 def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     """The layer against ``reference_moe``: output, input gradient and every parameter gradient (each
     rank's shard; the router's summed over ranks) per step, the state dict's round trip, the paths."""
-    from tileweave.nn.moe import TPMoE
-
     dtype = getattr(torch, case.dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     group = dist.group.WORLD
@@ -155,8 +142,6 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
 
 def tp_moe_errors_check(rank: int, world: int) -> dict:
     """Bad arguments to the layer: each error text, keyed by what was wrong."""
-    from tileweave.nn.moe import TPMoE
-
     found = {}
     for key, make in {"ffn": lambda: TPMoE(16, 2 * world + 1, 4, 2),
                       "top_k": lambda: TPMoE(16, 16, 4, 5),
