@@ -46,3 +46,19 @@ def test_tp_moe_gpu_matches_float64_reference(name):
         assert result["paths"][0] in ("fused", "chunked", "fallback"), result["paths"]
         if case.policy == "fallback":
             assert result["paths"] == ("fallback", "fallback"), result["paths"]
+
+
+@needs_two
+def test_moe_benchmark_verifies_and_times_every_variant(tmp_path):
+    # One small row of every part: each variant verified against float64 on the GPUs, then timed.
+    import json
+
+    from tileweave.bench import moe
+
+    assert moe.main(["--models", "qwen3-30b-a3b", "--tokens", str(1024 * RANKS), "--routing", "zipf",
+                     "--warmup-s", "0.1", "--nproc", str(RANKS), "--out", str(tmp_path), "--tag", "g"]) == 0
+    (report,) = tmp_path.glob("g_moe_*.json")
+    rows = json.loads(report.read_text())["measurements"]
+    assert len(rows) == len(moe.PARTS) * len(moe.VARIANTS)
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0 and r["mem_peak_mb"] is not None, r

@@ -2,10 +2,11 @@
 
     python -m tileweave.bench.moe                   # one process per GPU, every model, T and routing
     python -m tileweave.bench.moe --smoke           # the CPU: tiny shapes on 2 emulated ranks, verified
+    torchrun --nproc-per-node 8 -m tileweave.bench.moe --models flux --tokens 8192   # or under torchrun
 
 Parts (``--parts``): ``layer0`` (AllGather + grouped GEMM), ``layer1`` (grouped GEMM + top-k reduce +
-ReduceScatter), ``layer`` (``TPMoE`` forward: router, plan, both layers, SwiGLU) and ``layer-bwd``
-(forward + backward). Variants, on the same inputs:
+ReduceScatter), ``layer`` (``TPMoE`` forward under ``torch.no_grad``: router, plan, both layers,
+SwiGLU) and ``layer-bwd`` (forward + backward, no optimizer). Variants, on the same inputs:
 
 * ``ours``: tileweave's MoE pair (``tileweave.ops.moe``), the layer on its default ops;
 * ``grouped``: NCCL all-gather + index gather + ``torch._grouped_mm`` + weighted ``index_add`` + NCCL
@@ -33,8 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.bench.report import SCHEMA, Measurement, collect_metadata
+from tileweave.bench.moe_report import markdown, write_report
+from tileweave.bench.report import Measurement, collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
 from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
@@ -191,9 +193,10 @@ def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Cal
         x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
 
         def run_layer():
-            out = layer(x)
             if part == "layer":
-                return [out]
+                with torch.no_grad():
+                    return [layer(x)]
+            out = layer(x)
             x.grad = None
             layer.zero_grad(set_to_none=True)
             out.backward(inp.dout_shard)
@@ -392,83 +395,6 @@ def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConf
 
 
 # ---------------------------------------------------------------------------------------------------
-# Report.
-
-def markdown(measurements: list[Measurement], meta: dict) -> str:
-    by_row: dict[tuple, dict[str, Measurement]] = {}
-    for r in measurements:
-        by_row.setdefault((r.layer, r.m), {})[r.variant] = r
-
-    def cell(r: Measurement | None) -> str:
-        if r is None:
-            return "-"
-        return f"{r.ms:.3f}" if r.status == "ok" and r.ms is not None else r.status
-
-    def ratio(a: Measurement | None, b: Measurement | None) -> str:
-        if a is None or b is None or a.ms is None or b.ms is None or a.ms <= 0:
-            return "-"
-        return f"{b.ms / a.ms:.2f}"
-
-    lines = [f"# moe: TP={meta.get('world_size')}, {meta.get('gpu_name')}, {meta.get('date')}", "",
-             "ms per call, max over ranks (median of reps). x grouped / x loop: speedup of ours over the "
-             "baselines; floor/ours: share of the compute floor reached. mem: peak MB (ours).", "",
-             "| row | T | ours | grouped | loop | floor | x grouped | x loop | floor/ours | err ours | mem ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (layer, m), v in by_row.items():
-        ours = v.get("ours")
-        err = f"{ours.rel_err:.1e}" if ours is not None and ours.rel_err is not None else "-"
-        mem = f"{ours.mem_peak_mb:.0f}" if ours is not None and ours.mem_peak_mb is not None else "-"
-        lines.append(f"| {layer} | {m} | {cell(ours)} | {cell(v.get('grouped'))} | {cell(v.get('loop'))} | "
-                     f"{cell(v.get('floor'))} | {ratio(ours, v.get('grouped'))} | {ratio(ours, v.get('loop'))} | "
-                     f"{ratio(ours, v.get('floor'))} | {err} | {mem} |")
-    failed = [r for r in measurements if r.status != "ok"]
-    if failed:
-        lines += ["", "Failed:"] + [f"- {r.layer} T={r.m} {r.variant}: {r.note}" for r in failed]
-    return "\n".join(lines) + "\n"
-
-
-def write_chart(path: Path, measurements: list[Measurement]) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return False
-    rows: dict[tuple, dict[str, float]] = {}
-    for r in measurements:
-        if r.ms is not None:
-            rows.setdefault((r.layer, r.m), {})[r.variant] = r.ms
-    labels = [f"{layer}\nT={m}" for layer, m in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(labels) + 2), 4.5))
-    for i, base in enumerate(("grouped", "loop")):
-        vals = [v[base] / v["ours"] if "ours" in v and base in v else 0.0 for v in rows.values()]
-        ax.bar([j + (i - 0.5) * 0.4 for j in range(len(labels))], vals, width=0.4, label=f"ours over {base}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel("speedup")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def write_report(out_dir: Path, tag: str, measurements: list[Measurement], meta: dict) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{tag}_moe_{time.strftime('%Y%m%d-%H%M%S')}"
-    doc = {"schema": SCHEMA, "meta": {**meta, "op": "moe", "tag": tag},
-           "measurements": [dataclasses.asdict(r) for r in measurements]}
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=lambda o: None) + "\n")
-    stem.with_suffix(".md").write_text(markdown(measurements, meta))
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    if write_chart(stem.with_suffix(".png"), measurements):
-        paths.append(stem.with_suffix(".png"))
-    return paths
-
-
-# ---------------------------------------------------------------------------------------------------
 # Command line.
 
 def _csv(kind: type, allowed: tuple | None = None):
@@ -498,6 +424,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _torchrun_rank(cfg: MoEBenchConfig) -> list[dict] | None:
+    """This process's rank of a torchrun launch; rank 0's rows, None on the other ranks."""
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    try:
+        rows = bench_rank(dist.get_rank(), dist.get_world_size(), cfg)
+    finally:
+        dist.destroy_process_group()
+    return rows if int(os.environ["RANK"]) == 0 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
@@ -515,9 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"tileweave.bench.moe: --tokens {bad} not divisible by {world} ranks", file=sys.stderr)
         return 2
-    # The ranks import this module by name (under ``python -m`` it is ``__main__`` here).
-    rank_fn = importlib.import_module("tileweave.bench.moe").bench_rank
-    rows = run_ranks(world, rank_fn, cfg, gpus=gpus, heap_bytes=64 << 20)[0]
+    if gpus and all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):  # under torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        rows = _torchrun_rank(cfg)
+        if rows is None:
+            return 0
+    else:
+        # The ranks import this module by name (under ``python -m`` it is ``__main__`` here).
+        rank_fn = importlib.import_module("tileweave.bench.moe").bench_rank
+        rows = run_ranks(world, rank_fn, cfg, gpus=gpus, heap_bytes=64 << 20)[0]
     measurements = [Measurement(**r) for r in rows]
     meta = collect_metadata(world_size=world, timing={"warmup_s": cfg.warmup_s, "iters": cfg.iters,
                                                       "reps": cfg.reps, "smoke": cfg.smoke},

@@ -106,7 +106,9 @@ class TPMoE(nn.Module):
         weights, ids = route(logits, self.top_k, normalize=self.normalize_topk)
         with torch.autocast(x_shard.device.type, enabled=False):
             plan = self.ops.plan(ids, self.num_experts, self.group)
-            y = ExpertsUp.apply(x_shard, w0, plan, self.group, self.ops, self.save_gathered)
+            # The gathered input serves only w0's gradient: not kept (nor copied out of the op) without one.
+            keep = self.save_gathered and torch.is_grad_enabled() and w0.requires_grad
+            y = ExpertsUp.apply(x_shard, w0, plan, self.group, self.ops, keep)
             gate, up = y.split(self.ffn_local, dim=1)
             h = (F.silu(gate) * up).contiguous()
             return ExpertsDown.apply(h, w1, weights, plan, self.group, self.ops)
