@@ -36,8 +36,9 @@ Kept for backward, per rank: the gathered input ``[T, H]`` (unless ``save_gather
 again), layer 0's output ``[T*k, 2*F_loc]`` and the SwiGLU output ``[T*k, F_loc]``.
 
 Every rank must call the layer, its backward and the state-dict methods in the same order, like any
-collective; the expert counts never reach the host on the forward path (the weight gradients read
-them where ``torch._grouped_mm`` does not take the shapes: ``tileweave.nn.moe_autograd``).
+collective. The forward path reads no expert counts on the host (``moe_plan`` reads only the ids'
+range, to check it); the weight gradients read them where ``torch._grouped_mm`` does not take the
+shapes (``tileweave.nn.moe_autograd``).
 """
 
 from __future__ import annotations
