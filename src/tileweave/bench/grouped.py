@@ -1,0 +1,404 @@
+"""Single-GPU benchmark of the grouped GEMM core against ``torch._grouped_mm``.
+
+``python -m tileweave.bench.grouped --out DIR [--quick | --smoke]``
+
+For each MoE shape (per rank at TP=2: ``F_loc = F / 2``), token count T, routing (uniform or
+Zipf-skewed top-k) and layer:
+
+* layer 0: ``[T*k, H] x [E, H, F_loc]``, A rows gathered from the tokens ``x [T, H]`` by the plan:
+  ``ours`` gathers inside the kernel; ``torch`` is ``torch._grouped_mm`` on A already permuted (the
+  permutation not timed); ``torch+gather`` times ``index_select`` and ``torch._grouped_mm`` together.
+* layer 1: ``[T*k, F_loc] x [E, F_loc, H]``, A in plan order: ``ours`` against ``torch``.
+
+Weights are stacked ``nn.Linear`` weights ``[E, N, K]`` read through their transpose view (both
+implementations read that layout in place); ``--b-layout kn`` uses row-major ``[E, K, N]`` instead.
+Every variant is checked against a float32 reference before it is timed. Timing is steady state
+(``tileweave.bench.timing.measure``: ~0.5 s warm-up, 5 batches of 20 back-to-back calls between CUDA
+events, the median batch). A variant that fails is recorded with its error and the run goes on.
+Writes ``grouped.json`` and ``grouped.md`` to ``--out`` and prints the table.
+
+``--smoke``: tiny shapes, outputs checked, no timing on the CPU (there the kernel runs in Triton's
+interpreter: set ``TRITON_INTERPRET=1``; ``torch._grouped_mm`` on the CPU, or a per-expert loop where
+this torch lacks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from tileweave.bench.report import collect_metadata, geomean
+from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
+from tileweave.ops import _launch
+from tileweave.ops.grouped_gemm import grouped_config, grouped_gemm
+from tileweave.tune.grouped import GroupedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+
+
+MODELS = (
+    Model("mixtral-8x7b", 4096, 14336, 8, 2),
+    Model("qwen3-30b-a3b", 2048, 768, 128, 8),
+    Model("deepseek-v2-lite", 2048, 1408, 64, 6),
+    Model("flux", 8192, 8192, 32, 4),
+)
+SMOKE_MODELS = (Model("tiny-a", 64, 96, 4, 2), Model("tiny-b", 48, 80, 8, 3))
+TOKENS = (4096, 8192, 16384)
+QUICK_TOKENS = (8192,)
+SMOKE_TOKENS = (24,)
+TP = 2
+ROUTINGS = ("uniform", "zipf")
+ZIPF_S = 1.2
+"""Expert e's routing weight is proportional to ``1 / (e + 1) ** ZIPF_S``."""
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+@dataclasses.dataclass
+class Case:
+    model: Model
+    tokens: int
+    routing: str
+    layer: int
+    dtype: torch.dtype
+
+    @property
+    def k_n(self) -> tuple[int, int]:
+        f_loc = self.model.ffn // TP
+        return (self.model.hidden, f_loc) if self.layer == 0 else (f_loc, self.model.hidden)
+
+    def key(self) -> dict:
+        k, n = self.k_n
+        return {"model": self.model.name, "tokens": self.tokens, "routing": self.routing, "layer": self.layer,
+                "rows": self.tokens * self.model.topk, "n": n, "k": k, "experts": self.model.experts,
+                "topk": self.model.topk}
+
+
+def route(tokens: int, experts: int, topk: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """Top-k expert ids ``[T, k]`` (distinct per token) on ``gen``'s device: Gumbel top-k over uniform
+    or Zipf weights."""
+    device = gen.device
+    if routing == "uniform":
+        logits = torch.zeros(experts, device=device)
+    else:
+        logits = -ZIPF_S * torch.log(torch.arange(1, experts + 1, dtype=torch.float32, device=device))
+    u = torch.rand(tokens, experts, generator=gen, device=device).clamp_(1e-9, 1 - 1e-9)
+    gumbel = -torch.log(-torch.log(u))
+    return (logits + gumbel).topk(topk, dim=1).indices
+
+
+def plan(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(offsets [E + 1], row_token [T*k], ends [E])`` (int32) for pairs sorted by expert, in
+    (token, slot) order within an expert; ``ends`` are the cumulative ends ``torch._grouped_mm`` takes."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    row_token = (order // ids.shape[1]).to(torch.int32)
+    counts = torch.bincount(flat, minlength=experts)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32, device=ids.device), ends])
+    return offsets, row_token, ends
+
+
+def _grouped_mm_or_loop(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``torch._grouped_mm`` where this torch and device have it, else a per-expert loop (CPU only)."""
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(a, b, offs=ends)
+        except RuntimeError:
+            if a.is_cuda:
+                raise
+    return _expert_loop(a, b, counts)
+
+
+def _expert_loop(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    start = 0
+    for e, count in enumerate(counts):
+        torch.matmul(a[start:start + count], b[e], out=out[start:start + count])
+        start += count
+    return out
+
+
+def _reference(a_perm: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = torch.empty(a_perm.shape[0], b.shape[2], dtype=torch.float32, device=a_perm.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            out[start:start + count] = a_perm[start:start + count].float() @ b[e].float()
+        start += count
+    return out
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def build_inputs(case: Case, *, seed: int, device: torch.device, b_layout: str) -> dict:
+    """Tensors of one case: A (tokens for layer 0, plan-ordered activations for layer 1), B, the plan."""
+    m = case.model
+    k, n = case.k_n
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = route(case.tokens, m.experts, m.topk, case.routing, gen)
+    offsets, row_token, ends = plan(ids, m.experts)
+    counts = torch.diff(offsets).tolist()
+    rows = case.tokens * m.topk
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(case.dtype)
+
+    if b_layout == "linear":
+        b = randn(m.experts, n, k, scale=1 / math.sqrt(k)).transpose(1, 2)
+    else:
+        b = randn(m.experts, k, n, scale=1 / math.sqrt(k))
+    if case.layer == 0:
+        a = randn(case.tokens, k)
+        a_perm = a.index_select(0, row_token)
+    else:
+        a = randn(rows, k)
+        a_perm = a
+    return {"a": a, "a_perm": a_perm, "b": b, "offsets": offsets, "row_token": row_token, "ends": ends,
+            "counts": counts}
+
+
+def parse_config(text: str) -> GroupedConfig:
+    """``BMxBNxBK/stages/warps[/group_m][/f]``, e.g. ``128x256x64/3/8`` (``f``: flattened loops)."""
+    try:
+        tile, *rest = text.split("/")
+        flatten = rest[-1:] == ["f"]
+        if flatten:
+            rest = rest[:-1]
+        bm, bn, bk = (int(v) for v in tile.split("x"))
+        stages, warps, *group = (int(v) for v in rest)
+        return GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps,
+                             group_m=group[0] if group else 8, flatten=flatten)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"config {text!r}: expected BMxBNxBK/stages/warps[/group_m] ({exc})")
+
+
+def _ours(layer: int, config: GroupedConfig | None) -> Callable[[dict], torch.Tensor]:
+    if layer == 0:
+        return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=s["row_token"], config=config)
+    return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], config=config)
+
+
+def variants(case: Case, t: dict, configs: Sequence[GroupedConfig] = ()) -> dict[str, Callable[[dict], torch.Tensor]]:
+    """name -> call(inputs) for the case's layer; ``configs`` add ``ours@config`` variants."""
+    counts = t["counts"]
+    calls = {"ours": _ours(case.layer, None)}
+    for c in configs:
+        calls[f"ours@{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}/{c.num_warps}/{c.group_m}"
+              + ("/f" if c.flatten else "")] = \
+            _ours(case.layer, c)
+    calls["torch"] = lambda s: _grouped_mm_or_loop(s["a_perm"], s["b"], s["ends"], counts)
+    if case.layer == 0:
+        calls["torch+gather"] = lambda s: _grouped_mm_or_loop(s["a"].index_select(0, s["row_token"]), s["b"],
+                                                              s["ends"], counts)
+    return calls
+
+
+def _set_bytes(t: dict) -> int:
+    n = t["b"].shape[2]
+    rows = t["a_perm"].shape[0]
+    return (t["a"].numel() + t["b"].numel() + rows * n) * t["a"].element_size() + 8 * rows
+
+
+def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timing: TimingConfig | None,
+             clocks: ClockReader | None, loop: bool, configs: Sequence[GroupedConfig] = ()) -> dict:
+    row = dict(case.key())
+    row["results"] = {}
+    t = build_inputs(case, seed=seed, device=device, b_layout=b_layout)
+    counts = t["counts"]
+    row["max_rows_per_expert"] = max(counts)
+    row["empty_experts"] = sum(1 for c in counts if c == 0)
+    k, n = case.k_n
+    cfg = grouped_config(row["rows"], n, k, case.model.experts, case.dtype, device)
+    row["config"] = dataclasses.asdict(cfg)
+    calls = variants(case, t, configs)
+    if loop:
+        calls["loop"] = lambda s: _expert_loop(s["a_perm"], s["b"], counts)
+    ref = _reference(t["a_perm"], t["b"], counts)
+    sets = [t]
+    if timing is not None:
+        copies = rotation_sets(_set_bytes(t)) - 1
+        sets += [{**t, "a": t["a"].clone(), "a_perm": t["a_perm"].clone(), "b": t["b"].clone()}
+                 for _ in range(copies)]
+    flops = 2 * row["rows"] * n * k
+    for name, call in calls.items():
+        result: dict = {}
+        row["results"][name] = result
+        try:
+            out = call(t)
+            result["rel_err"] = _rel_err(out, ref)
+            del out
+            if not result["rel_err"] < TOLERANCE[case.dtype]:
+                result["error"] = f"wrong result: relative error {result['rel_err']:.3g}"
+                continue
+            if timing is None:
+                continue
+            timed = measure(lambda i: call(sets[i % len(sets)]), cfg=timing, agree=LocalAgreement(), clocks=clocks)
+            result["ms"] = timed.ms
+            result["rep_ms"] = list(timed.rep_ms)
+            result["clock_mhz"] = timed.clock_mhz
+            result["host_ms"] = timed.host_ms
+            result["tflops"] = flops / (timed.ms * 1e-3) / 1e12
+        except Exception as exc:  # recorded; the run goes on
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["traceback"] = traceback.format_exc(limit=4)
+    ours = row["results"].get("ours", {}).get("ms")
+    for name in ("torch", "torch+gather"):
+        other = row["results"].get(name, {}).get("ms")
+        if ours and other:
+            row[f"vs_{name}"] = other / ours
+    return row
+
+
+def cases(models: Sequence[Model], tokens: Sequence[int], routings: Sequence[str], layers: Sequence[int],
+          dtype: torch.dtype) -> list[Case]:
+    return [Case(m, t, r, layer, dtype) for t in tokens for m in models for r in routings for layer in layers]
+
+
+def summary(rows: list[dict]) -> dict:
+    out = {}
+    for label, select in (("all", lambda r: True), ("layer0", lambda r: r["layer"] == 0),
+                          ("layer1", lambda r: r["layer"] == 1)):
+        for name in ("torch", "torch+gather"):
+            vals = [r[f"vs_{name}"] for r in rows if select(r) and f"vs_{name}" in r]
+            if vals:
+                out[f"{label}_vs_{name}_geomean"] = geomean(vals)
+                out[f"{label}_vs_{name}_min"] = min(vals)
+                out[f"{label}_vs_{name}_rows"] = len(vals)
+    return out
+
+
+def _cell(result: dict) -> str:
+    if "error" in result:
+        return "FAIL"
+    if "ms" in result:
+        return f"{result['ms']:.3f}"
+    return "ok" if "rel_err" in result else "-"
+
+
+def markdown(rows: list[dict], meta: dict, stats: dict) -> str:
+    lines = ["# Grouped GEMM: tileweave vs torch._grouped_mm (one GPU)", "",
+             f"GPU {meta.get('gpu_name')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
+             f"commit {meta.get('git_commit')}, {meta.get('date')}; dtype {meta.get('dtype')}, "
+             f"weights {meta.get('b_layout')}, TP={TP} shards. Times in ms (median of 5 x 20 calls); "
+             "vs = torch time / ours (> 1: ours faster).", "",
+             "| model | T | routing | layer | rows x N x K | max/mean rows | ours | torch | torch+gather | "
+             "vs torch | vs torch+gather | config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        res = r["results"]
+        mean = r["rows"] / r["experts"]
+        c = r.get("config", {})
+        lines.append(
+            f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['layer']} | {r['rows']}x{r['n']}x{r['k']} | "
+            f"{r.get('max_rows_per_expert', 0) / mean:.2f} | {_cell(res.get('ours', {}))} | "
+            f"{_cell(res.get('torch', {}))} | {_cell(res.get('torch+gather', {})) if r['layer'] == 0 else ''} | "
+            f"{r.get('vs_torch', float('nan')):.3f} | "
+            f"{r.get('vs_torch+gather', float('nan')):.3f} | "
+            f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}/{c.get('num_stages')}s/{c.get('num_warps')}w |")
+    lines += ["", "Summary (geomean and min of torch / ours):", ""]
+    lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in stats.items()]
+    errors = [(r, name, res["error"]) for r in rows for name, res in r["results"].items() if "error" in res]
+    if errors:
+        lines += ["", "Failures:", ""]
+        lines += [f"- {r['model']} T={r['tokens']} {r['routing']} layer {r['layer']} {name}: {err}"
+                  for r, name, err in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tileweave.bench.grouped", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for grouped.json and grouped.md")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes; on the CPU outputs only, no timing")
+    parser.add_argument("--models", default="", help="comma-separated subset of " + ",".join(m.name for m in MODELS))
+    parser.add_argument("--tokens", default="", help="comma-separated token counts (default 4096,8192,16384)")
+    parser.add_argument("--b-layout", choices=("linear", "kn"), default="linear",
+                        help="weights as stacked nn.Linear [E, N, K] read transposed (default) or row-major [E, K, N]")
+    parser.add_argument("--loop", action="store_true", help="also time a per-expert torch.matmul loop")
+    parser.add_argument("--budget-s", type=float, default=210.0,
+                        help="stop starting new shapes after this many seconds (default 210)")
+    parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
+                        help="also time ours with these configs (BMxBNxBK/stages/warps[/group_m])")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda and not args.smoke:
+        print("no CUDA device: only --smoke runs on the CPU", file=sys.stderr)
+        return 2
+    if not cuda and not _launch.interpreting():
+        print("--smoke on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if cuda else torch.float32
+    models = SMOKE_MODELS if args.smoke else MODELS
+    if args.models:
+        wanted = args.models.split(",")
+        unknown = [w for w in wanted if w not in {m.name for m in models}]
+        if unknown:
+            parser.error(f"unknown models {unknown}; known: {[m.name for m in models]}")
+        models = tuple(m for m in models if m.name in wanted)
+    tokens = SMOKE_TOKENS if args.smoke else QUICK_TOKENS if args.quick else TOKENS
+    if args.tokens:
+        tokens = tuple(int(v) for v in args.tokens.split(","))
+    timing = TimingConfig() if cuda else None
+    clocks = ClockReader() if cuda else None
+    todo = cases(models, tokens, ROUTINGS, (0, 1), dtype)
+    meta = collect_metadata(world_size=1, timing=dataclasses.asdict(timing) if timing else {}, argv=sys.argv[1:])
+    meta.update(dtype=str(dtype).removeprefix("torch."), b_layout=args.b_layout, tp=TP, zipf_s=ZIPF_S,
+                has_grouped_mm=hasattr(torch, "_grouped_mm"))
+    if cuda:
+        meta["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
+        meta["sm_clock_mhz_idle"] = clocks.read(0)
+        meta["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+
+    start = time.monotonic()
+    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    for i, case in enumerate(todo):
+        if time.monotonic() - start > args.budget_s:
+            row = dict(case.key(), results={}, skipped="time budget spent")
+            rows.append(row)
+            continue
+        row = run_case(case, seed=args.seed + i, device=device, b_layout=args.b_layout, timing=timing,
+                       clocks=clocks, loop=args.loop, configs=args.configs)
+        rows.append(row)
+        res = row["results"]
+        print(f"[{time.monotonic() - start:6.1f}s] {case.model.name} T={case.tokens} {case.routing} "
+              f"layer {case.layer}: " + ", ".join(f"{k}={_cell(v)}" for k, v in res.items()), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    meta["elapsed_s"] = time.monotonic() - start
+    stats = summary(rows)
+    (args.out / "grouped.json").write_text(json.dumps({"meta": meta, "summary": stats, "rows": rows}, indent=1,
+                                                      default=str))
+    table = markdown(rows, meta, stats)
+    (args.out / "grouped.md").write_text(table)
+    print(table)
+    failed = [r for r in rows if any("error" in v for v in r["results"].values())]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

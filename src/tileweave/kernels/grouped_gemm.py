@@ -1,0 +1,171 @@
+"""Persistent grouped GEMM: ``out[p] = a[row(p)] @ b[g % E] (* row_scale[p])`` for the rows p of group g.
+
+Group g is the output rows ``[offsets[g], offsets[g + 1])``; the kernel reads the offsets on the device,
+so the host never learns the row counts (the launch can be captured in a CUDA graph). Tiles are
+(group, row tile, column tile); the groups' tiles are numbered one after another in visiting order and
+program ``pid`` of ``P`` takes tiles ``pid, pid + P, ...``, so the load stays balanced whatever the
+split of rows between groups. Within a group, row tiles are super-grouped (``GROUP_M``) so that
+consecutive programs share the expert's B tiles in L2.
+
+Two ways to find a tile's group (a compile-time switch):
+
+* ``G_BLOCK`` > 0: the visited groups' offsets are loaded once per program into a vector of ``G_BLOCK``
+  lanes; their tile counts, prefix-summed, tell each tile its group without touching memory again.
+* ``G_BLOCK`` == 0 (many groups): each program walks the groups in order, two offset loads per group.
+
+Rows are gathered in the main loop (``GATHER``: row p reads ``a[a_rows[p]]``) with pointer loads; B is
+read through one three-dimensional TMA descriptor over ``[E, K, N]`` (or ``[E, N, K]`` for the
+transpose of a stacked ``nn.Linear`` weight, ``B_NK``) where its strides allow, by pointers otherwise.
+
+``GATE`` (fused all-gather): groups are visited from group ``rank * E`` on (own source rank first, then
+rank + 1, ...); a tile whose group comes from source ``s = g // E`` other than ``rank`` first waits for
+``ready_ptr[s]`` to reach ``epoch``. An expired wait records ``1 + s`` in ``err_ptr`` and the tile
+neither loads nor stores. ``SIGNAL``: each finished tile of group g adds 1 to ``counters_ptr[g // E]``
+with a system-scope release, after its stores.
+"""
+
+import triton
+import triton.language as tl
+
+from tileweave.kernels.gemm import _grouped_tile
+from tileweave.kernels.sync import release_add, wait_epoch
+
+
+@triton.jit
+def _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn,
+                  BN: tl.constexpr, BK: tl.constexpr, B_NK: tl.constexpr):
+    if B_NK:
+        return tl.make_tensor_descriptor(b_ptr, shape=[E, N, K], strides=[stride_be, stride_bn, 1],
+                                         block_shape=[1, BN, BK])
+    else:
+        return tl.make_tensor_descriptor(b_ptr, shape=[E, K, N], strides=[stride_be, stride_bk, 1],
+                                         block_shape=[1, BK, BN])
+
+
+@triton.jit
+def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+          row_lo, row_hi, row_end, local, expert, source, N, K,
+          stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+          B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+          SIGNAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile ``local`` of the group of output rows ``[row_lo, row_hi)``, times ``b[expert]``. Rows from
+    ``row_end`` on are neither loaded nor stored (``row_end == row_lo`` after an expired gate: the
+    masks then depend on the flag's value, so no load can be issued before the wait)."""
+    num_m = tl.cdiv(row_hi - row_lo, BM)
+    num_n = tl.cdiv(N, BN)
+    pid_m, pid_n = _grouped_tile(local, num_m, num_n, GROUP_M)
+    offs_m = row_lo + pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mask_m = offs_m < row_end
+    mask_n = offs_n < N
+    if GATHER:
+        src = tl.load(a_rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = offs_m.to(tl.int64)
+    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert.to(tl.int64) * stride_be
+    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(0, tl.cdiv(K, BK)):
+        kk = ki * BK + offs_k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
+        if B_TMA:
+            if B_NK:
+                b = b_src.load([expert, pid_n * BN, ki * BK]).reshape(BN, BK).T
+            else:
+                b = b_src.load([expert, ki * BK, pid_n * BN]).reshape(BK, BN)
+        else:
+            b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_n[None, :], other=0.0)
+            b_ptrs += BK * stride_bk
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK * stride_ak
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
+        acc = acc * scale[:, None]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if SIGNAL:
+        release_add(counters_ptr + source, 1, "sys")
+
+
+@triton.jit
+def _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed):
+    """``(waited, missed)`` after making sure the flag of ``source`` was reached (or its wait expired):
+    a program visits sources in order, so it waits once per source, at its first tile of it."""
+    if source != waited:
+        if source != rank:
+            missed = wait_epoch(ready_ptr + source, epoch, err_ptr, 1 + source, max_spin)
+        else:
+            missed = 0
+        waited = source
+    return waited, missed
+
+
+@triton.jit(do_not_specialize=["epoch", "max_spin", "rank", "g_lo", "n_groups", "rotate"])
+def grouped_gemm_kernel(
+        a_ptr, a_rows_ptr, b_ptr, c_ptr, offsets_ptr, scale_ptr, ready_ptr, err_ptr, counters_ptr,
+        epoch, max_spin, rank, g_lo, n_groups, rotate, E, N, K,
+        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, P: tl.constexpr,
+        G_BLOCK: tl.constexpr, B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr,
+        HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
+        FLATTEN: tl.constexpr = False):
+    """See the module docstring. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in ``[0, n_groups)``
+    are visited in order of ``i``; group g multiplies by expert ``g % E``, its source rank (``GATE``,
+    ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read only under
+    ``GATE`` / ``SIGNAL``; ``epoch`` and ``max_spin`` belong to ``GATE``. ``FLATTEN`` (``G_BLOCK`` > 0,
+    no ``GATE``): the tile and K loops are pipelined as one, so that a tile's epilogue overlaps the next
+    tile's first loads."""
+    pid = tl.program_id(0)
+    if B_TMA:
+        b_src = _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn, BN, BK, B_NK)
+    else:
+        b_src = b_ptr
+    num_n = tl.cdiv(N, BN)
+    waited = rank
+    missed = 0
+    if G_BLOCK > 0:
+        lane = tl.arange(0, G_BLOCK)
+        visited = lane < n_groups
+        g_of = g_lo + (lane + rotate) % n_groups
+        lo = tl.load(offsets_ptr + g_of, mask=visited, other=0)
+        hi = tl.load(offsets_ptr + g_of + 1, mask=visited, other=0)
+        tiles = tl.cdiv(hi - lo, BM) * num_n
+        ends = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles)
+        for t in tl.range(pid, total, P, flatten=FLATTEN):
+            i = tl.sum((ends <= t).to(tl.int32))
+            first = tl.sum(tl.where(lane < i, tiles, 0))
+            row_lo = tl.sum(tl.where(lane == i, lo, 0))
+            row_hi = tl.sum(tl.where(lane == i, hi, 0))
+            g = g_lo + (i + rotate) % n_groups
+            source = g // E
+            row_end = row_hi
+            if GATE:
+                waited, missed = _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed)
+                row_end = row_hi - missed * (row_hi - row_lo)
+            _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+                  row_lo, row_hi, row_end, t - first, g - source * E, source, N, K,
+                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                  BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION)
+    else:
+        base = 0
+        for i in range(0, n_groups):
+            g = g_lo + (i + rotate) % n_groups
+            row_lo = tl.load(offsets_ptr + g)
+            row_hi = tl.load(offsets_ptr + g + 1)
+            tiles = tl.cdiv(row_hi - row_lo, BM) * num_n
+            source = g // E
+            # This program's first tile of the group: global tile base + l belongs to (base + l) % P.
+            for local in range((pid + P - base % P) % P, tiles, P):
+                row_end = row_hi
+                if GATE:
+                    waited, missed = _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed)
+                    row_end = row_hi - missed * (row_hi - row_lo)
+                _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+                      row_lo, row_hi, row_end, local, g - source * E, source, N, K,
+                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                      BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION)
+            base += tiles

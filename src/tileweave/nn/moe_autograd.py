@@ -1,0 +1,230 @@
+"""The autograd Functions of the tensor-parallel MoE layer (``tileweave.nn.moe.TPMoE``): both expert
+GEMMs forward and backward on the MoE pair, by duality.
+
+W ranks, T tokens over the group, E experts, top-k k, P = T*k plan rows, hidden H, F_loc = F/W.
+``w0 [E, 2*F_loc, H]`` and ``w1 [E, H, F_loc]`` are stacked ``nn.Linear`` weights (``[out, in]`` per
+expert); the ops read their transposes in place.
+
+Layer 0, ``y [P, 2*F_loc] = gather(AG(x_shard)) @ w0.T`` (``moe_all_gather_gemm``):
+
+=========  ================================================  ========================================
+pass       computation                                       op
+=========  ================================================  ========================================
+forward    ``y[p] = X[tok(p)] @ w0[e(p)].T``, X = AG(x)      layer 0 (keeps X ``[T, H]`` or not)
+dgrad      ``dx_shard [T/W, H] = RS(sum_j dy[p(t,j)] @        layer 1's form with all weights 1
+           w0[e])``
+wgrad      ``dw0[e] = sum over rows p of e: dy[p].T X[tok]``  grouped GEMM over the plan's rows
+=========  ================================================  ========================================
+
+Layer 1, ``out_shard [T/W, H] = RS(sum_j wt[t,j] Z[p(t,j)])``, ``Z[p] = h[p] @ w1[e(p)].T``
+(``moe_gemm_reduce_scatter``):
+
+==========  ===============================================  =======================================
+pass        computation                                      op
+==========  ===============================================  =======================================
+forward     as above                                         layer 1
+dgrad       ``G [P, F_loc]``, ``G[p] = dO[tok(p)] @ w1[e]``,  layer 0's form (keeps AG(dO) ``[T, H]``)
+            ``dh[p] = wt[p] * G[p]``
+d weights   ``dwt[t, j] = <dO[t], Z[p]> = <G[p], h[p]>``,    row dot products, then a reduce-scatter
+            summed over ranks (each holds an F_loc part)     of the ``[T, k]`` partials
+wgrad       ``dw1[e] = sum over rows p of e: wt[p] dO[tok]   grouped GEMM over the plan's rows
+            .T h[p]``
+==========  ===============================================  =======================================
+
+Layer 1's input gradient runs layer 0's form without a row scale and applies ``wt`` afterwards in the
+same elementwise pass: the unscaled ``G`` gives the routing weights' gradient as ``<G[p], h[p]>``
+(which equals ``<dO[t], Z[p]>``), so ``Z`` is neither kept from the forward nor computed again.
+
+The weight gradients sum over each expert's rows, which the plan orders by (source rank, expert): the
+rows are put in expert order and reduced by ``torch._grouped_mm`` over the grouped K dimension where
+it takes the shapes (rows of 16-byte multiples), else by one matmul per expert (a host read of the
+expert counts). The grouped GEMM core has no transposed-A form to do this in place yet.
+
+Every rank must run the same layers in the same order, forward and backward, like any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops.moe import (MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_all_gather_gemm,
+                               moe_gemm_reduce_scatter, moe_plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEOps:
+    """What the MoE layer runs its communication and expert GEMMs on; the default is tileweave's MoE
+    pair. A benchmark or test passes other implementations with the same signatures:
+
+    * ``plan(topk_ids_shard [T/W, k], num_experts, group) -> MoEPlan`` (collective);
+    * ``layer0(x_shard [T/W, K], w [E, K, N], plan, group, return_gathered) -> y [P, N]`` or
+      ``(y, AG(x_shard) [T, K])``;
+    * ``layer1(h [P, K], w [E, K, N], plan, weights_shard [T/W, k] | None, group) -> [T/W, N]``
+      (``None``: every weight 1).
+    """
+
+    plan: Callable[..., MoEPlan]
+    layer0: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    layer1: Callable[..., torch.Tensor]
+
+
+def _tileweave_plan(topk_ids_shard: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> MoEPlan:
+    return moe_plan(topk_ids_shard, num_experts=num_experts, group=group)
+
+
+def _tileweave_layer0(x_shard, w, plan, group, return_gathered):
+    return moe_all_gather_gemm(x_shard, w, plan, group, return_gathered=return_gathered)
+
+
+def _tileweave_layer1(h, w, plan, weights_shard, group):
+    return moe_gemm_reduce_scatter(h, w, plan, _ones_if_none(weights_shard, plan, h.device), group)
+
+
+TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1)
+"""tileweave's functional MoE ops (one cached op object per group and device, ``policy="auto"``)."""
+
+
+def tileweave_ops(*, policy: str = "auto", group: dist.ProcessGroup | None = None,
+                  max_spin: int | None = None) -> MoEOps:
+    """tileweave's MoE pair on op objects of their own, bound to ``group`` (None: WORLD), with ``policy``
+    (``"auto"``, ``"fused"``, ``"fallback"``) and ``max_spin`` (see ``tileweave.ops.moe``). The layers
+    given these ops must all run on ``group``."""
+    up = MoEAllGatherGemm(group, policy=policy, max_spin=max_spin)
+    down = MoEGemmReduceScatter(group, policy=policy, max_spin=max_spin)
+
+    def layer0(x_shard, w, plan, group, return_gathered):
+        return up(x_shard, w, plan, return_gathered=return_gathered)
+
+    def layer1(h, w, plan, weights_shard, group):
+        return down(h, w, plan, _ones_if_none(weights_shard, plan, h.device))
+
+    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1)
+
+
+def _ones_if_none(weights_shard: torch.Tensor | None, plan: MoEPlan, device: torch.device) -> torch.Tensor:
+    """Layer 1 with every weight 1 (layer 0's input gradient), as a tensor until the op takes None."""
+    if weights_shard is not None:
+        return weights_shard
+    return torch.ones((plan.tokens // plan.world_size, plan.topk), dtype=torch.float32, device=device)
+
+
+def gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather of ``t [n, ...]`` along its rows, in rank order (NCCL on GPUs, gloo on the CPU)."""
+    world = dist.get_world_size(group)
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] * world, *t.shape[1:]))
+    if t.is_cuda:
+        dist.all_gather_into_tensor(out, t, group=group)
+    else:
+        dist.all_gather(list(out.chunk(world)), t, group=group)
+    return out
+
+
+def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum of ``t [n, ...]`` over the ranks, this rank's ``n/W`` rows of it (gloo has no reduce-scatter:
+    an all-reduce there)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    t = t.contiguous()
+    if t.is_cuda:
+        out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
+        dist.reduce_scatter_tensor(out, t, group=group)
+        return out
+    total = t.clone()
+    dist.all_reduce(total, group=group)
+    return total.chunk(world)[rank].clone()
+
+
+def row_weights(plan: MoEPlan, weights: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[P]``: the routing weight of each plan row, from the gathered ``weights [T, k]``."""
+    out = torch.empty(plan.rows, dtype=torch.float32, device=weights.device)
+    out[plan.pair_row.reshape(-1).long()] = weights.reshape(-1).float()
+    return out
+
+
+def expert_weight_grad(lhs: torch.Tensor, rhs: torch.Tensor, plan: MoEPlan, dtype: torch.dtype) -> torch.Tensor:
+    """``[E, N, K]``: ``sum over the plan rows p of expert e of lhs[p].T rhs[p]`` for ``lhs [P, N]``,
+    ``rhs [P, K]`` in plan order (an ``nn.Linear``-layout weight gradient), fp32 accumulation, in
+    ``dtype``."""
+    e = plan.num_experts
+    order = torch.argsort(plan.row_expert, stable=True)  # expert order; rows of one expert stay in plan order
+    lhs, rhs = lhs[order], rhs[order]
+    n, k = lhs.shape[1], rhs.shape[1]
+    if _grouped_mm_fits(lhs, n, k):
+        ends = torch.cumsum(plan.splits, 0, dtype=torch.int32)
+        return torch._grouped_mm(lhs.t(), rhs, offs=ends).to(dtype)
+    out = torch.zeros((e, n, k), dtype=torch.float32, device=lhs.device)
+    start = 0
+    for expert, count in enumerate(plan.splits.tolist()):
+        if count:
+            out[expert] = lhs[start:start + count].float().t() @ rhs[start:start + count].float()
+        start += count
+    return out.to(dtype)
+
+
+def _grouped_mm_fits(lhs: torch.Tensor, n: int, k: int) -> bool:
+    """``torch._grouped_mm`` takes fp16/bf16 (and fp32 on the CPU), rows of 16-byte multiples."""
+    if not hasattr(torch, "_grouped_mm") or lhs.shape[0] == 0:
+        return False
+    dtypes = (torch.bfloat16,) if lhs.is_cuda else (torch.float16, torch.bfloat16, torch.float32)
+    size = lhs.element_size()
+    return lhs.dtype in dtypes and (n * size) % 16 == 0 and (k * size) % 16 == 0 and (lhs.shape[0] * size) % 16 == 0
+
+
+class ExpertsUp(torch.autograd.Function):
+    """Layer 0 (module docstring): ``y [P, 2*F_loc]`` from ``x_shard [T/W, H]`` and ``w0 [E, 2*F_loc, H]``."""
+
+    @staticmethod
+    def forward(ctx, x_shard, w0, plan: MoEPlan, group, ops: MoEOps, save_gathered: bool):
+        w_in = w0.transpose(1, 2)
+        if save_gathered:
+            y, gathered = ops.layer0(x_shard, w_in, plan, group, True)
+        else:
+            y, gathered = ops.layer0(x_shard, w_in, plan, group, False), None
+        ctx.plan, ctx.group, ctx.ops, ctx.save_gathered = plan, group, ops, save_gathered
+        ctx.save_for_backward(gathered if save_gathered else x_shard, w0)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, w0 = ctx.saved_tensors
+        plan, group = ctx.plan, ctx.group
+        dy = dy.contiguous()
+        dx_shard = ctx.ops.layer1(dy, w0, plan, None, group) if ctx.needs_input_grad[0] else None
+        dw0 = None
+        if ctx.needs_input_grad[1]:
+            gathered = saved if ctx.save_gathered else gather_rows(saved, group)
+            dw0 = expert_weight_grad(dy, gathered[plan.row_token.long()], plan, w0.dtype)
+        return dx_shard, dw0, None, None, None, None
+
+
+class ExpertsDown(torch.autograd.Function):
+    """Layer 1 (module docstring): ``out_shard [T/W, H]`` from ``h [P, F_loc]``, ``w1 [E, H, F_loc]`` and
+    the routing weights ``topk_weights_shard [T/W, k]`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, h, w1, topk_weights_shard, plan: MoEPlan, group, ops: MoEOps):
+        out = ops.layer1(h, w1.transpose(1, 2), plan, topk_weights_shard, group)
+        ctx.plan, ctx.group, ctx.ops = plan, group, ops
+        ctx.save_for_backward(h, w1, topk_weights_shard)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_shard):
+        h, w1, weights_shard = ctx.saved_tensors
+        plan, group = ctx.plan, ctx.group
+        g, dout = ctx.ops.layer0(dout_shard.contiguous(), w1, plan, group, True)  # [P, F_loc], [T, H]
+        wrow = row_weights(plan, gather_rows(weights_shard, group))
+        dh = (g.float() * wrow[:, None]).to(h.dtype)
+        dweights = None
+        if ctx.needs_input_grad[2]:
+            partial = (g.float() * h.float()).sum(1)[plan.pair_row.long()]  # [T, k], this rank's F_loc part
+            dweights = reduce_scatter_rows(partial, group).to(weights_shard.dtype)
+        dw1 = None
+        if ctx.needs_input_grad[1]:
+            scaled = (dout[plan.row_token.long()].float() * wrow[:, None]).to(h.dtype)
+            dw1 = expert_weight_grad(scaled, h, plan, w1.dtype)
+        return dh, dw1, dweights, None, None, None

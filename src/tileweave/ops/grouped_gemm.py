@@ -1,0 +1,350 @@
+"""Grouped GEMM over device-side group offsets, with rows gathered by index: the MoE layers' core."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+
+from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
+from tileweave.ops import _launch
+from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
+
+G_BLOCK_MAX = 1024
+"""Up to this many visited groups the kernel keeps every group's offsets in registers; beyond it each
+program walks the groups in memory."""
+
+
+class Gate(NamedTuple):
+    ready_flags: torch.Tensor
+    epoch: int
+    rank: int
+    err: torch.Tensor
+    max_spin: int
+
+
+@functools.cache
+def _sm_count(kind: str, index: int | None) -> int:
+    if kind == "cuda":
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return 4
+
+
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index) >= 9
+
+
+@functools.cache
+def _capability(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype,
+                   device: torch.device) -> GroupedConfig:
+    """The config ``grouped_gemm`` picks when given none (``tileweave.tune.grouped`` has the rule)."""
+    return choose_grouped_config(rows, n, k, groups, dtype, num_sms=_sm_count(device.type, device.index),
+                                 interpreter=_launch.interpreting())
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_rows: torch.Tensor | None = None,
+                 row_scale: torch.Tensor | None = None, experts: int | None = None,
+                 out: torch.Tensor | None = None, config: GroupedConfig | None = None,
+                 group_range: tuple[int, int] | None = None, gate: tuple | None = None,
+                 signal: tuple | None = None) -> torch.Tensor:
+    """``out[p] = a[a_rows[p]] @ b[g % E] (* row_scale[p])`` for every row p of every group g.
+
+    Shapes: ``a [Ma, K]`` (unit column stride, any row stride); ``a_rows`` int32/int64 ``[P]`` (row p
+    reads ``a[a_rows[p]]``; without it ``a`` is ``[P, K]`` in output order); ``b [E, K, N]`` with any
+    strides, read in place, including ``w.transpose(1, 2)`` of a stacked ``nn.Linear`` weight
+    ``w [E, N, K]``; ``offsets`` int32 ``[G + 1]`` on the device: ``offsets[0] == 0``,
+    non-decreasing, ``offsets[G] == P``; group g is output rows ``[offsets[g], offsets[g + 1])``
+    (possibly empty) and uses expert ``g % E`` with ``E = experts or b.shape[0]``. ``row_scale``
+    float32 ``[P]`` multiplies output row p after the fp32 accumulation. ``out [P, N]`` (unit column
+    stride) has ``a``'s dtype; float16, bfloat16 and float32 inputs (float32 uses TF32 where
+    ``torch.backends.cuda.matmul.allow_tf32`` allows it). On the CPU this runs in Triton's interpreter,
+    bfloat16 upcast to float32 there.
+
+    The row counts stay on the device: no host synchronisation (capturable in a CUDA graph). The
+    offsets are checked against P only under ``TILEWEAVE_DEBUG=1`` (a host sync); out-of-range
+    offsets or row indices are otherwise undefined behaviour.
+
+    ``group_range=(g_lo, g_hi)``: compute only groups ``[g_lo, g_hi)``, visited from g_lo on; other
+    rows of ``out`` are left as they are.
+
+    ``gate=(ready_flags, epoch, rank, err, max_spin)`` (consumer of an all-gather): groups are visited
+    from group ``rank * E`` on, wrapping; a tile of group g from source ``s = g // E != rank`` first
+    waits, at most ``max_spin`` polls, until ``ready_flags[s]`` (int32, one word per source) reaches
+    ``epoch`` (cyclic comparison). An expired wait stores ``1 + s`` in ``err`` (int32 ``[1]``, atomic
+    max) and its tiles neither load nor store; the caller checks ``err`` (``_launch.raise_on_timeout``).
+
+    ``signal=(counters,)``: after each finished tile of group g (its stores done), a system-scope
+    release adds 1 to ``counters[g // E]`` (int32). ``expected_tiles`` gives the counts per call.
+
+    Concurrency: ``out`` rows of the computed groups are written, nothing else; the call is ordered on
+    the current stream like any kernel.
+    """
+    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        # First call with arguments like these: check them and derive the launch.
+        plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+        if key is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    if out is None:
+        out = torch.empty((plan.rows, plan.n), dtype=a.dtype, device=a.device)
+    if _launch.debug_mode():
+        _check_offsets(offsets, plan.rows)
+    if plan.empty:
+        return out
+    epoch = max_spin = 0
+    ready = err = counters = None
+    if gate is not None:
+        ready, epoch, _, err, max_spin = gate
+    if signal is not None:
+        counters = signal[0]
+    if plan.upcast:
+        # The interpreter's bfloat16 dot is wrong: compute in float32 and round once at the end.
+        staged = out.float()
+        _run(plan, a.float(), b.float(), offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin)
+        out.copy_(staged)
+    else:
+        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin)
+    return out
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a launch derives from the arguments' shapes, strides, dtypes and alignment (the key of
+    ``_plans``): later calls with arguments alike in all of those skip the checks and the derivation."""
+
+    rows: int
+    n: int
+    empty: bool
+    upcast: bool = False
+    copy_a: bool = False
+    copy_b: bool = False
+    scalars: tuple = ()
+    """rank, g_lo, n_groups, rotate, E, N, K and the strides."""
+    constexprs: dict = dataclasses.field(default_factory=dict)
+    programs: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    compiled: list = dataclasses.field(default_factory=list)
+    """The compiled kernel once known (CUDA): later calls launch it with pointers as ints."""
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> tuple | None:
+    """Everything about the arguments that the launch depends on, or None to take the checked path."""
+    layout = _launch.layout
+    for t in (a, b, offsets, a_rows, row_scale, out):
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+    if config is not None and type(config) is not GroupedConfig or experts is not None and type(experts) is not int \
+            or group_range is not None and (type(group_range) is not tuple or len(group_range) != 2):
+        return None
+    gate_key = None
+    if gate is not None:
+        if type(gate) is not tuple or len(gate) != 5 or type(gate[0]) is not torch.Tensor \
+                or type(gate[3]) is not torch.Tensor or type(gate[1]) is not int or type(gate[2]) is not int \
+                or type(gate[4]) is not int or not 0 < gate[4] < 1 << 31:
+            return None
+        gate_key = (layout(gate[0]), layout(gate[3]), gate[2])
+    signal_key = None
+    if signal is not None:
+        if type(signal) is not tuple or len(signal) != 1 or type(signal[0]) is not torch.Tensor:
+            return None
+        signal_key = layout(signal[0])
+    return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
+            group_range, gate_key, signal_key, _launch.interpreting(), G_BLOCK_MAX,
+            a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> _Plan:
+    _launch.check_matrix("a", a)
+    if not isinstance(b, torch.Tensor) or b.dim() != 3:
+        raise ValueError(f"b must be a 3-D tensor [E, K, N], got {_describe(b)}")
+    _launch.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
+    num_b, k, n = b.shape
+    if a.shape[1] != k:
+        raise ValueError(f"a is [Ma, K={a.shape[1]}] but b is {list(b.shape)}: b must be [E, K={a.shape[1]}, N]")
+    experts = num_b if experts is None else experts
+    if not isinstance(experts, int) or not 1 <= experts <= num_b:
+        raise ValueError(f"experts must be an int from 1 to b.shape[0] = {num_b}, got {experts!r}")
+    _check_index("offsets", offsets, a.device, (torch.int32,))
+    if offsets.numel() < 1:
+        raise ValueError("offsets must have G + 1 >= 1 entries, got none")
+    groups = offsets.numel() - 1
+    if a_rows is not None:
+        _check_index("a_rows", a_rows, a.device, (torch.int32, torch.int64))
+        rows = a_rows.numel()
+    else:
+        rows = a.shape[0]
+    if row_scale is not None:
+        if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (rows,) or row_scale.dtype != torch.float32 \
+                or row_scale.device != a.device:
+            raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
+                             f"got {_describe(row_scale)}")
+    _launch.check_out(out, (rows, n), a.dtype, a.device)
+    g_lo, g_hi = _check_range(group_range, groups)
+    sources = math.ceil(groups / experts)
+    gate = _check_gate(gate, sources, a.device)
+    _check_signal(signal, sources, a.device)
+    if rows == 0 or n == 0 or g_hi == g_lo:
+        return _Plan(rows=rows, n=n, empty=True)
+    if a.device.type == "cpu" and not _launch.interpreting():
+        raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device)
+    if not isinstance(config, GroupedConfig):
+        raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
+    upcast = a.dtype == torch.bfloat16 and _launch.interpreting()
+    if upcast:
+        a, b = a.float(), b.float()
+    copy_a = a.stride(1) != 1
+    if copy_a:
+        a = a.contiguous()
+    if b.stride(2) == 1:
+        b_nk, copy_b = False, False
+    elif b.stride(1) == 1:
+        b_nk, copy_b = True, False
+    else:
+        b, b_nk, copy_b = b.contiguous(), False, True
+    elem = b.element_size()
+    # A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
+    inner = b.stride(2) if b_nk else b.stride(1)
+    b_tma = (k > 0 and b.data_ptr() % 16 == 0 and (b.stride(0) * elem) % 16 == 0 and (inner * elem) % 16 == 0
+             and (_launch.interpreting() or _sm90(a.device)))
+    n_groups = g_hi - g_lo
+    g_block = triton.next_power_of_2(n_groups) if n_groups <= G_BLOCK_MAX else 0
+    bound = (math.ceil(rows / config.block_m) + n_groups) * math.ceil(n / config.block_n)
+    programs = max(1, min(config.programs or _sm_count(a.device.type, a.device.index), bound))
+    if a.dtype == torch.float32:
+        precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    else:
+        precision = None
+    rank = rotate = 0
+    if gate is not None:
+        rank = gate.rank
+        rotate = (rank * experts - g_lo) % n_groups
+    out_strides = (n, 1) if out is None else out.stride()
+    constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
+                      G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
+                      HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
+                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None)
+    scalars = (rank, g_lo, n_groups, rotate, experts, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               b.stride(2), *out_strides)
+    return _Plan(rows=rows, n=n, empty=False, upcast=upcast, copy_a=copy_a, copy_b=copy_b, scalars=scalars,
+                 constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin) -> None:
+    if plan.copy_a:
+        a = a.contiguous()
+    if plan.copy_b:
+        b = b.contiguous()
+    tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
+               out if ready is None else ready, out if err is None else err, out if counters is None else counters)
+    scalars = (_launch._i32(epoch), max_spin, *plan.scalars)
+    if plan.compiled and torch.cuda.current_device() == a.device.index:
+        _launch._launch_compiled(plan.compiled[0], a.device.index, plan.programs,
+                                 (*(t.data_ptr() for t in tensors), *scalars), tuple(plan.constexprs.values()))
+        return
+    _launch._install_allocator()
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        kernel = grouped_gemm_kernel[(plan.programs,)](*tensors, *scalars, **plan.constexprs,
+                                                       num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if a.is_cuda and _FAST_LAUNCH:
+        plan.compiled.append(kernel.result() if hasattr(kernel, "result") else kernel)
+
+
+_FAST_LAUNCH = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
+
+
+def expected_tiles(offsets: torch.Tensor, *, experts: int, n: int, config: GroupedConfig,
+                   sources: int | None = None) -> torch.Tensor:
+    """Tiles per source rank (int32 ``[sources]``, on the device, no host sync): what one call with
+    ``signal`` adds to each counter, for the groups of each source ``s`` (groups ``[s*E, (s+1)*E)``)."""
+    groups = offsets.numel() - 1
+    sources = math.ceil(groups / experts) if sources is None else sources
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    tiles = (counts + config.block_m - 1) // config.block_m * math.ceil(n / config.block_n)
+    padded = torch.zeros(sources * experts, dtype=torch.int64, device=offsets.device)
+    padded[:groups] = tiles
+    return padded.view(sources, experts).sum(1).to(torch.int32)
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def _check_index(name: str, t, device: torch.device, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in dtypes or t.device != device:
+        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be a 1-D {kinds} tensor on {device}, got {_describe(t)}")
+    if t.stride(0) != 1 and t.numel() > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+
+
+def _check_range(group_range, groups: int) -> tuple[int, int]:
+    if group_range is None:
+        return 0, groups
+    if (not isinstance(group_range, tuple) or len(group_range) != 2
+            or not all(isinstance(v, int) for v in group_range)):
+        raise ValueError(f"group_range must be a tuple (g_lo, g_hi) of ints, got {group_range!r}")
+    g_lo, g_hi = group_range
+    if not 0 <= g_lo <= g_hi <= groups:
+        raise ValueError(f"group_range must satisfy 0 <= g_lo <= g_hi <= G = {groups}, got {group_range}")
+    return g_lo, g_hi
+
+
+def _check_gate(gate, sources: int, device: torch.device) -> Gate | None:
+    if gate is None:
+        return None
+    if not isinstance(gate, tuple) or len(gate) != 5:
+        raise ValueError("gate must be a tuple (ready_flags, epoch, rank, err, max_spin)")
+    ready, epoch, rank, err, max_spin = gate
+    _check_index("gate ready_flags", ready, device, (torch.int32,))
+    if ready.numel() < sources:
+        raise ValueError(f"gate ready_flags needs one word per source rank ({sources}), got {ready.numel()}")
+    if not isinstance(rank, int) or not 0 <= rank < sources:
+        raise ValueError(f"gate rank must be an int in [0, {sources}), got {rank!r}")
+    _check_index("gate err", err, device, (torch.int32,))
+    if err.numel() != 1:
+        raise ValueError(f"gate err must have one element, got {err.numel()}")
+    for name, value in (("epoch", epoch), ("max_spin", max_spin)):
+        if not isinstance(value, int):
+            raise ValueError(f"gate {name} must be an int, got {value!r}")
+    if not 0 < max_spin < 1 << 31:
+        raise ValueError(f"gate max_spin must be in [1, 2**31), got {max_spin}")
+    return Gate(ready, epoch, rank, err, max_spin)
+
+
+def _check_signal(signal, sources: int, device: torch.device) -> torch.Tensor | None:
+    if signal is None:
+        return None
+    if not isinstance(signal, tuple) or len(signal) != 1:
+        raise ValueError("signal must be a tuple (counters,)")
+    counters = signal[0]
+    _check_index("signal counters", counters, device, (torch.int32,))
+    if counters.numel() < sources:
+        raise ValueError(f"signal counters needs one word per source rank ({sources}), got {counters.numel()}")
+    return counters
+
+
+def _check_offsets(offsets: torch.Tensor, rows: int) -> None:
+    values = offsets.cpu()
+    if values[0] != 0 or values[-1] != rows or bool((values[1:] < values[:-1]).any()):
+        raise ValueError(f"offsets must start at 0, not decrease and end at P = {rows}; got {values.tolist()}")

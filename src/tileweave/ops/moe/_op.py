@@ -1,0 +1,169 @@
+"""What both MoE ops share: settings, the group's backend, argument checks, and the per-signature
+path that every rank agrees on before anything is allocated or launched."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import _launch
+from tileweave.ops.moe.paths import choose_path
+from tileweave.ops.moe.plan import MoEPlan
+from tileweave.ops.workspace import Workspace, agree
+from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+
+POLICIES = ("auto", "fused", "fallback")
+
+
+class MoEOp:
+    """Base of ``MoEAllGatherGemm`` and ``MoEGemmReduceScatter``: one group, one workspace, reused.
+
+    ``policy``: ``"auto"`` takes the fused path or the fallback per shape (``paths.choose_path``),
+    ``"fused"`` and ``"fallback"`` force one (every rank alike). ``max_spin``: the polls a flag wait
+    may take before it reports a lost peer (None: the backend's default)."""
+
+    op_name = ""
+    fused_path = "fused"
+    """What ``last_path`` records for this op's overlapped path."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
+                 max_spin: int | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self._backend: Backend | None = None
+        self._ws: Workspace | None = None
+        self._err_mirror = None
+        self._paths: dict[tuple, str] = {}
+        """Signature -> agreed path: the one record of what this op decided (``agree``'s cache)."""
+        self.policy = policy
+        self.max_spin = max_spin
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"{type(self).__name__}: policy must be one of {POLICIES}, got {policy!r}")
+        self._policy = policy
+        self._paths.clear()  # decided under the old policy
+
+    @property
+    def max_spin(self) -> int | None:
+        return self._max_spin
+
+    @max_spin.setter
+    def max_spin(self, max_spin: int | None) -> None:
+        if max_spin is not None and (isinstance(max_spin, bool) or not isinstance(max_spin, int)
+                                     or not 0 < max_spin < 1 << 31):
+            raise ValueError(f"{type(self).__name__}: max_spin is the polls a flag wait may take before it "
+                             f"reports a lost peer: None (the backend's default) or an int in [1, 2**31), "
+                             f"got {max_spin!r}")
+        self._max_spin = max_spin
+
+    def _get_backend(self, device: torch.device) -> Backend:
+        if self._backend is None or self._backend.device != device:
+            self._backend = get_backend(self.group, device)
+        return self._backend
+
+    def _spin(self, backend: Backend) -> int:
+        return self.max_spin or backend.default_max_spin
+
+    def _decide(self, backend: Backend, signature: tuple, **shape) -> str:
+        """The agreed path of ``signature`` (shapes and dtypes that every rank must share): rank 0's
+        choice under this op's policy, checked against every rank's signature on the first call."""
+        path = self._paths.get(signature)
+        if path is not None:
+            return path
+        if backend.world_size == 1:
+            return "local"
+        proposal = self.policy
+        if proposal == "auto":
+            proposal = choose_path(world=backend.world_size, interpreter=backend.interpreter, **shape)
+        if backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise TileweaveError(f"{self.op_name}: the first call of each shape checks it with the other ranks "
+                                 "(a collective that a CUDA graph cannot hold): call it once eagerly before "
+                                 "capturing")
+        return agree(backend, self._paths, self.op_name, signature, proposal)
+
+    def _finish(self, backend: Backend, ws: Workspace) -> None:
+        """After a gated kernel: surface an expired wait. On the CPU (and in debug mode) at once; on GPUs
+        from a copy of the error word read at the next call, so no call synchronises."""
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+            _launch.raise_on_timeout(ws.err, self.op_name, backend.rank)
+            return
+        if self._err_mirror is None:
+            self._err_mirror = backend.host_mirror()
+        self._err_mirror.refresh(ws.err)
+
+    def _check_previous(self) -> None:
+        code = self._err_mirror.read() if self._err_mirror is not None else 0
+        if code:
+            self._err_mirror.clear()
+            self._ws.err.zero_()
+            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, self._backend.rank)
+
+    @staticmethod
+    def _finish_without_kernel(backend: Backend) -> None:
+        """After a call whose waits are stream waits: bounded on the host on the CPU and in debug mode."""
+        if backend.interpreter or _launch.debug_mode():
+            backend.synchronize()
+
+
+def check_plan(plan: MoEPlan, *, world: int, tokens: int | None, experts: int, device: torch.device) -> None:
+    """The plan was built for this group, these tokens (None: any) and these experts, on this device."""
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan must be a tileweave MoEPlan (from moe_plan or build_plan), got {type(plan).__name__}")
+    if plan.world_size != world:
+        raise ValueError(f"plan was built for world_size={plan.world_size} but the group has {world} ranks: "
+                         "build it with moe_plan on this group")
+    if tokens is not None and plan.tokens != tokens:
+        raise ValueError(f"plan was built for T={plan.tokens} tokens but the inputs hold T={tokens} "
+                         f"({tokens // world} per rank): build the plan from this batch's topk_ids")
+    if plan.num_experts != experts:
+        raise ValueError(f"plan was built for E={plan.num_experts} experts but the weights have {experts}")
+    if plan.offsets.device != device:
+        raise ValueError(f"plan is on {plan.offsets.device} but the inputs are on {device}")
+
+
+def check_activation(name: str, t: torch.Tensor, shape_doc: str) -> None:
+    _launch.check_matrix(name, t)
+    if t.stride(1) != 1:
+        raise ValueError(f"{name} {shape_doc} must have unit stride along its last dimension, got strides "
+                         f"{t.stride()} (pass .contiguous())")
+
+
+def check_weight(name: str, w: torch.Tensor, *, rows: int, rows_name: str, dtype: torch.dtype,
+                 device: torch.device, shape_doc: str) -> int:
+    """A stacked expert weight ``[E, rows, N]`` (any strides): checks it and returns E."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(w).__name__}")
+    if w.dim() != 3:
+        raise ValueError(f"{name} must be 3-D {shape_doc}, got shape {tuple(w.shape)}")
+    if w.shape[1] != rows:
+        raise ValueError(f"{name} is {list(w.shape)} but must be {shape_doc} with {rows_name}={rows} "
+                         f"(for an nn.Linear-stacked weight pass its .transpose(1, 2))")
+    if w.dtype != dtype:
+        raise TypeError(f"{name} has dtype {w.dtype} but the activations are {dtype}; cast them to one dtype")
+    if w.device != device:
+        raise ValueError(f"{name} is on {w.device} but the activations are on {device}")
+    if w.shape[0] < 1 or w.shape[2] < 1:
+        raise ValueError(f"{name} {shape_doc} has an empty dimension: {tuple(w.shape)}")
+    return w.shape[0]
+
+
+def nccl(backend: Backend) -> bool:
+    """Whether the group runs NCCL (tensor collectives); else gloo (emulated or GPU-sharing test ranks)."""
+    return dist.get_backend(backend.group) == "nccl"
+
+
+def all_gather_rows(t: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """NCCL (or gloo) all-gather of ``t [rows, ...]`` along its first dimension, on the caller's stream."""
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] * backend.world_size, *t.shape[1:]))
+    if nccl(backend):
+        dist.all_gather_into_tensor(out, t, group=backend.group)
+    else:
+        dist.all_gather(list(out.chunk(backend.world_size)), t, group=backend.group)
+    return out

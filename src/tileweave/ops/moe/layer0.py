@@ -1,0 +1,117 @@
+"""MoE layer 0: AllGather of the tokens + grouped GEMM over the routing plan (the experts' up/gate
+projection of tensor-parallel MoE; every rank holds every expert's columns ``[F/W * r, F/W * (r+1))``).
+
+==================  ==========================  ==================================================
+tensor              shape (per rank)            meaning
+==================  ==========================  ==================================================
+``x_shard``         ``[T / W, H]``              this rank's tokens (rank r: tokens
+                                                ``[r*T/W, (r+1)*T/W)`` of the group)
+``w0``              ``[E, H, F_loc]``           this rank's columns of every expert (the view
+                                                ``w.transpose(1, 2)`` of an ``[E, F_loc, H]``
+                                                nn.Linear stack is read in place)
+``plan``            ``MoEPlan``                 ``moe_plan`` of the group's ``topk_ids``
+result ``y``        ``[T * k, F_loc]``          ``y[p] = X[row_token[p]] @ w0[row_expert[p]]``,
+                                                rows in plan order (groups by source, expert)
+gathered ``x``      ``[T, H]``                  ``X = AllGather(x_shard)`` (``return_gathered``;
+                                                backward needs it)
+==================  ==========================  ==================================================
+
+fp16, bf16 or fp32 in (one dtype for ``x_shard`` and ``w0``), fp32 accumulation, result in that dtype.
+
+Paths. ``"fused"``: each rank pushes its shard into every peer's symmetric gather buffer on the copy
+engines (``gather.ShardGather``) while ONE persistent grouped GEMM runs over the plan's W*E groups
+in rotated order, its own source's groups first; a tile of source s's groups waits for s's ready flag
+(an epoch) before its first load of A and reads its rows by index straight from the gather buffer, so
+no ``[T*k, H]`` copy is made. ``"fallback"``: NCCL all-gather of ``x_shard``, then the same grouped GEMM
+ungated. ``policy="auto"`` chooses per shape (``tileweave.ops.moe.paths.choose_path``); a group of
+one communicates nothing (``"local"``). ``tileweave.ops._launch.last_path("moe_all_gather_gemm")``
+says which ran.
+
+Synchronises: nothing with the host (the plan's offsets stay on the device). Concurrency: all ranks
+call the op the same number of times in the same order with the same shapes; do not run two calls of
+one op object concurrently on different streams.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import _launch
+from tileweave.ops.grouped_gemm import grouped_gemm
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight
+from tileweave.ops.moe.gather import ShardGather
+from tileweave.ops.moe.plan import MoEPlan
+from tileweave.runtime.backend import Backend
+
+_OP = "moe_all_gather_gemm"
+
+
+class MoEAllGatherGemm(MoEOp):
+    """A reusable MoE layer 0 bound to one group; keeps its gather buffer between calls (module
+    docstring). ``policy``, ``max_spin``: :class:`tileweave.ops.moe._op.MoEOp`."""
+
+    op_name = _OP
+
+    def __call__(self, x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan, *, out: torch.Tensor | None = None,
+                 return_gathered: bool = False):
+        """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
+        result's dtype with unit column stride. ``x`` is a fresh tensor."""
+        check_activation("x_shard", x_shard, "[T/W, H]")
+        tc, h = x_shard.shape
+        experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
+                               shape_doc="[E, H, F_loc]")
+        f_loc = w0.shape[2]
+        backend = self._get_backend(x_shard.device)
+        w = backend.world_size
+        check_plan(plan, world=w, tokens=tc * w, experts=experts, device=x_shard.device)
+        out = _launch.check_out(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
+        if out is None:
+            out = torch.empty((plan.rows, f_loc), dtype=x_shard.dtype, device=x_shard.device)
+        signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
+        path = self._decide(backend, signature, tokens=tc * w, topk=plan.topk, hidden=h, f_loc=f_loc,
+                            dtype=x_shard.dtype)
+        if path == "fused" and tc == 0:
+            path = "fallback"
+        if path == "fused":
+            gathered = self._fused(backend, x_shard, w0, plan, out, return_gathered)
+        else:
+            gathered = x_shard if path == "local" else all_gather_rows(x_shard, backend)
+            grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out)
+        _launch.record_path(_OP, path)
+        return (out, gathered) if return_gathered else out
+
+    def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool):
+        """The fused path: the pushes, one gated grouped GEMM, the release (module docstring)."""
+        self._check_previous()
+        gather = ShardGather.start(backend, self._ws, x_shard)
+        self._ws = gather.ws
+        grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
+                     gate=(gather.ready_flags, gather.epoch, backend.rank, self._ws.err, self._spin(backend)))
+        # A copy for the caller before the release lets the peers refill the buffer (the kernel has
+        # waited for every shard, so the copy reads them all).
+        gathered = gather.gathered.clone() if return_gathered else None
+        gather.release(backend)
+        self._finish(backend, self._ws)
+        return gathered
+
+
+def cached_op(group: dist.ProcessGroup, device: torch.device) -> MoEAllGatherGemm:
+    """The op shared by every functional call on ``group`` and ``device``."""
+    key = (id(group), device)
+    op = _shared.get(key)
+    if op is None:
+        op = _shared[key] = MoEAllGatherGemm(group)
+    return op
+
+
+_shared: dict[tuple, MoEAllGatherGemm] = {}
+
+
+def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
+                        group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
+                        return_gathered: bool = False):
+    """Functional form of :class:`MoEAllGatherGemm` (module docstring: shapes and semantics), with one
+    cached op per (group, device)."""
+    group = group if group is not None else dist.group.WORLD
+    return cached_op(group, x_shard.device)(x_shard, w0, plan, out=out, return_gathered=return_gathered)

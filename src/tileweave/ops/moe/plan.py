@@ -1,0 +1,213 @@
+"""The routing plan of the MoE pair: which rows of the grouped GEMMs come from which (token, slot).
+
+Built on the device from the gathered ``topk_ids [T, k]`` with sorts, scatters, cumulative sums and
+searches of known sizes, so that building it never waits for the GPU (the one host sync is the
+optional value check of ``validate``) and it can be built inside a CUDA graph.
+
+Order. The T*k (token, slot) pairs are grouped by (source rank s, expert e), group ``g = s*E + e``,
+and within a group kept in (token, slot) order. Source s holds tokens ``[s*T/W, (s+1)*T/W)`` of the
+gathered input, so every group's rows come from one rank's shard: layer 0's tiles of group g wait
+for exactly one shard (source ``g // E``), and the rows layer 1 reduces for owner q are exactly the
+groups ``[q*E, (q+1)*E)``. The cost is up to W*E partly filled row tiles instead of E.
+
+Worked example: W = 2, E = 3, k = 2, T = 4 (two tokens per rank), ``topk_ids = [[2, 0], [0, 1],
+[1, 2], [2, 2]]``. Pairs (t, j) -> key s*E + e: (0,0) -> 2, (0,1) -> 0, (1,0) -> 0, (1,1) -> 1,
+(2,0) -> 4, (2,1) -> 5, (3,0) -> 5, (3,1) -> 5. Sorted stably by key: plan rows 0..7 are (0,1),
+(1,0), (1,1), (0,0), (2,0), (2,1), (3,0), (3,1); ``offsets = [0, 2, 3, 4, 4, 5, 8]``,
+``row_token = [0, 1, 1, 0, 2, 2, 3, 3]``, ``row_expert = [0, 0, 1, 2, 1, 2, 2, 2]``,
+``pair_row = [[3, 0], [1, 2], [4, 5], [6, 7]]``, ``splits = [2, 2, 4]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from tileweave.runtime.backend import TileweaveError, _group_size
+
+ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEPlan:
+    """The routing of one MoE layer call over a TP group (module docstring: order and an example).
+
+    Every rank holds the same plan (``moe_plan`` builds it from the gathered ids). Device tensors are
+    int32 on the ids' device; building it reads none of them on the host."""
+
+    world_size: int
+    """W: ranks of the TP group the plan was built for."""
+    tokens: int
+    """T: tokens over the group (T / W per rank)."""
+    topk: int
+    """k: experts per token."""
+    num_experts: int
+    """E."""
+    offsets: torch.Tensor
+    """``[W*E + 1]``: group g = s*E + e is plan rows ``[offsets[g], offsets[g+1])``; offsets[W*E] = T*k."""
+    row_token: torch.Tensor
+    """``[T*k]``: the gathered-token index of each plan row."""
+    row_expert: torch.Tensor
+    """``[T*k]``: the expert of each plan row."""
+    pair_row: torch.Tensor
+    """``[T, k]``: the plan row of pair (t, j), the inverse of (row_token, slot)."""
+    splits: torch.Tensor
+    """``[E]``: rows per expert over all sources."""
+
+    @property
+    def rows(self) -> int:
+        """T*k: rows of the grouped GEMMs."""
+        return self.tokens * self.topk
+
+    @property
+    def groups(self) -> int:
+        """W*E."""
+        return self.world_size * self.num_experts
+
+    @property
+    def device(self) -> torch.device:
+        return self.offsets.device
+
+    def source_rows(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row_lo, row_hi)``: the plan rows of source rank ``source``'s tokens, as device scalars."""
+        e = self.num_experts
+        return self.offsets[source * e], self.offsets[(source + 1) * e]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(offsets, row_token, row_expert, pair_row, splits)``: the plan as tensors alone (a custom
+        op's arguments); ``from_tensors`` rebuilds it."""
+        return (self.offsets, self.row_token, self.row_expert, self.pair_row, self.splits)
+
+    @classmethod
+    def from_tensors(cls, offsets: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor,
+                     pair_row: torch.Tensor, splits: torch.Tensor) -> "MoEPlan":
+        """The plan of ``tensors()`` (W, T, k and E follow from their shapes)."""
+        tokens, topk = pair_row.shape
+        experts = splits.shape[0]
+        return cls(world_size=(offsets.shape[0] - 1) // experts, tokens=tokens, topk=topk, num_experts=experts,
+                   offsets=offsets, row_token=row_token, row_expert=row_expert, pair_row=pair_row, splits=splits)
+
+    def signature(self) -> tuple[int, int, int, int]:
+        """(W, T, k, E): what two calls' plans must share to be interchangeable."""
+        return (self.world_size, self.tokens, self.topk, self.num_experts)
+
+
+def check_ids(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids") -> None:
+    """Shape, dtype and expert-count checks of routing ids (no value check: that reads them)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of expert ids, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
+        raise ValueError(f"{name} must be [tokens, k] with k >= 1, got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"{name} has dtype {topk_ids.dtype}; expert ids must be an integer tensor "
+                        f"(int32 or int64)")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+
+
+def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids") -> None:
+    """Raise if any id lies outside ``[0, num_experts)``: one host sync (two scalars)."""
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = torch.stack([topk_ids.min().long(), topk_ids.max().long()]).tolist()
+    if lo < 0 or hi >= num_experts:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds expert id {bad}, outside [0, num_experts={num_experts}); "
+                         f"ids must index the experts of the weights")
+
+
+def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
+               validate: bool = True) -> MoEPlan:
+    """The plan of the gathered ``topk_ids [T, k]`` (every token of the group, in rank order) for
+    ``num_experts`` experts over ``world_size`` ranks. Pure: no collective, no allocation beyond the
+    plan's own tensors, no host read of the ids' values except the optional check.
+
+    ``validate`` (default True): check that every id lies in ``[0, num_experts)``, the one host sync
+    (skipped while a CUDA graph is being captured). Unchecked, a pair with an out-of-range id is left
+    out of every group: it sorts after the last group, the plan's ``offsets[-1]`` is then below T*k,
+    the kernels compute nothing for that pair and never read out of bounds, and the rows that depend
+    on it are undefined.
+
+    Errors: ``TypeError``/``ValueError`` naming ``topk_ids`` (not 2-D, not integer, k < 1, values out
+    of range), ``num_experts`` (< 1) or ``world_size`` (< 1, or T not divisible by it)."""
+    check_ids(topk_ids, num_experts)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    tokens, topk = topk_ids.shape
+    if tokens % world_size:
+        raise ValueError(f"topk_ids has T={tokens} tokens, which do not split over world_size={world_size} "
+                         f"ranks: T must be divisible by W (pad the batch to {-(-tokens // world_size) * world_size})")
+    capturing = topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate and not capturing:
+        check_id_values(topk_ids, num_experts)
+    device = topk_ids.device
+    rows = tokens * topk
+    groups = world_size * num_experts
+    experts = topk_ids.reshape(-1).long()
+    pair = torch.arange(rows, device=device)
+    source = pair // (topk * (tokens // world_size)) if tokens else pair
+    key = source * num_experts + experts
+    # An id outside [0, E) gets a key past every group, so it sorts after offsets[-1].
+    key = torch.where((experts >= 0) & (experts < num_experts), key, torch.full_like(key, groups))
+    sorted_key, order = torch.sort(key, stable=True)
+    offsets = torch.searchsorted(sorted_key, torch.arange(groups + 1, device=device), right=False)
+    pair_row = torch.empty(rows, dtype=torch.int32, device=device)
+    pair_row.scatter_(0, order, pair.to(torch.int32))
+    splits = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    valid = key < groups
+    splits.scatter_add_(0, experts.clamp(0, num_experts - 1), valid.long())
+    return MoEPlan(world_size=world_size, tokens=tokens, topk=topk, num_experts=num_experts,
+                   offsets=offsets.to(torch.int32), row_token=(order // topk).to(torch.int32),
+                   row_expert=experts[order].clamp(0, num_experts - 1).to(torch.int32),
+                   pair_row=pair_row.view(tokens, topk), splits=splits.to(torch.int32))
+
+
+def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
+             validate: bool = True) -> MoEPlan:
+    """Collective: gather every rank's ``topk_ids_shard [T/W, k]`` (NCCL all-gather on GPUs, gloo on
+    the CPU) and build the group's plan (``build_plan``). Every rank of ``group`` must call it with
+    the same T/W, k and ``num_experts`` in the same order; they then hold identical plans.
+
+    Errors: as ``build_plan``, naming ``topk_ids_shard``; and ``TileweaveError`` if the ranks passed
+    different shapes, dtypes or expert counts (checked by a small all-gather of the shapes before the
+    ids are gathered)."""
+    check_ids(topk_ids_shard, num_experts, name="topk_ids_shard")
+    group, rank, world = _group_size(group)
+    mine = (tuple(topk_ids_shard.shape), str(topk_ids_shard.dtype), num_experts)
+    _agree_shapes(group, rank, world, mine)
+    if validate and not (topk_ids_shard.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_id_values(topk_ids_shard, num_experts, name="topk_ids_shard")
+    ids = topk_ids_shard.contiguous()
+    gathered = ids.new_empty((ids.shape[0] * world, ids.shape[1]))
+    if world == 1:
+        gathered.copy_(ids)
+    elif dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(gathered, ids, group=group)
+    else:
+        dist.all_gather(list(gathered.chunk(world)), ids, group=group)
+    return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
+
+
+_agreed_shapes: set[tuple] = set()
+
+
+def _agree_shapes(group: dist.ProcessGroup, rank: int, world: int, mine: tuple) -> None:
+    """Once per (group, shape): every rank's ids have the same shape, dtype and expert count (a
+    mismatch would make the all-gather hang or mix tokens)."""
+    key = (group.group_name, mine)
+    if key in _agreed_shapes:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TileweaveError("moe_plan: the first call of each shape checks it with the other ranks (a "
+                             "collective that a CUDA graph cannot hold): call it once eagerly before capturing")
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    for other, theirs in enumerate(everyone):
+        if theirs != mine:
+            raise TileweaveError(f"moe_plan: rank {rank} passed topk_ids_shard {mine[0]} {mine[1]} with "
+                                 f"num_experts={mine[2]} but rank {other} passed {theirs[0]} {theirs[1]} with "
+                                 f"num_experts={theirs[2]}; every rank must route the same number of tokens "
+                                 "with the same k over the same experts")
+    _agreed_shapes.add(key)
