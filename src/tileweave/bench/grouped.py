@@ -38,7 +38,7 @@ import torch
 
 from tileweave.bench.report import collect_metadata, geomean
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_config, grouped_gemm
 from tileweave.tune.grouped import GroupedConfig
 
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cuda and not args.smoke:
         print("no CUDA device: only --smoke runs on the CPU", file=sys.stderr)
         return 2
-    if not cuda and not _launch.interpreting():
+    if not cuda and not common.interpreting():
         print("--smoke on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -50,7 +50,7 @@ from tileweave.bench.report import Measurement, collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
 from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
-from tileweave.ops._launch import last_path
+from tileweave.ops.common import last_path
 from tileweave.ops.moe import build_plan, moe_all_gather_gemm, moe_gemm_reduce_scatter
 from tileweave.testing.emulated import run_ranks
 

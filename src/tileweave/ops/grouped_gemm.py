@@ -6,14 +6,15 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 
 from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
-from tileweave.ops import _launch
+from tileweave.ops import common
+from tileweave.ops.gemm_launch import layout, wrap_int32
+from tileweave.runtime import triton_launch
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
 
 G_BLOCK_MAX = 1024
@@ -49,7 +50,7 @@ def grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype,
                    device: torch.device) -> GroupedConfig:
     """The config ``grouped_gemm`` picks when given none (``tileweave.tune.grouped`` has the rule)."""
     return choose_grouped_config(rows, n, k, groups, dtype, num_sms=_sm_count(device.type, device.index),
-                                 interpreter=_launch.interpreting())
+                                 interpreter=common.interpreting())
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_rows: torch.Tensor | None = None,
@@ -81,7 +82,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     from group ``rank * E`` on, wrapping; a tile of group g from source ``s = g // E != rank`` first
     waits, at most ``max_spin`` polls, until ``ready_flags[s]`` (int32, one word per source) reaches
     ``epoch`` (cyclic comparison). An expired wait stores ``1 + s`` in ``err`` (int32 ``[1]``, atomic
-    max) and its tiles neither load nor store; the caller checks ``err`` (``_launch.raise_on_timeout``).
+    max) and its tiles neither load nor store; the caller checks ``err`` (``common.raise_on_timeout``).
 
     ``signal=(counters,)``: after each finished tile of group g (its stores done), a system-scope
     release adds 1 to ``counters[g // E]`` (int32). ``expected_tiles`` gives the counts per call.
@@ -100,7 +101,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
             _plans[key] = plan
     if out is None:
         out = torch.empty((plan.rows, plan.n), dtype=a.dtype, device=a.device)
-    if _launch.debug_mode():
+    if common.debug_mode():
         _check_offsets(offsets, plan.rows)
     if plan.empty:
         return out
@@ -147,7 +148,6 @@ _MAX_PLANS = 4096
 
 def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> tuple | None:
     """Everything about the arguments that the launch depends on, or None to take the checked path."""
-    layout = _launch.layout
     for t in (a, b, offsets, a_rows, row_scale, out):
         if t is not None and type(t) is not torch.Tensor:
             return None
@@ -167,15 +167,15 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
             return None
         signal_key = layout(signal[0])
     return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
-            group_range, gate_key, signal_key, _launch.interpreting(), G_BLOCK_MAX,
+            group_range, gate_key, signal_key, common.interpreting(), G_BLOCK_MAX,
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
 def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> _Plan:
-    _launch.check_matrix("a", a)
+    common.check_matrix("a", a)
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D tensor [E, K, N], got {_describe(b)}")
-    _launch.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
+    common.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
     num_b, k, n = b.shape
     if a.shape[1] != k:
         raise ValueError(f"a is [Ma, K={a.shape[1]}] but b is {list(b.shape)}: b must be [E, K={a.shape[1]}, N]")
@@ -196,19 +196,19 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
                              f"got {_describe(row_scale)}")
-    _launch.check_out(out, (rows, n), a.dtype, a.device)
+    common.check_out(out, (rows, n), a.dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)
     sources = math.ceil(groups / experts)
     gate = _check_gate(gate, sources, a.device)
     _check_signal(signal, sources, a.device)
     if rows == 0 or n == 0 or g_hi == g_lo:
         return _Plan(rows=rows, n=n, empty=True)
-    if a.device.type == "cpu" and not _launch.interpreting():
+    if a.device.type == "cpu" and not common.interpreting():
         raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     config = config or grouped_config(rows, n, k, groups, a.dtype, a.device)
     if not isinstance(config, GroupedConfig):
         raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
-    upcast = a.dtype == torch.bfloat16 and _launch.interpreting()
+    upcast = a.dtype == torch.bfloat16 and common.interpreting()
     if upcast:
         a, b = a.float(), b.float()
     copy_a = a.stride(1) != 1
@@ -224,7 +224,7 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     # A TMA descriptor needs a 16-byte aligned base and 16-byte multiples for every stride but the last.
     inner = b.stride(2) if b_nk else b.stride(1)
     b_tma = (k > 0 and b.data_ptr() % 16 == 0 and (b.stride(0) * elem) % 16 == 0 and (inner * elem) % 16 == 0
-             and (_launch.interpreting() or _sm90(a.device)))
+             and (common.interpreting() or _sm90(a.device)))
     n_groups = g_hi - g_lo
     g_block = triton.next_power_of_2(n_groups) if n_groups <= G_BLOCK_MAX else 0
     bound = (math.ceil(rows / config.block_m) + n_groups) * math.ceil(n / config.block_n)
@@ -255,20 +255,19 @@ def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counter
         b = b.contiguous()
     tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
                out if ready is None else ready, out if err is None else err, out if counters is None else counters)
-    scalars = (_launch._i32(epoch), max_spin, *plan.scalars)
+    scalars = (wrap_int32(epoch), max_spin, *plan.scalars)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
-        _launch._launch_compiled(plan.compiled[0], a.device.index, plan.programs,
+        triton_launch.launch_compiled(plan.compiled[0], a.device.index, plan.programs,
                                  (*(t.data_ptr() for t in tensors), *scalars), tuple(plan.constexprs.values()))
         return
-    _launch._install_allocator()
+    triton_launch.install_allocator()
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         kernel = grouped_gemm_kernel[(plan.programs,)](*tensors, *scalars, **plan.constexprs,
                                                        num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if a.is_cuda and _FAST_LAUNCH:
-        plan.compiled.append(kernel.result() if hasattr(kernel, "result") else kernel)
+    if a.is_cuda and triton_launch.FAST:
+        plan.compiled.append(triton_launch.kept(kernel))
 
 
-_FAST_LAUNCH = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0"
 
 
 def expected_tiles(offsets: torch.Tensor, *, experts: int, n: int, config: GroupedConfig,

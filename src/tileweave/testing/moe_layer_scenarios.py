@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, tileweave_ops
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.runtime.backend import set_producer_delay
 from tileweave.testing.moe_layer_reference import reference_moe, routing_gap
 
@@ -135,7 +135,7 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     set_producer_delay(0.0)
     full = layer.full_state_dict()
     results["round_trip"] = all(torch.equal(full[k], state[k]) for k in state)
-    results["paths"] = (_launch.last_path("moe_all_gather_gemm"), _launch.last_path("moe_gemm_reduce_scatter"))
+    results["paths"] = (common.last_path("moe_all_gather_gemm"), common.last_path("moe_gemm_reduce_scatter"))
     results["cpu_s"] = time.process_time()
     return results
 

@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, build_plan, moe_plan
 from tileweave.runtime.backend import TileweaveError, set_producer_delay
 from tileweave.testing import moe_reference
@@ -125,7 +125,7 @@ def pair_check(rank: int, world: int, cases: list[MoECase]) -> list[dict]:
                 x_shard = x[mine].to(device)
                 y = torch.full((tokens * k, f), float("nan"), dtype=dtype, device=device)
                 _, gathered = layer0(x_shard, w0, plan, out=y, return_gathered=True)
-                path0 = _launch.last_path("moe_all_gather_gemm")
+                path0 = common.last_path("moe_all_gather_gemm")
                 pair_rows = plan.pair_row.reshape(-1).long()
                 y_pairs = y[pair_rows].view(tokens, k, f)
                 ref0 = moe_reference.layer0_reference(x, ids, w0_all[rank].to(dtype))
@@ -140,7 +140,7 @@ def pair_check(rank: int, world: int, cases: list[MoECase]) -> list[dict]:
                 wt_dtype = torch.float32 if it % 2 == 0 else dtype
                 out = torch.full((tc, hid), float("nan"), dtype=dtype, device=device)
                 layer1(h, w1, plan, weights[mine].to(wt_dtype).to(device), out=out)
-                path1 = _launch.last_path("moe_gemm_reduce_scatter")
+                path1 = common.last_path("moe_gemm_reduce_scatter")
                 ref1 = moe_reference.layer1_reference(h_pairs, ids, weights.to(wt_dtype).double(),
                                                       [w.to(dtype) for w in w1_all])
                 err1 = _rel_err(out, ref1[mine])
@@ -259,7 +259,7 @@ def no_host_sync_check(rank: int, world: int, policy: str) -> dict:
         # y as layer 1's input: its reference is layer 0's output, per pair, on every rank; checked here
         # for layer 0 only, and for layer 1 through finiteness (pair_check covers its arithmetic).
         y_pairs = y[plan.pair_row.reshape(-1).long()].view(tc * world, k, case.f_loc)
-        result = {"path0": _launch.last_path("moe_all_gather_gemm"), "path1": _launch.last_path("moe_gemm_reduce_scatter"),
+        result = {"path0": common.last_path("moe_all_gather_gemm"), "path1": common.last_path("moe_gemm_reduce_scatter"),
                   "err0": _rel_err(y_pairs, moe_reference.layer0_reference(x, ids, w0_all[rank].to(torch.bfloat16))),
                   "finite1": bool(torch.isfinite(out).all())}
     return result

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.ops.moe.paths import choose_path
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.workspace import Workspace, agree
@@ -89,9 +89,9 @@ class MoEOp:
     def _finish(self, backend: Backend, ws: Workspace) -> None:
         """After a gated kernel: surface an expired wait. On the CPU (and in debug mode) at once; on GPUs
         from a copy of the error word read at the next call, so no call synchronises."""
-        if backend.interpreter or _launch.debug_mode():
+        if backend.interpreter or common.debug_mode():
             backend.synchronize()
-            _launch.raise_on_timeout(ws.err, self.op_name, backend.rank)
+            common.raise_on_timeout(ws.err, self.op_name, backend.rank)
             return
         if self._err_mirror is None:
             self._err_mirror = backend.host_mirror()
@@ -102,12 +102,12 @@ class MoEOp:
         if code:
             self._err_mirror.clear()
             self._ws.err.zero_()
-            _launch.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, self._backend.rank)
+            common.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, self._backend.rank)
 
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:
         """After a call whose waits are stream waits: bounded on the host on the CPU and in debug mode."""
-        if backend.interpreter or _launch.debug_mode():
+        if backend.interpreter or common.debug_mode():
             backend.synchronize()
 
 
@@ -128,7 +128,7 @@ def check_plan(plan: MoEPlan, *, world: int, tokens: int | None, experts: int, d
 
 
 def check_activation(name: str, t: torch.Tensor, shape_doc: str) -> None:
-    _launch.check_matrix(name, t)
+    common.check_matrix(name, t)
     if t.stride(1) != 1:
         raise ValueError(f"{name} {shape_doc} must have unit stride along its last dimension, got strides "
                          f"{t.stride()} (pass .contiguous())")

@@ -24,7 +24,7 @@ in rotated order, its own source's groups first; a tile of source s's groups wai
 (an epoch) before its first load of A and reads its rows by index straight from the gather buffer, so
 no ``[T*k, H]`` copy is made. ``"fallback"``: NCCL all-gather of ``x_shard``, then the same grouped GEMM
 ungated. ``policy="auto"`` chooses per shape (``tileweave.ops.moe.paths.choose_path``); a group of
-one communicates nothing (``"local"``). ``tileweave.ops._launch.last_path("moe_all_gather_gemm")``
+one communicates nothing (``"local"``). ``tileweave.last_path("moe_all_gather_gemm")``
 says which ran.
 
 Synchronises: nothing with the host (the plan's offsets stay on the device). Concurrency: all ranks
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
 from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight
 from tileweave.ops.moe.gather import ShardGather
@@ -65,7 +65,7 @@ class MoEAllGatherGemm(MoEOp):
         backend = self._get_backend(x_shard.device)
         w = backend.world_size
         check_plan(plan, world=w, tokens=tc * w, experts=experts, device=x_shard.device)
-        out = _launch.check_out(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
+        out = common.check_out(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
         if out is None:
             out = torch.empty((plan.rows, f_loc), dtype=x_shard.dtype, device=x_shard.device)
         signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
@@ -78,7 +78,7 @@ class MoEAllGatherGemm(MoEOp):
         else:
             gathered = x_shard if path == "local" else all_gather_rows(x_shard, backend)
             grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out)
-        _launch.record_path(_OP, path)
+        common.record_path(_OP, path)
         return (out, gathered) if return_gathered else out
 
     def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool):

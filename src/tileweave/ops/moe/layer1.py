@@ -40,7 +40,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tileweave.ops import _launch
+from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
 from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl
 from tileweave.ops.moe.plan import MoEPlan
@@ -97,7 +97,7 @@ class MoEGemmReduceScatter(MoEOp):
                              "h must be layer 0's output for this plan")
         tc = plan.tokens // w
         _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
-        out = _launch.check_out(out, (tc, hidden), h.dtype, h.device)
+        out = common.check_out(out, (tc, hidden), h.dtype, h.device)
         if out is None:
             out = torch.empty((tc, hidden), dtype=h.dtype, device=h.device)
         signature = (_OP, tc, plan.topk, experts, f_loc, hidden, str(h.dtype), str(topk_weights_shard.dtype))
@@ -114,7 +114,7 @@ class MoEGemmReduceScatter(MoEOp):
             else:
                 path = "fallback"
                 self._fallback(backend, h, w1, plan, weights, out)
-        _launch.record_path(_OP, path)
+        common.record_path(_OP, path)
         return out
 
     def _fallback(self, backend: Backend, h, w1, plan: MoEPlan, weights, out) -> None:
