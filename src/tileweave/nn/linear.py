@@ -38,6 +38,7 @@ from tileweave.ops.all_gather_gemm import all_gather_gemm
 from tileweave.ops.all_gather_gemm import cached_op as cached_all_gather_op
 from tileweave.ops import all_gather_gemm as _all_gather_module
 from tileweave.ops.gemm_reduce_scatter import gemm_reduce_scatter
+from tileweave.nn import inference
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
@@ -119,12 +120,14 @@ def _gather_for_weight_grad(dy_shard: torch.Tensor, weight: torch.Tensor, group:
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` split by output features over a TP group, with
     sequence-parallel input: takes ``x_shard_m [M/W, in]`` (or ``[..., M/W, in]`` flattened by the
-    caller), returns ``[M, out/W]``. See the module docstring for forward and backward."""
+    caller), returns ``[M, out/W]``. See the module docstring for forward and backward.
+    ``sequence_parallel=False``: replicated input ``x [M, in]`` instead (``tileweave.nn.inference``)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, save_gathered: bool = True,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, sequence_parallel: bool = True) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("out_features", out_features, self.world)
         self.in_features, self.out_features = in_features, out_features
@@ -137,6 +140,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         x_shard, weight, bias = _autocast(x_shard, self.weight, self.bias)
         with torch.autocast(x_shard.device.type, enabled=False):
+            if not self.sequence_parallel:
+                return inference.column_parallel_linear(x_shard, weight, bias, self.group)
             return _ColumnParallel.apply(x_shard, weight, bias, self.group, self.save_gathered)
 
     @torch.no_grad()
@@ -163,11 +168,14 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` split by input features over a TP group, with
     sequence-parallel output: takes ``x [M, in/W]``, returns ``y_shard_m [M/W, out]``. The bias is
-    whole on every rank and added once. See the module docstring for forward and backward."""
+    whole on every rank and added once. See the module docstring for forward and backward.
+    ``sequence_parallel=False``: returns the replicated ``y [M, out]`` (``tileweave.nn.inference``)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 group: dist.ProcessGroup | None = None, device=None, dtype=None) -> None:
+                 group: dist.ProcessGroup | None = None, device=None, dtype=None,
+                 sequence_parallel: bool = True) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("in_features", in_features, self.world)
         self.in_features, self.out_features = in_features, out_features
@@ -179,6 +187,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, weight, bias = _autocast(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):
+            if not self.sequence_parallel:
+                return inference.row_parallel_linear(x, weight, bias, self.group)
             return _RowParallel.apply(x, weight, bias, self.group)
 
     @torch.no_grad()
