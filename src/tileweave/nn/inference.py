@@ -109,5 +109,6 @@ def row_parallel_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: 
     bias)``: one ``gemm_all_reduce`` call with the residual add and the RMSNorm fused into its
     reduction (fp32 math, outputs in ``x``'s dtype). Forward only: no gradient flows through it."""
     _check("row_parallel_residual_norm", x, weight, 1)
-    return gemm_all_reduce(x, weight.t(), _group(group), bias=bias, residual=residual,
-                           norm_weight=norm_weight, eps=eps)
+    with torch.no_grad():
+        return gemm_all_reduce(x, weight.t(), _group(group), bias=bias, residual=residual,
+                               norm_weight=norm_weight, eps=eps)
