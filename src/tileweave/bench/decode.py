@@ -402,10 +402,11 @@ def main(argv=None) -> int:
             return 0
     else:
         world = torch.cuda.device_count()
-        if world < 2:
-            print(f"the decode benchmark needs 2 or more GPUs (found {world}); --smoke runs on the CPU",
-                  file=sys.stderr)
+        if world < 1:
+            print("no CUDA GPU visible; --smoke runs on the CPU", file=sys.stderr)
             return 2
+        if world == 1:
+            print("one GPU: TP=1 has no communication to time (a check of the harness only)", file=sys.stderr)
         records = run_ranks(world, bench_rank, opts, gpus=True)[0]
     js, md = write_report(opts, records, world, argv)
     print(md.read_text())
