@@ -30,16 +30,16 @@ def test_row_parallel_residual_norm(world, dtype):
         assert result["normed"] < TOL[dtype] and result["h"] < TOL[dtype], result
 
 
-@pytest.mark.parametrize("world, batch, chunks, steps, expect_prefill, generate", [
+@pytest.mark.parametrize("world, batch, chunks, steps, expect_prefill, generate, layers", [
     # prompt of 3 then 2 more tokens (attending to the cache), both sequence-parallel (6 and 4 rows)
-    (2, 2, [3, 2], 3, {"sp"}, True),
+    (2, 2, [3, 2], 3, {"sp"}, True, 2),
     # 3 rows do not split over 2 ranks: replicated prefill on gemm_all_reduce
-    (2, 1, [3], 2, {"replicated"}, True),
-    # four ranks: 4 rows sequence-parallel, then 6 rows replicated (generation: the cases above)
-    (4, 2, [2, 3], 2, {"sp", "replicated"}, False),
+    (2, 1, [3], 2, {"replicated"}, True, 2),
+    # four ranks, one layer (on two cores): 4 rows sequence-parallel, then 6 rows replicated
+    (4, 2, [2, 3], 1, {"sp", "replicated"}, False, 1),
 ])
-def test_decoder_prefill_and_decode_match_reference(world, batch, chunks, steps, expect_prefill, generate):
-    results = run_ranks(world, S.decoder_check, batch, chunks, steps, True, 0, generate)
+def test_decoder_prefill_and_decode_match_reference(world, batch, chunks, steps, expect_prefill, generate, layers):
+    results = run_ranks(world, S.decoder_check, batch, chunks, steps, True, 0, generate, layers)
     for result in results:
         assert result["prefill"] < 1e-5 and result["decode"] < 1e-5, result
         assert result["same"], result

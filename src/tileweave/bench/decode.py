@@ -248,7 +248,8 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> l
             cos, sin = rope_tables(c.max_seq, c.head_dim, c.rope_theta, device, dtype)
             cs = (cos[opts.context:opts.context + 1], sin[opts.context:opts.context + 1])
             ref_cache = KVCache(c, m, kv_heads // world, device=device, dtype=torch.float32)
-            ref_cache.k.copy_(cache.k), ref_cache.v.copy_(cache.v)
+            ref_cache.k.copy_(cache.k)
+            ref_cache.v.copy_(cache.v)
             ref_cache.length = opts.context
             ref = ref_layer.forward_replicated(normed.float(), resid.float(), next_norm.float(), ref_cache, 0,
                                                (cs[0].float(), cs[1].float()), m, 1,

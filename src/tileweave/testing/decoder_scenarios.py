@@ -115,14 +115,14 @@ def small_config(world: int, *, layers: int = 2, max_seq: int = 32) -> DecoderCo
 
 
 def decoder_check(rank: int, world: int, batch: int, chunks: list[int], steps: int,
-                  sequence_parallel: bool = True, seed: int = 0, generate: bool = True) -> dict:
+                  sequence_parallel: bool = True, seed: int = 0, generate: bool = True, layers: int = 2) -> dict:
     """The TP decoder (fp32) against the float64 reference: the prompt prefilled in ``chunks`` (lengths;
     a chunk after the first attends to the cache), then ``steps`` decode steps fed the reference's
     greedy tokens (teacher-forced, so that every step's logits are comparable); the worst relative
     error of each kind, whether the logits were bitwise the same on every rank, the ops' paths; then
     (if ``generate``) ``generate`` from the whole prompt against ``reference_generate``."""
     device = _device()
-    c = small_config(world)
+    c = small_config(world, layers=layers)
     state = random_state_dict(c, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, c.vocab, (batch, sum(chunks)), generator=g)
