@@ -50,3 +50,12 @@ def test_decoder_prefill_and_decode_match_reference(world, batch, chunks, steps,
         assert result["margin"] > 1e-4, result
         if generate:
             assert result["tokens"] == result["want"], result
+
+
+def test_decoder_refuses_bad_inputs():
+    for result in run_ranks(2, S.decoder_errors_check):
+        assert "vocab=17 must be divisible by the TP group size 2" in result["vocab"], result
+        assert "heads=4 must be divisible by kv_heads=3" in result["kv_heads"], result
+        assert "tokens must be integer [batch, seq], got torch.float32" in result["dtype"], result
+        assert "tokens has batch 3, the cache was made for 2" in result["batch"], result
+        assert "0 cached + 5 new tokens exceed max_seq=4" in result["max_seq"], result

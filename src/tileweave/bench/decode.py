@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tileweave.bench.cli import ensure_env
 from tileweave.bench.report import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
 from tileweave.nn.block import rope_tables
@@ -80,7 +81,8 @@ def parse_args(argv=None) -> Options:
     p.add_argument("--out", type=Path, required=True, help="directory for decode.json and decode.md")
     p.add_argument("--smoke", action="store_true", help="emulated CPU ranks, tiny shapes, eager calls")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="decode batch sizes")
+    # --tokens: under torchrun, spell it so (torchrun's parser takes "--m" for one of its own options)
+    p.add_argument("--m", "--tokens", dest="m", default=",".join(map(str, M_VALUES)), help="decode batch sizes")
     p.add_argument("--sections", default="gemm_ar,layer", help="gemm_ar, layer or both")
     p.add_argument("--context", type=int, default=512, help="KV-cache tokens for the layer step")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -389,6 +391,8 @@ def write_report(opts: Options, records: list[dict], world: int, argv) -> tuple[
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = parse_args(argv)
+    for note in ensure_env():  # NVLink multicast stays off, in this process and the ranks it starts
+        print(f"tileweave.bench.decode: {note}", file=sys.stderr)
     if opts.smoke:
         world = 2
         records = run_ranks(world, bench_rank, opts)[0]

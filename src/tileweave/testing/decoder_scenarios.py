@@ -8,6 +8,7 @@ the check itself, the decoder's by ``tileweave.testing.decoder_reference`` (whic
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 
@@ -207,3 +208,26 @@ def generation_rank(rank: int, world: int, config: DecoderConfig, batch: int, pr
     tokens, prefill_s, decode_s = _timed_generate(model, prompt, new_tokens)
     # plain lists: a tensor would travel to the parent through shared memory its rank has freed
     return {"tokens": tokens.cpu().tolist(), "prefill_s": prefill_s, "decode_s": decode_s}
+
+
+def decoder_errors_check(rank: int, world: int) -> dict[str, str]:
+    """The decoder's refusals, each before any collective: the error message per bad input."""
+    c = small_config(world, layers=1, max_seq=4)
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except ValueError as exc:
+            out[name] = str(exc)
+        else:
+            out[name] = "no error"
+
+    attempt("vocab", lambda: TPDecoder(dataclasses.replace(c, vocab=world * 8 + 1)))
+    attempt("kv_heads", lambda: DecoderConfig(vocab=8, hidden=16, layers=1, heads=4, kv_heads=3, ffn=8))
+    model = TPDecoder(c)
+    cache = model.new_cache(2)
+    attempt("dtype", lambda: model.prefill(torch.zeros(2, 3), cache))
+    attempt("batch", lambda: model.prefill(torch.zeros(3, 2, dtype=torch.long), cache))
+    attempt("max_seq", lambda: model.prefill(torch.zeros(2, 5, dtype=torch.long), cache))
+    return out
