@@ -2,30 +2,30 @@
 reference's, and the speeds are printed; its check rejects tokens that differ."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "generate.py"
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
 
 
-def test_generate_example_tokens_match_reference():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--world", "2", "--batch", "2", "--prompt-len", "4",
-                           "--new-tokens", "3", "--layers", "1"], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generate_example_tokens_match_reference(example, capsys):
+    rc = example.main(["--world", "2", "--batch", "2", "--prompt-len", "4", "--new-tokens", "3", "--layers", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
     assert "tokens match the unsharded reference" in out, out
     assert "prefill:" in out and "decode:" in out and "tokens/s" in out, out
 
 
-def test_generate_example_check_rejects_other_tokens(capsys):
-    spec = importlib.util.spec_from_file_location("generate_example", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+def test_generate_example_check_rejects_other_tokens(example, capsys):
     args = example.parse_args(["--batch", "1", "--prompt-len", "2", "--new-tokens", "2", "--layers", "1",
                                "--hidden", "16", "--heads", "2", "--kv-heads", "2", "--ffn", "8", "--vocab", "8"])
     state, prompt = example.generation_inputs(example.config_of(args), 1, 2, args.seed)

@@ -34,11 +34,13 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 
 from tileweave.bench.cli import ensure_env
 from tileweave.bench.report import collect_metadata
@@ -143,14 +145,10 @@ class SymmRow:
     PyTorch's one-shot (out of place) or two-shot (in place) all-reduce over it."""
 
     def __init__(self, group: dist.ProcessGroup, two_shot: bool) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.symm_mem, self.group, self.two_shot = symm_mem, group, two_shot
+        self.group, self.two_shot = group, two_shot
         self.buffers: dict[tuple, torch.Tensor] = {}
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # older torch needs the group registered; newer accepts and ignores it
-            import warnings
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 enable(group.group_name)
@@ -159,8 +157,8 @@ class SymmRow:
         key = (shape, like.dtype)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.symm_mem.empty(shape, dtype=like.dtype, device=like.device)
-            self.symm_mem.rendezvous(buf, self.group.group_name)
+            buf = symm_mem.empty(shape, dtype=like.dtype, device=like.device)
+            symm_mem.rendezvous(buf, self.group.group_name)
             self.buffers[key] = buf
         return buf
 

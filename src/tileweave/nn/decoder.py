@@ -204,6 +204,9 @@ class TPDecoder(nn.Module):
 
     ``prefill_sequence_parallel``: run prefill sequence-parallel where ``B*S`` divides by W (else, or
     when False, replicated like decode). ``ops``: the communicating calls (:class:`DecoderOps`).
+    ``dtype``: float16, bfloat16 or float32 (what the ops take; on the CPU float16 or float32).
+    A cache belongs to one sequence batch and one call at a time: calls that share a cache, or run on
+    the same group from several threads, must not overlap.
     """
 
     def __init__(self, config: DecoderConfig, *, group: dist.ProcessGroup | None = None,
