@@ -23,7 +23,8 @@ def test_inference_linears_forward_and_gradients(world, m, dtype, bias):
             assert err < TOL[dtype], (key, result)
 
 
-@pytest.mark.parametrize("world, dtype", [(2, "float32"), (3, "float16")])
+# fp32 at two ranks: the decoder tests below (every decode step runs it)
+@pytest.mark.parametrize("world, dtype", [(3, "float16")])
 def test_row_parallel_residual_norm(world, dtype):
     for result in run_ranks(world, S.residual_norm_check, 3, 6 * world, 10, dtype):
         assert result["same"] and result["dtype"] == f"torch.{dtype}", result
