@@ -108,6 +108,7 @@ def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float 
             out = torch.full((case.m, case.n), float("nan"), dtype=getattr(torch, case.dtype), device=device)
             if rank == case.straggler:
                 time.sleep(case.delay_s)
+            start = time.monotonic()
             result = op(inputs["a"][rank], inputs["b"][rank], bias=inputs["bias"], residual=inputs["residual"],
                         norm_weight=inputs["norm"], eps=eps, out=out)
             y, resid = result if case.norm else (result, None)
@@ -116,34 +117,42 @@ def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float 
             if resid is not None:
                 err = max(err, _rel_err(resid, ref_resid))
             rows.append({"case": dataclasses.asdict(case), "it": it, "err": err, "tol": TOL[case.dtype],
-                         "out_is_y": y is out, "path": _launch.last_path("gemm_all_reduce"),
+                         "out_is_y": y is out, "seconds": time.monotonic() - start, "path": _launch.last_path("gemm_all_reduce"),
                          "sums": [_checksum(y)] + ([_checksum(resid)] if resid is not None else [])})
     return rows
 
 
-def missing_peer_check(rank: int, world: int, policy: str, graphable: bool, max_spin: int) -> dict:
-    """Rank 0 calls a fused transport a second time, the others do not: rank 0 must raise
-    ``CollectiveTimeout`` (on the CPU at that call; on GPUs at the next, after a synchronize)."""
+def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max_spin: int) -> list[dict]:
+    """Per ``(policy, graphable)`` in ``kinds``, an op of its own: every rank calls it once (the call that
+    agrees on the signature), then rank 0 calls it again and the others do not: rank 0 must raise
+    ``CollectiveTimeout`` (on the CPU at that call; on GPUs at the next, after a synchronize), in about
+    the time ``max_spin`` polls take."""
     device = _device()
-    op = GemmAllReduce(policy=policy, graphable=graphable, max_spin=max_spin)
-    a = _randn((4, 8), torch.float16, "mp-a", rank, device=device)
-    b = _randn((8, 24), torch.float16, "mp-b", rank, device=device)
-    op(a, b)  # the first call agrees on the signature, every rank
-    outcome = {"raised": False, "message": "", "seconds": 0.0}
-    if rank == 0:
-        start = time.monotonic()
-        try:
-            for _ in range(2):
-                op(a, b)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-        except CollectiveTimeout as exc:
-            outcome.update(raised=True, message=str(exc))
-        outcome["seconds"] = time.monotonic() - start
-    if device != "cpu":
-        torch.cuda.synchronize()
-    dist.barrier()
-    return outcome
+    outcomes = []
+    for policy, graphable in kinds:
+        op = GemmAllReduce(policy=policy, graphable=graphable, max_spin=max_spin)
+        a = _randn((4, 8), torch.float16, "mp-a", rank, device=device)
+        b = _randn((8, 24), torch.float16, "mp-b", rank, device=device)
+        op(a, b)
+        outcome = {"raised": False, "message": "", "seconds": 0.0}
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                for _ in range(2):
+                    op(a, b)
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+            except CollectiveTimeout as exc:
+                outcome.update(raised=True, message=str(exc))
+            outcome["seconds"] = time.monotonic() - start
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dist.barrier()
+        outcomes.append(outcome)
+    return outcomes
 
 
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
@@ -176,6 +185,9 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     }
     if device == "cpu":
         bad["bf16 forced fused"] = lambda: op(a.bfloat16(), b.bfloat16())
+    others = dist.new_group([p for p in range(world) if p != 0])  # collective: every rank makes it
+    if rank == 0:
+        bad["foreign group"] = lambda: GemmAllReduce(others)(a, b)
     outcomes = {}
     for name, call in bad.items():
         try:
@@ -186,16 +198,3 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     y = op(a, b)
     outcomes["good call after"] = f"{_launch.last_path('gemm_all_reduce')} {tuple(y.shape)} {bool(torch.isfinite(y).all())}"
     return outcomes
-
-
-def foreign_group_check(rank: int, world: int) -> str:
-    """A group this rank is not in: the error, raised before anything runs."""
-    others = dist.new_group([p for p in range(world) if p != 0])
-    if rank != 0:
-        return "member"
-    op = GemmAllReduce(others)
-    try:
-        op(torch.ones(2, 4, dtype=torch.float16), torch.ones(4, 8, dtype=torch.float16))
-    except TileweaveError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"

@@ -3,9 +3,9 @@ CPU), then the bias, the residual add and the RMSNorm in torch. It is the baseli
 are measured against, the path for shapes where neither of them wins, and what a non-graphable op runs
 under CUDA-graph capture (NCCL captures; the fused transports' epochs would not advance on replay).
 
-On GPUs the partial goes through NCCL in its own dtype, as Megatron-style TP layers do. In Triton's
-interpreter the GEMM runs in fp32 and so does the all-reduce (the interpreter computes bfloat16
-wrongly, and fp32 keeps the CPU result close to the fused transports').
+The GEMM is torch's (cuBLAS on GPUs). On GPUs the partial goes through NCCL in its own dtype, as
+Megatron-style TP layers do; on the CPU the GEMM and the all-reduce are fp32 (CPU bfloat16 then comes
+out right, unlike Triton's interpreted bfloat16).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tileweave.ops.matmul import matmul
 from tileweave.runtime.backend import Backend
 
 
@@ -49,7 +48,7 @@ def run(backend: Backend, a: torch.Tensor, b: torch.Tensor, bias, residual, norm
             dist.all_reduce(partial, group=backend.group)
         total = partial.float()
     else:
-        partial = matmul(a.float(), b.float())
+        partial = torch.mm(a.float(), b.float())
         if backend.world_size > 1:
             dist.all_reduce(partial, group=backend.group)
         total = partial

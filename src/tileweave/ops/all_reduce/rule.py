@@ -5,8 +5,9 @@ only the time to sum the W partials of ``B = M * N * itemsize`` bytes each onto 
 
 * one-shot: one kernel; every rank reads the W-1 peers' whole partials over NVLink:
   ``T_LAUNCH + T_FLAG + (W-1) * B / bw``;
-* two-shot: one kernel in two phases; every rank reads its 1/W of the rows of the W-1 peers' partials,
-  then the W-1 peers' reduced rows: ``T_LAUNCH + 2 * T_FLAG + 2 * (W-1)/W * B / bw``;
+* two-shot: one kernel in two phases; every rank reads its share of the rows (``ceil(M/W)`` at most) of
+  the W-1 peers' partials, then the W-1 peers' reduced rows:
+  ``T_LAUNCH + 2 * T_FLAG + 2 * (W-1) * ceil(M/W) * N * itemsize / bw`` (``2 (W-1)/W * B`` where W divides M);
 * NCCL: ``NCCL_LATENCY + 2 * (W-1)/W * B / NCCL_BUS_BW`` (ring all-reduce, bus bandwidth).
 
 ``bw`` is what the kernel's programs can pull: ``min(PEER_BW, programs * SM_PULL_BW)``, with one program
@@ -15,14 +16,16 @@ Two-shot moves less than one-shot from W = 3 on, and pays a second flag round tr
 ``B`` per rank and one-shot always wins. A fused transport also needs its two slots of the call's
 output in symmetric memory: above ``FUSED_MAX_BYTES`` the call takes NCCL.
 
-Worked example (Llama-3-70B ``o_proj`` at TP = 8 on H200, N = 8192, bf16, 132 SMs):
+Worked example (Llama-3-70B ``o_proj``, N = 8192, bf16, on H200s with 132 SMs):
 
-* M = 8: B = 128 KiB; one program per row: 8 x 20 GB/s = 160 GB/s. One-shot 4 + 2 + 7 x 0.82 = 11.7 us,
-  two-shot (one row block per rank) 4 + 4 + 1.75 x 0.82 / (1 x 20 GB/s) ... = 19.5 us, NCCL 20 + 1.1 = 21.1 us:
-  **one-shot**.
-* M = 256: B = 4 MiB; 132 programs, bw = 365 GB/s. One-shot 6 + 7 x 11.5 = 86 us, two-shot
-  8 + 1.75 x 11.5 = 28 us, NCCL 20 + 1.75 x 21 = 57 us: **two-shot**.
-* At TP = 2 (same N): M = 64 (B = 1 MiB): one-shot 6 + 2.9 = 8.9 us against NCCL 20 + 5.2 = 25 us.
+* TP = 8, M = 8: B = 128 KiB. One-shot: 4 blocks of 2 rows, bw = 4 x 20 = 80 GB/s:
+  4 + 2 + 7 x 128 KiB / 80 GB/s = 17.5 us. Two-shot: one row per rank, one block, bw = 20 GB/s:
+  4 + 4 + 2 x 7 x 16 KiB / 20 GB/s = 19.5 us. NCCL: 20 + 1.75 x 128 KiB / 200 GB/s = 21.1 us: **one-shot**.
+* TP = 8, M = 256: B = 4 MiB. One-shot: 128 blocks, bw = 365 GB/s: 6 + 7 x 4 MiB / 365 GB/s = 86.4 us.
+  Two-shot: 32 rows per rank in 16 blocks, bw = 320 GB/s: 8 + 2 x 7 x 512 KiB / 320 GB/s = 30.9 us. NCCL:
+  20 + 1.75 x 4 MiB / 200 GB/s = 56.7 us: **two-shot** (it takes over from one-shot at M ~ 100 here).
+* TP = 2, M = 64: B = 1 MiB. One-shot 6 + 1 MiB / 365 GB/s = 8.9 us, two-shot 11.3 us, NCCL
+  20 + 1 MiB / 200 GB/s = 25.2 us: **one-shot** (at TP = 2 it always beats two-shot).
 
 These constants are estimates from the measurements in DESIGN.md (copy-engine peer pull 365 GB/s, NCCL
 bus bandwidth ~200 GB/s, NCCL all-reduce latency 15-25 us) and from what one SM's loads over NVLink
@@ -69,7 +72,7 @@ def estimates(m: int, n: int, world: int, itemsize: int, programs: int) -> dict[
     chunk = -(-m // world)
     return {
         "oneshot": T_LAUNCH + T_FLAG + (world - 1) * b / _bandwidth(m, programs),
-        "twoshot": T_LAUNCH + 2 * T_FLAG + 2 * (world - 1) / world * b / _bandwidth(chunk, programs),
+        "twoshot": T_LAUNCH + 2 * T_FLAG + 2 * (world - 1) * chunk * n * itemsize / _bandwidth(chunk, programs),
         "fallback": NCCL_LATENCY + 2 * (world - 1) / world * b / NCCL_BUS_BW,
     }
 
