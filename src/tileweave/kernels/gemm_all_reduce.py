@@ -34,9 +34,9 @@ from tileweave.kernels.sync import wait_epoch
 
 MAX_BLOCKS = 256
 """Row blocks per rank's share of the rows that the two-shot kernel flags (its ``done`` words per source)."""
-ERR_PARTIAL = 100
+ERR_PARTIAL = tl.constexpr(100)
 """Error code base: the partial of rank ``code - ERR_PARTIAL`` never arrived."""
-ERR_REDUCED = 300
+ERR_REDUCED = tl.constexpr(300)
 """Error code base: the reduced rows of rank ``code - ERR_REDUCED`` never arrived (two-shot)."""
 
 

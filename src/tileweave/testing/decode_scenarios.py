@@ -198,3 +198,67 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     y = op(a, b)
     outcomes["good call after"] = f"{_launch.last_path('gemm_all_reduce')} {tuple(y.shape)} {bool(torch.isfinite(y).all())}"
     return outcomes
+
+
+def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int, norm: bool,
+                     dtype: str = "bfloat16") -> dict:
+    """A graphable op's call (with bias, and residual + norm if ``norm``) captured in a CUDA graph after
+    two eager calls, replayed with new inputs copied into the captured buffers: each replay against
+    float64, six replays back to back without a host sync, then an eager call on the last inputs, which
+    must give the replay's bits (the constant flags are back where every call starts)."""
+    device = _device()
+    op = GemmAllReduce(policy=policy, graphable=True)
+    case = DecodeCase(m=m, k=k, n=n, dtype=dtype, policy=policy, bias=True, residual=norm, norm=norm)
+    first = case_inputs(case, 0, world, device)
+    a = first["a"][rank].clone()
+    weight = first["b"][rank]
+    bias = first["bias"]
+    residual = first["residual"].clone() if norm else None
+    gamma = first["norm"]
+
+    def call():
+        return op(a, weight, bias=bias, residual=residual, norm_weight=gamma)
+
+    def refill(it):
+        inputs = case_inputs(case, it, world, device)
+        # The weights, bias and norm of call 0 throughout: only a and residual change between replays.
+        inputs.update(b=first["b"], bias=bias, norm=gamma)
+        a.copy_(inputs["a"][rank])
+        if norm:
+            residual.copy_(inputs["residual"])
+        return inputs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for it in (100, 101):
+            refill(it)
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    path = _launch.last_path("gemm_all_reduce")
+    outs = captured if norm else (captured,)
+    errors = []
+    for it in range(3):
+        inputs = refill(it)
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(inputs, 1e-6)
+        errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+    inputs = refill(99)
+    for _ in range(6):
+        graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(inputs, 1e-6)
+    errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+    replayed = [_checksum(t) for t in outs]
+    eager = call()
+    torch.cuda.synchronize()
+    eager_sums = [_checksum(t) for t in (eager if norm else (eager,))]
+    dist.barrier()
+    return {"path": path, "errors": errors, "tol": TOL[dtype], "replayed": replayed, "eager": eager_sums}

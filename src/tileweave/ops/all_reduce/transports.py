@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import triton
 
-from tileweave.kernels.gemm_all_reduce import ERR_REDUCED, MAX_BLOCKS, oneshot_kernel, twoshot_kernel
+from tileweave.kernels.gemm_all_reduce import ERR_PARTIAL, ERR_REDUCED, MAX_BLOCKS, oneshot_kernel, twoshot_kernel
 from tileweave.ops import _launch
 from tileweave.ops.all_reduce.rule import rows_per_program
 from tileweave.ops.matmul import matmul
@@ -199,8 +199,9 @@ class FusedTransport:
             return
         self.host_err.clear()
         self.err.zero_()
-        src = code - ERR_REDUCED if code >= ERR_REDUCED else code - 100
-        what = "reduced rows" if code >= ERR_REDUCED else "partial"
+        reduced = code >= ERR_REDUCED.value
+        src = code - (ERR_REDUCED.value if reduced else ERR_PARTIAL.value)
+        what = "reduced rows" if reduced else "partial"
         raise CollectiveTimeout(f"gemm_all_reduce on rank {self.backend.rank}: a bounded wait for the {what} of "
                                 f"rank {src} expired; a peer is missing, far behind, or calling the op in a "
                                 "different order (raise max_spin or TILEWEAVE_MAX_SPIN if a rank is legitimately "
