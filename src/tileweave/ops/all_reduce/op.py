@@ -16,9 +16,10 @@ result               ``[M, N]``       ``sum over ranks (a_r @ b_r) (+ bias) (+ r
                                       ``normed = resid * rsqrt(mean(resid**2, -1) + eps) * norm_weight``
 ===================  ===============  ==============================================================
 
-All tensors share one dtype (float16, bfloat16 or float32) and one device. The sum over ranks is in fp32
-of the partials rounded to the dtype; the residual add and the norm are fp32, the results are rounded
-to the dtype. Every rank gets the bitwise same result, and the same on every run (the fused transports
+All tensors share one dtype (float16, bfloat16 or float32) and one device. The fused transports sum the
+partials (rounded to the dtype) in fp32; the unfused path on GPUs sums them in NCCL in the dtype, as
+Megatron-style layers do. The bias, the residual add and the norm are fp32; the results are rounded to
+the dtype. Every rank gets the bitwise same result, and the same on every run (the fused transports
 sum in rank order; NCCL's order is fixed by the group). In Triton's interpreter (CPU) bfloat16 takes
 the unfused path in fp32, since the interpreter's bfloat16 arithmetic is wrong.
 
@@ -60,7 +61,8 @@ class GemmAllReduce:
     replayed with new inputs; the first call of a signature must be eager (it agrees on the signature with
     the other ranks and sizes the buffers). A non-graphable op runs the unfused path under capture.
     ``max_spin``: polls a flag wait may take before it reports a lost peer (None: the backend's default).
-    Every rank must construct the op with the same settings."""
+    Every rank must construct the op with the same settings; they are fixed once the op has been called
+    (each signature's path is decided at its first call and kept)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto", graphable: bool = False,
                  max_spin: int | None = None) -> None:
