@@ -60,6 +60,7 @@ class TPOps:
 TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
                       gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
 """tileweave's fused ops, shared per (group, device): the layers' default."""
+from tileweave.nn import inference
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
@@ -89,6 +90,13 @@ def _apply(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     x, weight, bias = _autocast(x, weight, bias)
     with torch.autocast(x.device.type, enabled=False):
         return function.apply(x, weight, bias, *args)
+
+
+def _replicated(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+    """``function(x, weight, bias, group)`` of ``tileweave.nn.inference`` in the autocast dtype, if on."""
+    x, weight, bias = _autocast(x, weight, bias)
+    with torch.autocast(x.device.type, enabled=False):
+        return function(x, weight, bias, group)
 
 
 def _check_divisible(name: str, value: int, world: int) -> None:
@@ -180,14 +188,16 @@ def _start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
 class ColumnParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` split by output features over a TP group, with
     sequence-parallel input: takes ``x_shard_m [M/W, in]`` (or ``[..., M/W, in]`` flattened by the
-    caller), returns ``[M, out/W]``. See the module docstring for forward and backward."""
+    caller), returns ``[M, out/W]``. See the module docstring for forward and backward.
+    ``sequence_parallel=False``: replicated input ``x [M, in]`` instead (``tileweave.nn.inference``)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, save_gathered: bool = True,
-                 device=None, dtype=None, ops: TPOps | None = None) -> None:
+                 device=None, dtype=None, ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
         """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
         super().__init__()
         self.ops = ops or TILEWEAVE_OPS
+        self.sequence_parallel = sequence_parallel
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("out_features", out_features, self.world)
         self.in_features, self.out_features = in_features, out_features
@@ -196,6 +206,8 @@ class ColumnParallelLinear(nn.Module):
         _init_parameters(self, (local, in_features), local if bias else 0, device, dtype)
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return _replicated(inference.column_parallel_linear, x_shard, self.weight, self.bias, self.group)
         return _apply(_ColumnParallel, x_shard, self.weight, self.bias, self.group, self.save_gathered, self.ops)
 
     @torch.no_grad()
@@ -222,20 +234,24 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features)`` split by input features over a TP group, with
     sequence-parallel output: takes ``x [M, in/W]``, returns ``y_shard_m [M/W, out]``. The bias is
-    whole on every rank and added once. See the module docstring for forward and backward."""
+    whole on every rank and added once. See the module docstring for forward and backward.
+    ``sequence_parallel=False``: returns the replicated ``y [M, out]`` (``tileweave.nn.inference``)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, device=None, dtype=None,
-                 ops: TPOps | None = None) -> None:
+                 ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
         """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
         super().__init__()
         self.ops = ops or TILEWEAVE_OPS
+        self.sequence_parallel = sequence_parallel
         self.group, self.rank, self.world = _group_info(group)
         _check_divisible("in_features", in_features, self.world)
         self.in_features, self.out_features = in_features, out_features
         _init_parameters(self, (out_features, in_features // self.world), out_features if bias else 0, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return _replicated(inference.row_parallel_linear, x, self.weight, self.bias, self.group)
         return _apply(_RowParallel, x, self.weight, self.bias, self.group, self.ops)
 
     @torch.no_grad()

@@ -1,0 +1,426 @@
+"""Decode benchmark: the row-parallel GEMM + all-reduce (+ residual + RMSNorm) of Llama-3 8B and 70B,
+and one decoder layer's decode step, tileweave against cuBLAS + NCCL and cuBLAS + PyTorch's
+symmetric-memory all-reduces, all under CUDA graphs.
+
+    python -m tileweave.bench.decode --out DIR            # one process per visible GPU
+    torchrun --nproc-per-node 2 -m tileweave.bench.decode --out DIR
+    python -m tileweave.bench.decode --out DIR --smoke    # 2 emulated ranks on the CPU, tiny shapes
+
+Sections (M: tokens of the decode batch, the same on every rank; K split over the W ranks):
+
+* ``gemm_ar``: ``(rmsnorm(r + sum_ranks a @ w.T) * g, r + sum)`` with ``a [M, K/W]``, ``w [N, K/W]``,
+  ``r [M, N]``: o_proj (K = hidden) and down_proj (K = ffn) of each model.
+* ``layer``: one ``TPDecoderLayer.forward_replicated`` step (QKV, attention over a ``--context``-token
+  KV cache, o, MLP) with its two row-parallel calls on each variant's ops.
+
+Variants: ``tileweave`` (``GemmAllReduce(graphable=True)`` with the residual + RMSNorm fused),
+``nccl`` (cuBLAS, ``dist.all_reduce``, residual + RMSNorm in torch), ``symm_one_shot`` /
+``symm_two_shot`` (cuBLAS into a symmetric buffer, ``torch.ops.symm_mem.one_shot_all_reduce`` /
+``two_shot_all_reduce_``, residual + RMSNorm in torch). Method (DESIGN.md, "How to time"): every
+variant's output is checked against a reference first (eager, then a graph replay); then a CUDA graph
+of one call is captured after the warm-up and its replays are timed in steady state
+(``tileweave.bench.timing.measure``: n replays between CUDA events, the median of the batches, the max
+over ranks); every rank runs the same calls. ``--smoke`` runs eager calls on emulated CPU ranks (no
+graphs, no symmetric-memory baselines; tileweave's op still on its graphable flag protocol), checks
+them and times them with the host clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from tileweave.bench.cli import ensure_env
+from tileweave.bench.report import collect_metadata
+from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
+from tileweave.nn.block import rope_tables
+from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, TPDecoderLayer, rms_norm
+from tileweave.ops.all_reduce import GemmAllReduce
+from tileweave.ops.common import last_path
+from tileweave.testing.emulated import run_ranks
+
+M_VALUES = (1, 8, 32, 64, 128, 256, 512)
+MODELS = {  # hidden, heads, kv_heads, ffn
+    "llama3-8b": (4096, 32, 8, 14336),
+    "llama3-70b": (8192, 64, 8, 28672),
+}
+SMOKE_MODELS = {"tiny": (32, 4, 2, 48)}
+SMOKE_M = (1, 5)
+EPS = 1e-5
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+"""Relative Frobenius error allowed against the fp32 reference; above DESIGN.md's per-dtype bounds
+because the RMSNorm output is rounded after a sum that was itself rounded (two roundings)."""
+VARIANTS = ("tileweave", "nccl", "symm_one_shot", "symm_two_shot")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    out: Path
+    smoke: bool = False
+    models: tuple[str, ...] = tuple(MODELS)
+    m_values: tuple[int, ...] = M_VALUES
+    sections: tuple[str, ...] = ("gemm_ar", "layer")
+    context: int = 512
+    """Tokens in the KV cache before the timed decode step (layer section)."""
+    dtype: str = "bfloat16"
+    iters: int = 20
+    reps: int = 5
+
+
+def parse_args(argv=None) -> Options:
+    p = argparse.ArgumentParser(prog="python -m tileweave.bench.decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for decode.json and decode.md")
+    p.add_argument("--smoke", action="store_true", help="emulated CPU ranks, tiny shapes, eager calls")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    # --tokens: under torchrun, spell it so (torchrun's parser takes "--m" for one of its own options)
+    p.add_argument("--m", "--tokens", dest="m", default=",".join(map(str, M_VALUES)), help="decode batch sizes")
+    p.add_argument("--sections", default="gemm_ar,layer", help="gemm_ar, layer or both")
+    p.add_argument("--context", type=int, default=512, help="KV-cache tokens for the layer step")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--iters", type=int, default=20, help="graph replays per timed batch (>= 20)")
+    p.add_argument("--reps", type=int, default=5, help="timed batches, median reported (>= 5)")
+    a = p.parse_args(argv)
+    models = tuple(x for x in a.models.split(",") if x)
+    sections = tuple(x for x in a.sections.split(",") if x)
+    for name in models:
+        if name not in MODELS:
+            p.error(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
+    for name in sections:
+        if name not in ("gemm_ar", "layer"):
+            p.error(f"--sections: unknown section {name!r}; known: gemm_ar, layer")
+    try:
+        m_values = tuple(int(x) for x in a.m.split(",") if x)
+    except ValueError:
+        p.error(f"--m: give comma-separated integers, got {a.m!r}")
+    if not m_values or min(m_values) < 1 or a.context < 0:
+        p.error("--m values must be >= 1 and --context >= 0")
+    try:
+        TimingConfig(iters=a.iters, reps=a.reps)  # refuses counts below the method's minimum
+    except ValueError as exc:
+        p.error(f"--iters/--reps: {exc}")
+    if a.smoke:
+        models, m_values, context, dtype = ("tiny",), SMOKE_M, 6, "float32"
+    else:
+        context, dtype = a.context, a.dtype
+    return Options(out=a.out, smoke=a.smoke, models=models, m_values=m_values, sections=sections,
+                   context=context, dtype=dtype, iters=a.iters, reps=a.reps)
+
+
+def _dims(opts: Options, model: str) -> tuple[int, int, int, int]:
+    return (SMOKE_MODELS if opts.smoke else MODELS)[model]
+
+
+def _randn(shape, seed: int, device, dtype, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+# ---- the row-parallel call of each variant: (x, weight, residual, norm_weight, eps, group) -> (normed, h)
+
+def _torch_tail(y: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    h = residual + y
+    return rms_norm(h, norm_weight, eps), h
+
+
+def nccl_row(x, weight, residual, norm_weight, eps, group):
+    y = x @ weight.t()
+    dist.all_reduce(y, group=group)
+    return _torch_tail(y, residual, norm_weight, eps)
+
+
+class SymmRow:
+    """cuBLAS into a symmetric buffer (one per output shape, allocated and rendezvoused once), then
+    PyTorch's one-shot (out of place) or two-shot (in place) all-reduce over it."""
+
+    def __init__(self, group: dist.ProcessGroup, two_shot: bool) -> None:
+        self.group, self.two_shot = group, two_shot
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # older torch needs the group registered; newer accepts and ignores it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
+
+    def buffer(self, shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+        key = (shape, like.dtype)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = symm_mem.empty(shape, dtype=like.dtype, device=like.device)
+            symm_mem.rendezvous(buf, self.group.group_name)
+            self.buffers[key] = buf
+        return buf
+
+    def __call__(self, x, weight, residual, norm_weight, eps, group):
+        buf = self.buffer((x.shape[0], weight.shape[0]), x)
+        torch.mm(x, weight.t(), out=buf)
+        if self.two_shot:
+            y = torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group.group_name)
+        else:
+            y = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group.group_name)
+        return _torch_tail(y, residual, norm_weight, eps)
+
+
+def tileweave_row(group: dist.ProcessGroup, graphable: bool) -> Callable:
+    op = GemmAllReduce(group, graphable=graphable)
+
+    def row(x, weight, residual, norm_weight, eps, group_):
+        return op(x, weight.t(), residual=residual, norm_weight=norm_weight, eps=eps)
+
+    return row
+
+
+def variant_rows(opts: Options, group: dist.ProcessGroup) -> dict[str, Callable]:
+    rows = {"tileweave": tileweave_row(group, graphable=True), "nccl": nccl_row}
+    if not opts.smoke:
+        rows["symm_one_shot"] = SymmRow(group, two_shot=False)
+        rows["symm_two_shot"] = SymmRow(group, two_shot=True)
+    return rows
+
+
+# ---- the cases: a callable that runs one step, and a check of its outputs
+
+
+@dataclasses.dataclass
+class Case:
+    section: str
+    name: str
+    m: int
+    run: Callable[[Callable], tuple[torch.Tensor, ...]]
+    """Given a variant's row-parallel call, one step; returns its outputs."""
+    reference: tuple[torch.Tensor, ...]
+    """fp32 reference outputs."""
+
+
+def gemm_ar_cases(opts: Options, rank: int, world: int, device, dtype) -> list[Case]:
+    cases = []
+    for model in opts.models:
+        hidden, _, _, ffn = _dims(opts, model)
+        for layer, k in (("o", hidden), ("down", ffn)):
+            kl = k // world
+            # every rank's K slice, from per-rank seeds: the reference sums them in fp32 without a collective
+            ws = [_randn((hidden, kl), 1000 * r + 1, device, dtype, k ** -0.5) for r in range(world)]
+            g = 1 + _randn((hidden,), 7, device, dtype, 0.1)
+            for m in opts.m_values:
+                xs = [_randn((m, kl), 1000 * r + 2 + m, device, dtype) for r in range(world)]
+                resid = _randn((m, hidden), 3 + m, device, dtype)
+                y = sum(x.float() @ w.float().t() for x, w in zip(xs, ws))
+                h = resid.float() + y
+                ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * g.float(), h)
+                x, w = xs[rank], ws[rank]
+
+                def run(row, x=x, w=w, resid=resid, g=g):
+                    return row(x, w, resid, g, EPS, None)
+
+                cases.append(Case("gemm_ar", f"{model} {layer}", m, run, ref))
+            del ws
+    return cases
+
+
+def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> list[Case]:
+    cases = []
+    for model in opts.models:
+        hidden, heads, kv_heads, ffn = _dims(opts, model)
+        c = DecoderConfig(vocab=world, hidden=hidden, layers=1, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                          norm_eps=EPS, max_seq=opts.context + 1)
+        torch.manual_seed(11 + rank)  # this rank's weight shards
+        layer = TPDecoderLayer(c, world, device=device, dtype=dtype)
+        ref_layer = TPDecoderLayer(c, world, device=device, dtype=torch.float32)
+        ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        next_norm = 1 + _randn((hidden,), 5, device, dtype, 0.1)
+        for m in opts.m_values:
+            cache = KVCache(c, m, kv_heads // world, device=device, dtype=dtype)
+            cache.k[:, :, :, :opts.context] = _randn(cache.k[:, :, :, :opts.context].shape, 20 + rank, device, dtype)
+            cache.v[:, :, :, :opts.context] = _randn(cache.v[:, :, :, :opts.context].shape, 30 + rank, device, dtype)
+            cache.length = opts.context
+            resid = _randn((m, hidden), 40 + m, device, dtype)  # replicated: the same seed on every rank
+            normed = rms_norm(resid, layer.attn_norm, EPS)
+            cos, sin = rope_tables(c.max_seq, c.head_dim, c.rope_theta, device, dtype)
+            cs = (cos[opts.context:opts.context + 1], sin[opts.context:opts.context + 1])
+            ref_cache = KVCache(c, m, kv_heads // world, device=device, dtype=torch.float32)
+            ref_cache.k.copy_(cache.k)
+            ref_cache.v.copy_(cache.v)
+            ref_cache.length = opts.context
+            ref = ref_layer.forward_replicated(normed.float(), resid.float(), next_norm.float(), ref_cache, 0,
+                                               (cs[0].float(), cs[1].float()), m, 1,
+                                               DecoderOps(row_parallel_norm=nccl_row), group)
+
+            def run(row, layer=layer, normed=normed, resid=resid, cache=cache, cs=cs, m=m):
+                return layer.forward_replicated(normed, resid, next_norm, cache, 0, cs, m, 1,
+                                                DecoderOps(row_parallel_norm=row), group)
+
+            cases.append(Case("layer", f"{model} layer (context {opts.context})", m, run, ref))
+    return cases
+
+
+# ---- running: verify, capture, time
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().float(), ref.detach().float()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _error(outs: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
+    return max(_rel_err(o, r) for o, r in zip(outs, ref, strict=True))
+
+
+def run_case(case: Case, variant: str, row: Callable, opts: Options, agree: DistAgreement,
+             clocks: ClockReader | None, tol: float) -> dict:
+    """Verify the variant on ``case`` (eager; on a GPU also a graph replay), then time it. The error
+    is agreed over the ranks before deciding to time, so every rank makes the same calls."""
+    record = {"section": case.section, "name": case.name, "m": case.m, "variant": variant}
+    outs = case.run(row)
+    record["path"] = last_path("gemm_all_reduce") if variant == "tileweave" else None
+    if opts.smoke:
+        err = agree.max_floats([_error(outs, case.reference)])[0]
+        calls, t0 = 2, time.perf_counter()
+        for _ in range(calls):
+            outs = case.run(row)
+        host_ms = (time.perf_counter() - t0) / calls * 1e3
+        record.update(err=err, ok=err < tol, ms=agree.max_floats([host_ms])[0], timed="eager, host clock")
+        return record
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as graph capture asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            case.run(row)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = case.run(row)
+    for t in outs:
+        t.fill_(float("nan"))  # the replay must write every output
+    graph.replay()
+    torch.cuda.synchronize()
+    err = agree.max_floats([_error(outs, case.reference)])[0]
+    record.update(err=err, ok=err < tol)
+    if record["ok"]:
+        timing = measure(lambda i: graph.replay(), cfg=TimingConfig(iters=opts.iters, reps=opts.reps),
+                         agree=agree, clocks=clocks)
+        record.update(ms=timing.ms, rep_ms=list(timing.rep_ms), clock_mhz=timing.clock_mhz,
+                      host_ms=timing.host_ms, timed="cuda graph replays")
+    else:
+        record.update(ms=None, timed="not timed: output check failed")
+    del graph
+    return record
+
+
+@torch.no_grad()
+def bench_rank(rank: int, world: int, opts: Options) -> list[dict]:
+    """Every case on every variant, variant by variant (PyTorch's symmetric-memory ops and tileweave's
+    each run their rows together rather than interleaved). Returns the records (the same on every
+    rank: times and errors are agreed)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if not opts.smoke else torch.device("cpu")
+    dtype = getattr(torch, opts.dtype)
+    group = dist.group.WORLD
+    agree = DistAgreement(group, device)
+    clocks = None if opts.smoke else ClockReader()
+    cases = []
+    if "gemm_ar" in opts.sections:
+        cases += gemm_ar_cases(opts, rank, world, device, dtype)
+    if "layer" in opts.sections:
+        cases += layer_cases(opts, rank, world, device, dtype, group)
+    records = []
+    for variant, row in variant_rows(opts, group).items():
+        for case in cases:
+            records.append(run_case(case, variant, row, opts, agree, clocks, TOL[dtype]))
+            if not opts.smoke:
+                torch.cuda.empty_cache()
+    return records
+
+
+# ---- report
+
+
+def markdown(records: list[dict], meta: dict) -> str:
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        by_key.setdefault((r["section"], r["name"], r["m"]), {})[r["variant"]] = r
+    present = [v for v in VARIANTS if any(v in row for row in by_key.values())]
+    baselines = [v for v in present if v != "tileweave"]
+    lines = [f"# Decode: row-parallel GEMM + all-reduce + residual + RMSNorm, TP={meta['world_size']}", "",
+             f"{meta['gpu_name']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, commit "
+             f"{meta['git_commit'][:12]}, {meta['date']}. Times in ms ({meta['timed']}), max over ranks; "
+             "x: baseline time / tileweave time (> 1: tileweave faster).", ""]
+    header = ["section", "shape", "M", *present, *(f"x {b}" for b in baselines), "tileweave path"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def cell(r):
+        if r is None:
+            return "-"
+        return f"{r['ms']:.4f}" if r.get("ms") is not None else f"FAILED (err {r['err']:.2e})"
+
+    for (section, name, m), row in by_key.items():
+        ours = row.get("tileweave", {}).get("ms")
+        ratios = []
+        for b in baselines:
+            t = row.get(b, {}).get("ms")
+            ratios.append(f"{t / ours:.2f}" if t and ours else "-")
+        path = row.get("tileweave", {}).get("path") or "-"
+        lines.append("| " + " | ".join([section, name, str(m), *(cell(row.get(v)) for v in present), *ratios, path])
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(opts: Options, records: list[dict], world: int, argv) -> tuple[Path, Path]:
+    meta = collect_metadata(world_size=world, timing={"iters": opts.iters, "reps": opts.reps}, argv=list(argv))
+    meta.update(dtype=opts.dtype, context=opts.context,
+                timed="eager calls, host clock (smoke)" if opts.smoke else "CUDA graph replays")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    js, md = opts.out / "decode.json", opts.out / "decode.md"
+    js.write_text(json.dumps({"meta": meta, "results": records}, indent=1, default=str))
+    md.write_text(markdown(records, meta))
+    return js, md
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    opts = parse_args(argv)
+    for note in ensure_env():  # NVLink multicast stays off, in this process and the ranks it starts
+        print(f"tileweave.bench.decode: {note}", file=sys.stderr)
+    if opts.smoke:
+        world = 2
+        records = run_ranks(world, bench_rank, opts)[0]
+    elif "LOCAL_RANK" in os.environ:  # under torchrun: this process is one rank
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        world = dist.get_world_size()
+        records = bench_rank(dist.get_rank(), world, opts)
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        world = torch.cuda.device_count()
+        if world < 1:
+            print("no CUDA GPU visible; --smoke runs on the CPU", file=sys.stderr)
+            return 2
+        if world == 1:
+            print("one GPU: TP=1 has no communication to time (a check of the harness only)", file=sys.stderr)
+        records = run_ranks(world, bench_rank, opts, gpus=True)[0]
+    js, md = write_report(opts, records, world, argv)
+    print(md.read_text())
+    print(f"wrote {js} and {md}")
+    failed = [r for r in records if not r["ok"]]
+    for r in failed:
+        print(f"output check failed: {r['variant']} {r['section']} {r['name']} M={r['m']}: err {r['err']:.2e}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

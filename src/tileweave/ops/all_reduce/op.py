@@ -1,0 +1,224 @@
+"""GEMM + AllReduce for decode: the row-parallel linear of TP without sequence parallelism, optionally
+with the residual add and the RMSNorm that follow it in a decoder layer.
+
+===================  ===============  ==============================================================
+tensor               shape (per rank) meaning
+===================  ===============  ==============================================================
+``a``                ``[M, K_loc]``   activations, this rank's slice of K (K_loc may differ by rank)
+``b``                ``[K_loc, N]``   this rank's rows of the weight (``weight.t()`` of an
+                                      ``nn.Linear`` weight ``[N, K_loc]`` is read in place)
+``bias``             ``[N]``          optional, added once (not once per rank)
+``residual``         ``[M, N]``       optional, added to the sum
+``norm_weight``      ``[N]``          optional (needs ``residual``): RMSNorm's scale
+result               ``[M, N]``       ``sum over ranks (a_r @ b_r) (+ bias) (+ residual)``, the same
+                                      on every rank; with ``norm_weight`` a pair ``(normed, resid)``:
+                                      ``resid = residual + sum (+ bias)``,
+                                      ``normed = resid * rsqrt(mean(resid**2, -1) + eps) * norm_weight``
+===================  ===============  ==============================================================
+
+All tensors share one dtype (float16, bfloat16 or float32) and one device. The fused transports sum the
+partials (rounded to the dtype) in fp32; the unfused path on GPUs sums them in NCCL in the dtype, as
+Megatron-style layers do. The bias, the residual add and the norm are fp32; the results are rounded to
+the dtype. Every rank gets the bitwise same result, and the same on every run (the fused transports
+sum in rank order; NCCL's order is fixed by the group). In Triton's interpreter (CPU) bfloat16 takes
+the unfused path in fp32, since the interpreter's bfloat16 arithmetic is wrong.
+
+Paths (``last_path("gemm_all_reduce")``): ``"oneshot"`` and ``"twoshot"`` (``transports``), ``"fallback"``
+(the GEMM, NCCL's all-reduce, torch's epilogue: ``nccl``), ``"local"`` (a group of one). ``policy="auto"``
+picks per shape by ``rule.choose_path``; rank 0's pick is agreed by all ranks at the first call of a
+signature.
+
+Synchronisation: a fused call waits on the GPU for its peers' partials of the same call (and, on the
+graphable protocol, for the peers to have finished reading this rank's previous partial); the host never
+waits. An expired wait (a lost peer) raises ``CollectiveTimeout`` on the next call (at once on the CPU and
+with ``TILEWEAVE_DEBUG=1``). All ranks must call the op the same number of times, in the same order, with
+the same M, N, dtype and optional arguments; no two calls of one op may run concurrently (one stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import common
+from tileweave.ops.all_reduce import nccl, rule
+from tileweave.ops.all_reduce.transports import FusedTransport
+from tileweave.ops.workspace import agree
+from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+
+OP = "gemm_all_reduce"
+POLICIES = ("auto", "oneshot", "twoshot", "fallback")
+
+
+class GemmAllReduce:
+    """A reusable GEMM + AllReduce bound to one group; keeps its symmetric buffers (module docstring).
+
+    ``policy``: ``"auto"`` (per shape, ``rule.choose_path``), or one path for every call: ``"oneshot"``,
+    ``"twoshot"``, ``"fallback"``. ``graphable``: run the fused transports on flags whose values are the
+    same in every call (reset by their readers), so that calls can be captured in a CUDA graph and
+    replayed with new inputs; the first call of a signature must be eager (it agrees on the signature with
+    the other ranks and sizes the buffers). A non-graphable op runs the unfused path under capture.
+    ``max_spin``: polls a flag wait may take before it reports a lost peer (None: the backend's default).
+    Every rank must construct the op with the same settings; they are fixed once the op has been called
+    (each signature's path is decided at its first call and kept)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto", graphable: bool = False,
+                 max_spin: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"GemmAllReduce: policy must be one of {POLICIES}, got {policy!r}")
+        if not isinstance(graphable, bool):
+            raise TypeError(f"GemmAllReduce: graphable must be a bool, got {graphable!r}")
+        if max_spin is not None and (isinstance(max_spin, bool) or not isinstance(max_spin, int)
+                                     or not 0 < max_spin < 1 << 31):
+            raise ValueError("GemmAllReduce: max_spin is the polls a flag wait may take before it reports a lost "
+                             f"peer: None (the backend's default) or an int in [1, 2**31), got {max_spin!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.policy = policy
+        self.graphable = graphable
+        self.max_spin = max_spin
+        self._backend: Backend | None = None
+        self._fused: FusedTransport | None = None
+        self._agreed: dict[tuple, object] = {}
+        self._plans: dict[tuple, str] = {}
+        """Per call signature: the path, decided once and agreed by every rank (the op's one cache)."""
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, out: torch.Tensor | None = None):
+        bias, b = _check(a, b, bias, residual, norm_weight, eps, out)
+        backend = self._get_backend(a.device)
+        m, n = a.shape[0], b.shape[1]
+        path = self._plan(backend, a, b, bias, residual, norm_weight)
+        capturing = common.capturing(a)
+        if capturing and path in ("oneshot", "twoshot") and not self.graphable:
+            path = "fallback"  # NCCL captures; the epochs of the fused transports would not advance on replay
+        y = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
+        resid = torch.empty((m, n), dtype=a.dtype, device=a.device) if norm_weight is not None else None
+        if path in ("oneshot", "twoshot"):
+            self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid)
+        else:
+            nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid)
+        common.record_path(OP, path)
+        return y if norm_weight is None else (y, resid)
+
+    def _get_backend(self, device: torch.device) -> Backend:
+        if self._backend is None or self._backend.device != device:
+            self._backend = get_backend(self.group, device)
+            self._fused = None
+        return self._backend
+
+    def _fused_transport(self, backend: Backend) -> FusedTransport:
+        if self._fused is None:
+            self._fused = FusedTransport(backend, graphable=self.graphable, max_spin=self.max_spin)
+        return self._fused
+
+    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight) -> str:
+        """The path of this call's signature: decided the first time (the policy's, or the rule's under
+        "auto"), agreed with every rank (rank 0's choice), then one lookup."""
+        m, n = a.shape[0], b.shape[1]
+        key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None)
+        path = self._plans.get(key)
+        if path is not None:
+            return path
+        if common.capturing(a):
+            raise TileweaveError(f"{OP}: the first call of each signature agrees on it with the other ranks "
+                                 "(a collective that a CUDA graph cannot hold): call it once eagerly with these "
+                                 "shapes before capturing")
+        w = backend.world_size
+        slot_bytes = m * n * a.element_size() * (2 if norm_weight is not None else 1)
+        if w == 1:
+            proposal = "local"
+        elif self.policy != "auto":
+            proposal = self.policy
+        else:
+            proposal = rule.choose_path(m, n, w, a.element_size(), programs=backend.num_sms, slot_bytes=slot_bytes)
+        interpreted_bf16 = backend.interpreter and a.dtype == torch.bfloat16
+        if interpreted_bf16 and proposal in ("oneshot", "twoshot"):
+            if self.policy != "auto":
+                raise TileweaveError(f"{OP}: policy={self.policy!r} runs Triton kernels, which compute bfloat16 "
+                                     "wrongly in the interpreter (CPU): use float16 or float32 there, or "
+                                     "policy='auto' (the unfused path in fp32)")
+            proposal = "fallback"
+        signature = (OP, m, n, str(a.dtype), bias is not None, residual is not None, norm_weight is not None,
+                     self.policy, self.graphable)
+        path = agree(backend, self._agreed, OP, signature, proposal) if w > 1 else proposal
+        if w > 1 and (m == 0 or n == 0):
+            path = "fallback"
+        if path in ("oneshot", "twoshot"):
+            self._fused_transport(backend).prepare(path, m, n, a.dtype, norm_weight is not None)
+        self._plans[key] = path
+        return path
+
+
+def _check(a, b, bias, residual, norm_weight, eps, out) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Every argument against the module docstring's table, before anything runs: errors name the
+    argument, what was expected and what came. Returns the bias and ``b`` as the kernels read them."""
+    common.check_matrix("a", a)
+    common.check_matrix("b", b, dtype=a.dtype, device=a.device)
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"a is [M={m}, K_loc={k}] but b is {list(b.shape)}: b must be [K_loc={k}, N] "
+                         f"(for an nn.Linear weight [N, K_loc], pass weight.t())")
+    n = b.shape[1]
+    if a.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"a is on {a.device}; gemm_all_reduce runs on CUDA GPUs (or on the CPU with emulated "
+                         "ranks for testing)")
+    if a.stride(1) != 1 and a.stride(0) != 1:
+        raise ValueError(f"a must have unit stride along one dimension, got strides {a.stride()}")
+    if b.stride(1) != 1 and b.stride(0) != 1:
+        raise ValueError(f"b must have unit stride along one dimension, got strides {b.stride()}")
+    bias = common.check_bias(bias, n, a.dtype, a.device)
+    if residual is not None:
+        _check_like("residual", residual, (m, n), a)
+    if norm_weight is not None:
+        if residual is None:
+            raise ValueError("norm_weight needs residual: the fused RMSNorm normalises residual + sum "
+                             "(pass residual=, or leave norm_weight out and normalise the sum yourself)")
+        _check_like("norm_weight", norm_weight, (n,), a)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if out is not None:
+        common.check_out(out, (m, n), a.dtype, a.device)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    return bias, b
+
+
+def _check_like(name: str, t, shape: tuple, a: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != a.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but a is {a.dtype}; cast them to one dtype")
+    if t.device != a.device:
+        raise ValueError(f"{name} is on {t.device} but a is on {a.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
+_shared: dict[tuple, GemmAllReduce] = {}
+
+
+def shared_op(group: dist.ProcessGroup, device: torch.device) -> GemmAllReduce:
+    """The op shared by every functional call on ``group`` and ``device`` (and so by the TP layers);
+    ``TILEWEAVE_GRAPHABLE=1`` makes it graphable, ``TILEWEAVE_AR_POLICY`` sets its policy."""
+    key = (id(group), device)  # the op holds the group, so its id is not reused while cached
+    op = _shared.get(key)
+    if op is None:
+        op = _shared[key] = GemmAllReduce(group, policy=os.environ.get("TILEWEAVE_AR_POLICY", "auto"),
+                                          graphable=common.env_flag("TILEWEAVE_GRAPHABLE"))
+    return op
+
+
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
+    """Functional form of :class:`GemmAllReduce` on the op shared per group and device (module
+    docstring: shapes, semantics, synchronisation). Returns ``[M, N]``, or ``(normed, resid)`` with
+    ``norm_weight``."""
+    group = group if group is not None else dist.group.WORLD
+    return shared_op(group, a.device)(a, b, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+                                      out=out)

@@ -1,0 +1,264 @@
+"""Per-rank checks of GEMM + AllReduce, run on emulated ranks by the CPU tests and on GPUs by the GPU tests.
+Each returns plain data (errors, paths, checksums) so that the caller asserts.
+
+Inputs are regenerated from seeds on every rank, so the reference (float64 torch on every rank's inputs,
+written here and sharing nothing with the op) needs no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import common
+from tileweave.ops.all_reduce import GemmAllReduce
+from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
+
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    m: int
+    k: int
+    """K_loc of rank 0; rank p has ``k + p`` (uneven slices of K are allowed)."""
+    n: int
+    dtype: str = "float16"
+    policy: str = "oneshot"
+    graphable: bool = False
+    bias: bool = False
+    residual: bool = False
+    norm: bool = False
+    weight_layout: bool = True
+    """Pass b as ``weight.t()`` of an ``[N, K_loc]`` weight (else a row-major ``[K_loc, N]``)."""
+    iters: int = 2
+    """Calls with fresh inputs each."""
+    straggler: int = -1
+    """Rank that sleeps ``delay_s`` before each call (-1: none)."""
+    delay_s: float = 0.0
+    seed: int = 0
+
+
+def _randn(shape, dtype, *seed_parts, device="cpu"):
+    # zlib.crc32, not hash(): string hashing is salted per process and every rank must agree.
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed_parts).encode()))
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def _device() -> str:
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got = got.double()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _checksum(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def case_inputs(case: DecodeCase, it: int, world: int, device) -> dict:
+    """Every rank's inputs of call ``it`` of ``case`` (each rank rebuilds all of them from seeds)."""
+    dtype = getattr(torch, case.dtype)
+    tag = (case.seed, case.m, case.n, it)
+    a = [_randn((case.m, case.k + p), dtype, "a", *tag, p, device=device) for p in range(world)]
+    if case.weight_layout:
+        b = [_randn((case.n, case.k + p), dtype, "w", *tag, p, device=device).t() for p in range(world)]
+    else:
+        b = [_randn((case.k + p, case.n), dtype, "b", *tag, p, device=device) for p in range(world)]
+    scale = 1.0 / (case.k + world) ** 0.5
+    b = [x * scale for x in b]
+    return {"a": a, "b": b,
+            "bias": _randn((case.n,), dtype, "bias", *tag, device=device) if case.bias else None,
+            "residual": _randn((case.m, case.n), dtype, "res", *tag, device=device) if case.residual else None,
+            "norm": (1 + 0.5 * _randn((case.n,), dtype, "g", *tag, device=device)) if case.norm else None}
+
+
+def reference(inputs: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float64 from the unsharded problem: ``(y, resid)`` as the op documents them."""
+    total = sum(a.double() @ b.double() for a, b in zip(inputs["a"], inputs["b"]))
+    if inputs["bias"] is not None:
+        total = total + inputs["bias"].double()
+    if inputs["residual"] is not None:
+        total = total + inputs["residual"].double()
+    if inputs["norm"] is None:
+        return total, None
+    normed = total / torch.sqrt(total.pow(2).mean(dim=-1, keepdim=True) + eps) * inputs["norm"].double()
+    return normed, total
+
+
+def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float = 1e-6) -> list[dict]:
+    """Each case's calls on one op per (policy, graphable), with NaN-poisoned outputs: per call the
+    error against float64, the path taken and checksums of the outputs (equal on every rank, and across
+    protocols, for the same inputs)."""
+    device = _device()
+    ops: dict[tuple, GemmAllReduce] = {}
+    rows = []
+    for case in cases:
+        op = ops.setdefault((case.policy, case.graphable), GemmAllReduce(policy=case.policy, graphable=case.graphable))
+        for it in range(case.iters):
+            inputs = case_inputs(case, it, world, device)
+            out = torch.full((case.m, case.n), float("nan"), dtype=getattr(torch, case.dtype), device=device)
+            if rank == case.straggler:
+                time.sleep(case.delay_s)
+            start = time.monotonic()
+            result = op(inputs["a"][rank], inputs["b"][rank], bias=inputs["bias"], residual=inputs["residual"],
+                        norm_weight=inputs["norm"], eps=eps, out=out)
+            y, resid = result if case.norm else (result, None)
+            ref_y, ref_resid = reference(inputs, eps)
+            err = _rel_err(y, ref_y)
+            if resid is not None:
+                err = max(err, _rel_err(resid, ref_resid))
+            rows.append({"case": dataclasses.asdict(case), "it": it, "err": err, "tol": TOL[case.dtype],
+                         "out_is_y": y is out, "seconds": time.monotonic() - start, "path": common.last_path("gemm_all_reduce"),
+                         "sums": [_checksum(y)] + ([_checksum(resid)] if resid is not None else [])})
+    return rows
+
+
+def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max_spin: int) -> list[dict]:
+    """Per ``(policy, graphable)`` in ``kinds``, an op of its own: every rank calls it once (the call that
+    agrees on the signature), then rank 0 calls it again and the others do not: rank 0 must raise
+    ``CollectiveTimeout`` (on the CPU at that call; on GPUs at the next, after a synchronize), in about
+    the time ``max_spin`` polls take."""
+    device = _device()
+    outcomes = []
+    for policy, graphable in kinds:
+        op = GemmAllReduce(policy=policy, graphable=graphable, max_spin=max_spin)
+        a = _randn((4, 8), torch.float16, "mp-a", rank, device=device)
+        b = _randn((8, 24), torch.float16, "mp-b", rank, device=device)
+        op(a, b)
+        outcome = {"raised": False, "message": "", "seconds": 0.0}
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                for _ in range(2):
+                    op(a, b)
+                    if device != "cpu":
+                        torch.cuda.synchronize()
+            except CollectiveTimeout as exc:
+                outcome.update(raised=True, message=str(exc))
+            outcome["seconds"] = time.monotonic() - start
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dist.barrier()
+        outcomes.append(outcome)
+    return outcomes
+
+
+def input_errors_check(rank: int, world: int) -> dict[str, str]:
+    """Bad calls, each refused with a named error before anything runs; then a good call, which must
+    still work (nothing half-done by the refused ones). Returns each call's error type and message."""
+    device = _device()
+    op = GemmAllReduce(policy="oneshot")
+    f16, f32 = torch.float16, torch.float32
+    a = _randn((4, 8), f16, "ie-a", rank, device=device)
+    b = _randn((8, 12), f16, "ie-b", rank, device=device)
+    r = _randn((4, 12), f16, "ie-r", device=device)
+    g = _randn((12,), f16, "ie-g", device=device)
+    bad = {
+        "a 3-D": lambda: op(a[None], b),
+        "a int": lambda: op(a.to(torch.int32), b),
+        "b shape": lambda: op(a, b[:7]),
+        "b dtype": lambda: op(a, b.to(f32)),
+        "bias shape": lambda: op(a, b, bias=g[:5]),
+        "bias dtype": lambda: op(a, b, bias=g.to(f32)),
+        "residual shape": lambda: op(a, b, residual=r[:3]),
+        "residual dtype": lambda: op(a, b, residual=r.to(f32)),
+        "residual device": lambda: op(a, b, residual=r.to("meta")),
+        "norm without residual": lambda: op(a, b, norm_weight=g),
+        "norm shape": lambda: op(a, b, residual=r, norm_weight=g[:4]),
+        "eps": lambda: op(a, b, residual=r, norm_weight=g, eps=-1.0),
+        "out shape": lambda: op(a, b, out=torch.empty((4, 11), dtype=f16, device=device)),
+        "b device": lambda: op(a, b.to("meta")),
+        "policy": lambda: GemmAllReduce(policy="ring"),
+        "max_spin": lambda: GemmAllReduce(max_spin=0),
+    }
+    if device == "cpu":
+        bad["bf16 forced fused"] = lambda: op(a.bfloat16(), b.bfloat16())
+    others = dist.new_group([p for p in range(world) if p != 0])  # collective: every rank makes it
+    if rank == 0:
+        bad["foreign group"] = lambda: GemmAllReduce(others)(a, b)
+    outcomes = {}
+    for name, call in bad.items():
+        try:
+            call()
+            outcomes[name] = "no error"
+        except (TypeError, ValueError, TileweaveError) as exc:
+            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    y = op(a, b)
+    outcomes["good call after"] = f"{common.last_path('gemm_all_reduce')} {tuple(y.shape)} {bool(torch.isfinite(y).all())}"
+    return outcomes
+
+
+def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int, norm: bool,
+                     dtype: str = "bfloat16") -> dict:
+    """A graphable op's call (with bias, and residual + norm if ``norm``) captured in a CUDA graph after
+    two eager calls, replayed with new inputs copied into the captured buffers: each replay against
+    float64, six replays back to back without a host sync, then an eager call on the last inputs, which
+    must give the replay's bits (the constant flags are back where every call starts)."""
+    device = _device()
+    op = GemmAllReduce(policy=policy, graphable=True)
+    case = DecodeCase(m=m, k=k, n=n, dtype=dtype, policy=policy, bias=True, residual=norm, norm=norm)
+    first = case_inputs(case, 0, world, device)
+    a = first["a"][rank].clone()
+    weight = first["b"][rank]
+    bias = first["bias"]
+    residual = first["residual"].clone() if norm else None
+    gamma = first["norm"]
+
+    def call():
+        return op(a, weight, bias=bias, residual=residual, norm_weight=gamma)
+
+    def refill(it):
+        inputs = case_inputs(case, it, world, device)
+        # The weights, bias and norm of call 0 throughout: only a and residual change between replays.
+        inputs.update(b=first["b"], bias=bias, norm=gamma)
+        a.copy_(inputs["a"][rank])
+        if norm:
+            residual.copy_(inputs["residual"])
+        return inputs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for it in (100, 101):
+            refill(it)
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    path = common.last_path("gemm_all_reduce")
+    outs = captured if norm else (captured,)
+    errors = []
+    for it in range(3):
+        inputs = refill(it)
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(inputs, 1e-6)
+        errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+    inputs = refill(99)
+    for _ in range(6):
+        graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(inputs, 1e-6)
+    errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+    replayed = [_checksum(t) for t in outs]
+    eager = call()
+    torch.cuda.synchronize()
+    eager_sums = [_checksum(t) for t in (eager if norm else (eager,))]
+    dist.barrier()
+    return {"path": path, "errors": errors, "tol": TOL[dtype], "replayed": replayed, "eager": eager_sums}

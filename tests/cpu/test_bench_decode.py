@@ -1,0 +1,49 @@
+"""The decode benchmark's smoke run on two emulated CPU ranks: every variant checked against the
+fp32 reference, JSON and markdown written; its options and report."""
+
+import json
+
+import pytest
+
+from tileweave.bench import decode
+
+
+def test_decode_bench_smoke(tmp_path, capsys):
+    assert decode.main(["--out", str(tmp_path), "--smoke"]) == 0
+    report = json.loads((tmp_path / "decode.json").read_text())
+    records = report["results"]
+    cases = {(r["section"], r["name"], r["m"]) for r in records}
+    assert {s for s, _, _ in cases} == {"gemm_ar", "layer"}
+    assert {m for _, _, m in cases} == set(decode.SMOKE_M)
+    assert len(cases) == 3 * len(decode.SMOKE_M)  # o, down, the layer step
+    for case in cases:
+        variants = {r["variant"]: r for r in records if (r["section"], r["name"], r["m"]) == case}
+        assert set(variants) == {"tileweave", "nccl"}, case  # no symmetric-memory baselines on the CPU
+        for r in variants.values():
+            assert r["ok"] and r["err"] < decode.TOL[decode.torch.float32] and r["ms"] > 0, r
+        assert variants["tileweave"]["path"] in {"oneshot", "twoshot", "fallback"}, variants
+    md = (tmp_path / "decode.md").read_text()
+    assert "| section | shape | M | tileweave | nccl | x nccl | tileweave path |" in md, md
+    assert report["meta"]["world_size"] == 2 and report["meta"]["timed"].startswith("eager")
+
+
+def test_decode_bench_options():
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--out", "x", "--iters", "5"])  # fewer than the method's 20 replays
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--out", "x", "--models", "llama3-9b"])
+    opts = decode.parse_args(["--out", "x", "--models", "llama3-70b", "--m", "1,64", "--sections", "gemm_ar"])
+    assert opts.models == ("llama3-70b",) and opts.m_values == (1, 64) and opts.sections == ("gemm_ar",)
+    assert decode.parse_args(["--out", "x"]).m_values == (1, 8, 32, 64, 128, 256, 512)
+
+
+def test_decode_report_marks_failed_checks_and_ratios():
+    base = {"section": "gemm_ar", "name": "llama3-8b o", "m": 8, "path": None}
+    records = [{**base, "variant": "tileweave", "ms": 0.010, "err": 1e-3, "path": "oneshot"},
+               {**base, "variant": "nccl", "ms": 0.025, "err": 1e-3},
+               {**base, "variant": "symm_one_shot", "ms": None, "err": 0.5}]
+    meta = {"world_size": 2, "gpu_name": "g", "torch": "t", "triton": "tr", "dtype": "bfloat16",
+            "git_commit": "abc", "date": "d", "timed": "CUDA graph replays"}
+    md = decode.markdown(records, meta)
+    row = [line for line in md.splitlines() if line.startswith("| gemm_ar")][0]
+    assert "| 0.0100 | 0.0250 | FAILED (err 5.00e-01) | 2.50 | - | oneshot |" in row, row

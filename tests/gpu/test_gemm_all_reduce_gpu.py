@@ -1,0 +1,84 @@
+"""GEMM + AllReduce on real GPUs against float64 (bf16 and fp16): the fused transports compiled, and their
+graphable protocol under CUDA-graph capture. Skipped without CUDA; TILEWEAVE_GPU_RANKS=2 runs the
+distributed tests with both ranks on one GPU (tileweave.testing.shared_gpu)."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tileweave.testing import decode_scenarios as scenarios
+from tileweave.testing.decode_scenarios import DecodeCase as C
+from tileweave.testing.emulated import gpu_ranks, run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
+    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
+                allow_module_level=True)
+RANKS = gpu_ranks() if torch.cuda.is_available() else 0
+SHARED = RANKS > torch.cuda.device_count()
+needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
+needs_own_gpus = pytest.mark.skipif(SHARED, reason="needs one GPU per rank (NCCL under CUDA-graph capture)")
+
+
+def _check(per_rank):
+    for rows in per_rank:
+        for row in rows:
+            assert row["err"] < row["tol"], row
+    for rows in per_rank[1:]:
+        assert [row["sums"] for row in rows] == [row["sums"] for row in per_rank[0]]
+
+
+@needs_two
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_transports_gpu(dtype):
+    """Decode shapes (M 1-512, N off the tile sizes) on both transports and protocols, with and without
+    the fused epilogue, a straggler; bitwise the same on every rank and on both protocols."""
+    base = [C(m=1, k=1024, n=4096), C(m=8, k=512, n=1000, bias=True),
+            C(m=64, k=1024, n=4096, residual=True, norm=True, bias=True, straggler=RANKS - 1, delay_s=0.05),
+            C(m=333, k=256, n=2050, residual=True), C(m=512, k=512, n=4096, residual=True, norm=True)]
+    cases = [dataclasses.replace(case, dtype=dtype, policy=policy, graphable=graphable, iters=3)
+             for policy in ("oneshot", "twoshot") for graphable in (False, True) for case in base]
+    per_rank = run_ranks(RANKS, scenarios.all_reduce_check, cases, gpus=True)
+    _check(per_rank)
+    rows = per_rank[0]
+    assert all(row["path"] == row["case"]["policy"] for row in rows)
+    for policy in ("oneshot", "twoshot"):
+        constant = [row["sums"] for row in rows if row["case"]["policy"] == policy and row["case"]["graphable"]]
+        epoch = [row["sums"] for row in rows if row["case"]["policy"] == policy and not row["case"]["graphable"]]
+        assert constant == epoch
+
+
+@needs_two
+def test_auto_and_fallback_gpu():
+    cases = [C(m=m, k=512, n=4096, dtype="bfloat16", policy=policy, residual=True, norm=True)
+             for policy in ("auto", "fallback") for m in (1, 32, 256)]
+    if SHARED:  # the unfused path runs gloo on CUDA tensors there: only the fused transports' rows
+        cases = cases[:3]
+    _check(run_ranks(RANKS, scenarios.all_reduce_check, cases, gpus=True))
+
+
+@needs_two
+@pytest.mark.parametrize("policy", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_cuda_graph_capture_and_replay(policy, norm):
+    for result in run_ranks(RANKS, scenarios.cuda_graph_check, policy, 48, 1024, 4096, norm, gpus=True):
+        assert result["path"] == policy, result
+        assert max(result["errors"]) < result["tol"], result
+        assert result["replayed"] == result["eager"], result
+
+
+@needs_two
+def test_missing_peer_gpu():
+    kinds = [("oneshot", False), ("twoshot", False), ("oneshot", True)]
+    results = run_ranks(RANKS, scenarios.missing_peer_check, kinds, 1 << 16, gpus=True)
+    for kind, outcome in zip(kinds, results[0]):
+        assert outcome["raised"] and "expired" in outcome["message"], (kind, outcome)
+
+
+@needs_two
+def test_bad_inputs_gpu():
+    outcomes = run_ranks(RANKS, scenarios.input_errors_check, gpus=True)[0]
+    assert all(outcome != "no error" for name, outcome in outcomes.items() if name != "good call after"), outcomes
+    assert outcomes["good call after"] == "oneshot (4, 12) True", outcomes
