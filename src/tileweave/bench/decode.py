@@ -16,7 +16,7 @@ Sections (M: tokens of the decode batch, the same on every rank; K split over th
 Variants: ``tileweave`` (``GemmAllReduce(graphable=True)`` with the residual + RMSNorm fused),
 ``nccl`` (cuBLAS, ``dist.all_reduce``, residual + RMSNorm in torch), ``symm_one_shot`` /
 ``symm_two_shot`` (cuBLAS into a symmetric buffer, ``torch.ops.symm_mem.one_shot_all_reduce`` /
-``two_shot_all_reduce_``, residual + RMSNorm in torch). Method (DESIGN.md, "How to time"): every
+``two_shot_all_reduce_``, residual + RMSNorm in torch). Method (docs/design.md, "Measuring"): every
 variant's output is checked against a reference first (eager, then a graph replay); then a CUDA graph
 of one call is captured after the warm-up and its replays are timed in steady state
 (``tileweave.bench.timing.measure``: n replays between CUDA events, the median of the batches, the max
@@ -60,7 +60,7 @@ SMOKE_MODELS = {"tiny": (32, 4, 2, 48)}
 SMOKE_M = (1, 5)
 EPS = 1e-5
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
-"""Relative Frobenius error allowed against the fp32 reference; above DESIGN.md's per-dtype bounds
+"""Relative Frobenius error allowed against the fp32 reference; above the per-dtype bounds of docs/design.md
 because the RMSNorm output is rounded after a sum that was itself rounded (two roundings)."""
 VARIANTS = ("tileweave", "nccl", "symm_one_shot", "symm_two_shot")
 

@@ -21,7 +21,7 @@ the backward of ``grouped`` and ``loop`` runs their own collectives and GEMMs. R
 through the router (the first E features of a token score the experts, read by a near-identity
 router): ``uniform`` or ``zipf`` (expert e drawn with weight ``1/(e+1)**1.2``).
 
-Method (DESIGN.md, "How to time"): every variant is verified against float64 computed from the
+Method (docs/design.md, "Measuring"): every variant is verified against float64 computed from the
 definitions (a mask per expert, no plan) before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back
 calls between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
 rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib) into ``--out``. With

@@ -3,7 +3,7 @@
 The host knows the total row count P, the width N, the depth K and the number of groups G, not how the
 rows split between groups (that stays on the device). The choice works from the mean rows per group,
 ``P / G``, and the column tiles N needs. Measured on an H200 (132 SMs, bf16, TP=2 shards of the MoE
-shapes of DESIGN.md, T = 4096 and 16384, against ``torch._grouped_mm``):
+benchmark's shapes, T = 4096 and 16384, against ``torch._grouped_mm``):
 
 * Row tiles: 128 rows. 64-row tiles waste less of a group's last, partial tile, but were slower at
   every measured shape, down to Qwen3-30B-A3B at T = 4096 (128 experts, 256 rows each: 64 x 256 tiles

@@ -27,9 +27,9 @@ Worked example (Llama-3-70B ``o_proj``, N = 8192, bf16, on H200s with 132 SMs):
 * TP = 2, M = 64: B = 1 MiB. One-shot 6 + 1 MiB / 365 GB/s = 8.9 us, two-shot 11.3 us, NCCL
   20 + 1 MiB / 200 GB/s = 25.2 us: **one-shot** (at TP = 2 it always beats two-shot).
 
-These constants are estimates from the measurements in DESIGN.md (copy-engine peer pull 365 GB/s, NCCL
-bus bandwidth ~200 GB/s, NCCL all-reduce latency 15-25 us) and from what one SM's loads over NVLink
-typically reach; they are to be measured on GPUs (``tileweave bench --op decode``) and replaced.
+These constants are estimates from measurements (docs/design.md, "Measuring": copy-engine peer pull
+365 GB/s, NCCL bus bandwidth ~200 GB/s; NCCL all-reduce latency 15-25 us) and from what one SM's loads
+over NVLink typically reach; they are to be measured on GPUs (``tileweave bench --op decode``) and replaced.
 """
 
 from __future__ import annotations

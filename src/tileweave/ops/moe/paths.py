@@ -7,7 +7,7 @@ import torch
 FIXED_COST_S = 25e-6
 """What the fused paths cost a call beyond the fallback's NCCL collective and grouped GEMM: the copy
 stream's join, the flag writes and the extra host work, tens of microseconds on the dense ops' GPU hosts
-(DESIGN.md, "A first fused AG+GEMM": barriers and joins of 25-70 us dominated small shapes there)."""
+(a first fused AllGather+GEMM lost 25-70 us a call to two barriers and its stream joins)."""
 GROUPED_FLOPS = 400e12
 """Grouped GEMM rate assumed for bf16/fp16 (the dense core reaches ~650 TFLOP/s on an H200 under the
 power cap; partial row tiles of W*E groups cost a share of it); fp32 at a quarter."""
