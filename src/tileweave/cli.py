@@ -25,7 +25,7 @@ def help_text() -> str:
     """The top-level help, plain text."""
     width = max(map(len, SUBCOMMANDS))
     lines = [USAGE, "",
-             "Tensor-parallel GEMMs with their communication fused in (AllGather+GEMM, GEMM+ReduceScatter).", "",
+             "Tensor-parallel GEMMs with their communication fused in: AllGather+GEMM, GEMM+ReduceScatter, the MoE pair, GEMM+AllReduce.", "",
              "subcommands:"]
     lines += [f"  {name:{width}}  {summary}" for name, summary in SUBCOMMANDS.items()]
     lines += ["", "With no subcommand: bench when two or more CUDA GPUs are visible, otherwise demo; options",
