@@ -15,7 +15,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -25,10 +24,13 @@ from typing import Any, Callable
 from tileweave.runtime.emulated import HEAP_BYTES_ENV, HEAP_PATH_ENV
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_file() -> str:
+    """A fresh path for the ranks' file rendezvous: a TCP port picked free and released could be taken by
+    a concurrent run (pytest-xdist workers) before rank 0 listens on it."""
+    handle, path = tempfile.mkstemp(prefix="tileweave-rendezvous-")
+    os.close(handle)
+    os.unlink(path)  # the store creates it
+    return path
 
 
 def _context(gpus: bool) -> mp.context.BaseContext:
@@ -42,7 +44,7 @@ def _context(gpus: bool) -> mp.context.BaseContext:
     return ctx
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, gpus: bool,
+def _rank_main(rank: int, world_size: int, rendezvous: str, fn: Callable, args: tuple, results, gpus: bool,
                environ: dict[str, str], parent_pid: int) -> None:
     # A forked rank has the fork server's environment, not the caller's: take the caller's.
     os.environ.clear()
@@ -58,7 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         device = torch.device("cuda", rank % torch.cuda.device_count()) if gpus else None
         if gpus:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if gpus and not shared else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        dist.init_process_group("nccl" if gpus and not shared else "gloo", init_method=f"file://{rendezvous}",
                                 rank=rank, world_size=world_size, device_id=None if shared else device)
         if shared:
             from tileweave.testing import shared_gpu
@@ -121,6 +123,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
     saved: dict[str, str | None] = {}
     previous_sigterm = _raise_on_sigterm()
     ok = False
+    rendezvous = _rendezvous_file()
     try:
         if gpus:
             overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -131,11 +134,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
         saved = {key: os.environ.get(key) for key in overrides}
         os.environ.update(overrides)
         results = ctx.Queue()
-        port = _free_port()
         environ = dict(os.environ)
         for rank in range(world_size):
             proc = ctx.Process(target=_rank_main, daemon=True,
-                               args=(rank, world_size, port, fn, args, results, gpus, environ, os.getpid()))
+                               args=(rank, world_size, rendezvous, fn, args, results, gpus, environ, os.getpid()))
             proc.start()  # a process that failed to start has nothing to join, and its error is the one to see
             procs.append(proc)
         values = _collect(procs, results, timeout_s)
@@ -154,6 +156,8 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
             else:
                 os.environ[key] = value
         _remove_heap(heap_path, heap_lock)
+        if os.path.exists(rendezvous):
+            os.unlink(rendezvous)
         _restore_sigterm(previous_sigterm)
 
 
