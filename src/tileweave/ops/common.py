@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
+from tileweave.runtime.backend import Backend, CollectiveTimeout, TileweaveError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -105,6 +105,20 @@ def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
     raise CollectiveTimeout(f"{op} on rank {rank}: a bounded wait for {what} expired; a peer is missing, "
                             "far behind, or calling the ops in a different order (raise TILEWEAVE_MAX_SPIN "
                             "if a rank is legitimately that slow)")
+
+
+def surface_timeout(err: torch.Tensor, op: str, backend: Backend, mirror):
+    """After a gated kernel, surface an expired wait recorded in the error word ``err``. On the CPU and in
+    debug mode by synchronising and raising now; otherwise without a sync, by refreshing ``mirror`` (a
+    host copy of the word, created here when None) for the next call to read. Returns the mirror."""
+    if backend.interpreter or debug_mode():
+        backend.synchronize()
+        raise_on_timeout(err, op, backend.rank)
+        return mirror
+    if mirror is None:
+        mirror = backend.host_mirror()
+    mirror.refresh(err)
+    return mirror
 
 
 def capturing(t: torch.Tensor) -> bool:

@@ -339,13 +339,7 @@ class FusedOp:
         event to say it landed; the kernel's waits stay bounded and record their error word on the GPU."""
         if common.capturing(ws.err):
             return
-        if backend.interpreter or common.debug_mode():
-            backend.synchronize()
-            common.raise_on_timeout(ws.err, self.op_name, backend.rank)
-            return
-        if self._err_mirror is None:
-            self._err_mirror = backend.host_mirror()
-        self._err_mirror.refresh(ws.err)
+        self._err_mirror = common.surface_timeout(ws.err, self.op_name, backend, self._err_mirror)
 
     @staticmethod
     def finish_streams(backend: Backend) -> None:

@@ -37,6 +37,19 @@ class MoEOp:
         self.policy = policy
         self.max_spin = max_spin
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._shared = {}
+
+    @classmethod
+    def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "MoEOp":
+        """The op shared by every functional call on ``group`` and ``device``."""
+        key = (id(group), device)
+        op = cls._shared.get(key)
+        if op is None:
+            op = cls._shared[key] = cls(group)
+        return op
+
     @property
     def policy(self) -> str:
         return self._policy
@@ -89,13 +102,7 @@ class MoEOp:
     def _finish(self, backend: Backend, ws: Workspace) -> None:
         """After a gated kernel: surface an expired wait. On the CPU (and in debug mode) at once; on GPUs
         from a copy of the error word read at the next call, so no call synchronises."""
-        if backend.interpreter or common.debug_mode():
-            backend.synchronize()
-            common.raise_on_timeout(ws.err, self.op_name, backend.rank)
-            return
-        if self._err_mirror is None:
-            self._err_mirror = backend.host_mirror()
-        self._err_mirror.refresh(ws.err)
+        self._err_mirror = common.surface_timeout(ws.err, self.op_name, backend, self._err_mirror)
 
     def _check_previous(self) -> None:
         code = self._err_mirror.read() if self._err_mirror is not None else 0

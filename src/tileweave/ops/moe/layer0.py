@@ -98,14 +98,7 @@ class MoEAllGatherGemm(MoEOp):
 
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> MoEAllGatherGemm:
     """The op shared by every functional call on ``group`` and ``device``."""
-    key = (id(group), device)
-    op = _shared.get(key)
-    if op is None:
-        op = _shared[key] = MoEAllGatherGemm(group)
-    return op
-
-
-_shared: dict[tuple, MoEAllGatherGemm] = {}
+    return MoEAllGatherGemm.shared(group, device)
 
 
 def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,

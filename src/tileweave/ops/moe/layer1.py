@@ -203,14 +203,7 @@ def _check_weights(weights: torch.Tensor, shape: tuple[int, int], device: torch.
 
 def cached_op(group: dist.ProcessGroup, device: torch.device) -> MoEGemmReduceScatter:
     """The op shared by every functional call on ``group`` and ``device``."""
-    key = (id(group), device)
-    op = _shared.get(key)
-    if op is None:
-        op = _shared[key] = MoEGemmReduceScatter(group)
-    return op
-
-
-_shared: dict[tuple, MoEGemmReduceScatter] = {}
+    return MoEGemmReduceScatter.shared(group, device)
 
 
 def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor,
