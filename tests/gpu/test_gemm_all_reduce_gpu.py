@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tileweave.testing import decode_scenarios as scenarios
-from tileweave.testing.decode_scenarios import DecodeCase as C
+from tileweave.testing.scenarios import all_reduce as scenarios
+from tileweave.testing.scenarios.all_reduce import DecodeCase as C
 from tileweave.testing.emulated import gpu_ranks, run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
