@@ -8,18 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from gpus import RANKS, needs_two, one_gpu_per_rank
 from tileweave.testing import decoder_scenarios as S
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-needs_two = pytest.mark.skipif(RANKS < 2 or RANKS > torch.cuda.device_count(),
-                               reason="needs two or more CUDA GPUs, one per rank")
+needs_own_gpus = one_gpu_per_rank("NCCL")
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 3e-3}
 """float32 as tf32 where the GEMMs round their inputs so (DESIGN.md: ~3e-4 per GEMM, several in a row)."""
@@ -52,6 +47,7 @@ def test_decoder_gpu_matches_reference():
 
 
 @needs_two
+@needs_own_gpus
 def test_generate_example_gpus():
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), "--gpus", "--batch", "4",
@@ -61,6 +57,7 @@ def test_generate_example_gpus():
 
 
 @needs_two
+@needs_own_gpus
 def test_decode_bench_gpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run([sys.executable, "-m", "tileweave.bench.decode", "--out", str(tmp_path), "--models",

@@ -3,21 +3,15 @@ gradient and every parameter gradient, fused and fallback paths, bf16 and fp16, 
 many-expert shapes. Skipped without CUDA GPUs."""
 
 import dataclasses
-import os
 
 import pytest
-import torch
 
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from gpus import RANKS, needs_two, one_gpu_per_rank
+from tileweave.testing.emulated import run_ranks
 from tileweave.testing.moe_layer_scenarios import LayerCase, tp_moe_check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-needs_two = pytest.mark.skipif(RANKS < 2 or RANKS > torch.cuda.device_count(),
-                               reason="needs two or more CUDA GPUs, one per rank")
+needs_own_gpus = one_gpu_per_rank("NCCL")
 TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 
 CASES = {
@@ -49,6 +43,7 @@ def test_tp_moe_gpu_matches_float64_reference(name):
 
 
 @needs_two
+@needs_own_gpus
 def test_moe_benchmark_verifies_and_times_every_variant(tmp_path):
     # One small row of every part: each variant verified against float64 on the GPUs, then timed.
     import json
