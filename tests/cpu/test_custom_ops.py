@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tileweave  # noqa: F401  (registers torch.ops.tileweave.*)
-from tileweave.testing import compile_checks
+from tileweave.testing import scenarios
 from tileweave.testing.emulated import run_ranks
 
 
@@ -32,7 +32,7 @@ def test_fake_shapes_follow_the_group_size():
 
 
 def test_torch_compile_keeps_each_op_whole():
-    for result in run_ranks(2, compile_checks.compile_check):
+    for result in run_ranks(2, scenarios.compile_check):
         assert result["graphs"] == 1, result
         assert result["shape"] == (16, 40) and result["err"] < 1e-5, result  # against float64, fp32 inputs
         assert result["ops"] == ["tileweave.all_gather_gemm.default", "tileweave.gemm_reduce_scatter.default"], result

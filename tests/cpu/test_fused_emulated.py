@@ -27,14 +27,24 @@ def _check(rows_per_rank, extra_key):
             assert row[extra_key], row
 
 
+def _three_cases(late: C, world: int, **transport) -> list[C]:
+    """The cases both ops take, each with the ``transport`` settings given: rows not a tile multiple,
+    with bias; odd M in float32 with a row-major b (K not a TMA pitch); ``late``, called twice, the
+    last rank late by its ``delay_s``."""
+    return [C(m_chunk=40, k=48, n=56, bias=True, iters=3, **transport),
+            C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, **transport),
+            dataclasses.replace(late, iters=2, straggler=world - 1, **transport)]
+
+
+AG_LATE = C(m_chunk=32, k=64, n=32, delay_s=0.3)
+"""A late producer."""
+RS_LATE = C(m_chunk=150, k=32, n=24, delay_s=0.2)
+"""More rows than one row group (2 x 32 here): several copies and arrival flags per peer."""
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_gather_gemm(world):
-    cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3),                       # rows not a tile multiple
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False),     # odd M, K not a TMA pitch
-        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3),  # a late producer
-    ]
-    _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
+    _check(run_ranks(world, scenarios.all_gather_gemm_check, _three_cases(AG_LATE, world)), "gathered_exact")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -42,11 +52,7 @@ def test_all_gather_gemm(world):
 def test_all_gather_gemm_chunked_and_oneshot(world, transport):
     # cuBLAS per shard as the shards arrive (chunked), or the peers' shards copied out of their gather
     # buffers by one kernel and then one GEMM (the one-shot path); odd calls fill a caller's gathered_out.
-    cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport=transport),
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, ag_transport=transport),
-        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, ag_transport=transport),
-    ]
+    cases = _three_cases(AG_LATE, world, ag_transport=transport)
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
@@ -170,12 +176,7 @@ def test_all_gather_gemm_ring(world):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("transport", ["chunked", "oneshot"])
 def test_gemm_reduce_scatter(world, transport):
-    cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport=transport),
-        C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, transport=transport),
-        # More rows than one row group (2 x 32 here): several copies and arrival flags per peer.
-        C(m_chunk=150, k=32, n=24, iters=2, transport=transport, straggler=world - 1, delay_s=0.2),
-    ]
+    cases = _three_cases(RS_LATE, world, transport=transport)
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 

@@ -1,5 +1,5 @@
-"""GEMM + AllReduce on emulated ranks against float64 references (tileweave.testing.decode_scenarios): the
-one-shot and two-shot kernels in the interpreter with the real flag protocols, and the unfused path."""
+"""GEMM + AllReduce on emulated ranks against float64 references (tileweave.testing.scenarios.all_reduce):
+the one-shot and two-shot kernels in the interpreter with the real flag protocols, and the unfused path."""
 
 import dataclasses
 import os
@@ -11,8 +11,8 @@ import pytest
 import tileweave
 
 from tileweave.ops.all_reduce import choose_path, rule
-from tileweave.testing import decode_scenarios as scenarios
-from tileweave.testing.decode_scenarios import DecodeCase as C
+from tileweave.testing.scenarios import all_reduce as scenarios
+from tileweave.testing.scenarios.all_reduce import DecodeCase as C
 from tileweave.testing.emulated import run_ranks
 
 EMULATED_SMS = 4  # EmulatedBackend.num_sms

@@ -1,5 +1,6 @@
 """The inference layers, the TP decoder, the generation example and the decode benchmark on real GPUs
-(one rank per GPU). Skipped without two CUDA GPUs."""
+(one rank per GPU; the layers' tests also with two ranks sharing one GPU, TILEWEAVE_GPU_RANKS=2).
+Skipped without CUDA GPUs."""
 
 import json
 import os
@@ -8,18 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from gpus import RANKS, needs_two, one_gpu_per_rank
 from tileweave.testing import decoder_scenarios as S
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
-needs_own_gpus = pytest.mark.skipif(RANKS > torch.cuda.device_count(), reason="needs one GPU per rank (NCCL)")
+needs_own_gpus = one_gpu_per_rank("NCCL")
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {"bfloat16": 2e-2, "float16": 3e-3, "float32": 3e-3}
 """float32 as tf32 where the GEMMs round their inputs so (DESIGN.md: ~3e-4 per GEMM, several in a row)."""

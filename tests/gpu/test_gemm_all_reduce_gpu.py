@@ -3,23 +3,16 @@ graphable protocol under CUDA-graph capture. Skipped without CUDA; TILEWEAVE_GPU
 distributed tests with both ranks on one GPU (tileweave.testing.shared_gpu)."""
 
 import dataclasses
-import os
 
 import pytest
-import torch
 
-from tileweave.testing import decode_scenarios as scenarios
-from tileweave.testing.decode_scenarios import DecodeCase as C
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from gpus import RANKS, SHARED, needs_two, one_gpu_per_rank
+from tileweave.testing.scenarios import all_reduce as scenarios
+from tileweave.testing.scenarios.all_reduce import DecodeCase as C
+from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-SHARED = RANKS > torch.cuda.device_count()
-needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
-needs_own_gpus = pytest.mark.skipif(SHARED, reason="needs one GPU per rank (NCCL under CUDA-graph capture)")
+needs_own_gpus = one_gpu_per_rank("NCCL under CUDA-graph capture")
 
 
 def _check(per_rank):

@@ -1,25 +1,16 @@
 """The ops on real GPUs against float64 references (bf16 and fp16). Skipped without CUDA GPUs."""
 
-import os
-
 import pytest
 import torch
 
+from gpus import RANKS, SHARED, needs_gpu, needs_two, one_gpu_per_rank
 import tileweave
 from tileweave.testing import repeat_paths, scenarios
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from tileweave.testing.emulated import run_ranks
 
 pytestmark = pytest.mark.gpu
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-"""Ranks of the distributed tests: one per GPU, or TILEWEAVE_GPU_RANKS (more than the GPUs: they share them)."""
-SHARED = RANKS > torch.cuda.device_count()
-needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
-needs_own_gpus = pytest.mark.skipif(SHARED, reason="needs one GPU per rank (NCCL or PyTorch symmetric memory, "
-                                                   "or a copy-engine transport; tileweave.testing.shared_gpu)")
+needs_own_gpus = one_gpu_per_rank("NCCL or PyTorch symmetric memory, or a copy-engine transport; "
+                                  "tileweave.testing.shared_gpu")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

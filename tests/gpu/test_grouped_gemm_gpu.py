@@ -1,22 +1,17 @@
 """The grouped GEMM core compiled on a GPU, against a float64 reference. Skipped without CUDA."""
 
-import os
 import time
 
 import pytest
 import torch
 
+from gpus import needs_gpu
+from tileweave.bench import grouped as bench
+from tileweave.ops import grouped_gemm as gg_module
+from tileweave.ops.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
+from tileweave.tune.grouped import GroupedConfig
+
 pytestmark = pytest.mark.gpu
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-
-from tileweave.bench import grouped as bench  # noqa: E402
-from tileweave.ops import grouped_gemm as gg_module  # noqa: E402
-from tileweave.ops.grouped_gemm import expected_tiles, grouped_config, grouped_gemm  # noqa: E402
-from tileweave.tune.grouped import GroupedConfig  # noqa: E402
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-3}
 
 

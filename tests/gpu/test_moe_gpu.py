@@ -1,22 +1,14 @@
 """The MoE pair ops on real GPUs against float64 references (bf16 and fp16). Skipped without CUDA GPUs;
 with ``TILEWEAVE_GPU_RANKS=2`` on one GPU the ranks share it (``tileweave.testing.shared_gpu``)."""
 
-import os
-
 import pytest
-import torch
 
+from gpus import RANKS, needs_two, one_gpu_per_rank
 from tileweave.testing import moe_scenarios
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-SHARED = RANKS > torch.cuda.device_count()
-needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
-needs_own_gpus = pytest.mark.skipif(SHARED, reason="needs one GPU per rank (NCCL)")
+needs_own_gpus = one_gpu_per_rank("NCCL")
 C = moe_scenarios.MoECase
 TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 EXPECTED = {"fused": ("fused", "chunked"), "fallback": ("fallback", "fallback")}

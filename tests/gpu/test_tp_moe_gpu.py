@@ -1,23 +1,17 @@
-"""The TP MoE layer on real GPUs (one rank per GPU) against the unsharded float64 MoE: output, input
+"""The TP MoE layer on real GPUs (one rank per GPU, or two sharing one) against the unsharded float64 MoE: output, input
 gradient and every parameter gradient, fused and fallback paths, bf16 and fp16, Mixtral-like and
 many-expert shapes. Skipped without CUDA GPUs."""
 
 import dataclasses
-import os
 
 import pytest
-import torch
 
-from tileweave.testing.emulated import gpu_ranks, run_ranks
+from gpus import RANKS, needs_two, one_gpu_per_rank
+from tileweave.testing.emulated import run_ranks
 from tileweave.testing.moe_layer_scenarios import LayerCase, tp_moe_check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-if os.environ.get("TRITON_INTERPRET") == "1":  # set by tests/cpu in the same process: run us apart
-    pytest.skip("GPU tests need Triton compiled, not interpreted: run tests/gpu in its own pytest",
-                allow_module_level=True)
-RANKS = gpu_ranks() if torch.cuda.is_available() else 0
-needs_two = pytest.mark.skipif(RANKS < 2, reason="needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
-needs_own_gpus = pytest.mark.skipif(RANKS > torch.cuda.device_count(), reason="needs one GPU per rank (NCCL)")
+needs_own_gpus = one_gpu_per_rank("NCCL")
 TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 
 CASES = {

@@ -1,9 +1,10 @@
 """Per-rank checks of the fused ops, run on emulated ranks by the tests and the CPU demo, and on GPUs by
 the GPU tests. Each returns plain data (errors, flags) so that the caller asserts. One module per op
-family; every check is also importable from here."""
+family; every check of the two sequence-parallel ops and their layers is also importable from here
+(GEMM + AllReduce's, whose names repeat theirs, from ``scenarios.all_reduce`` only)."""
 
 from tileweave.testing.scenarios.common import (  # noqa: F401
-    Case, randn, weight_b, rel_err, device_name, shared_ops_graphable,
+    GemmCase, Case, randn, weight_b, rel_err, device_name, shared_ops_graphable,
 )
 from tileweave.testing.scenarios.all_gather import (  # noqa: F401
     all_gather_call, all_gather_gemm_check, all_gather_stream_k_check, lent_gathered_check, all_gather_auto_transport_check, all_gather_only_check,

@@ -15,32 +15,45 @@ import tileweave
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    m_chunk: int
-    """Rows per rank (M / W)."""
+class GemmCase:
+    """What every op's case says: the GEMM each rank runs and how the op is called. Keyword-only fields,
+    after those of the op's case."""
+
+    _: dataclasses.KW_ONLY
     k: int
+    """K of each rank's GEMM: all of K for AllGather + GEMM; the rank's K_loc for the ops that sum over
+    ranks (GEMM + AllReduce: rank 0's, rank p has ``k + p``)."""
     n: int
     dtype: str = "float16"
-    weight_layout: bool = True
-    """Pass b as ``weight.t()`` of an ``[N, K]`` weight (else a row-major ``[K, N]``)."""
     bias: bool = False
+    graphable: bool = False
+    """The op with constant-valued (CUDA-graph replayable) flags (all-gather: every transport;
+    reduce-scatter: chunked; all-reduce: both fused transports)."""
+    weight_layout: bool = True
+    """Pass b as ``weight.t()`` of an ``[N, K]`` weight (else a row-major ``[K, N]``), K as in ``k``."""
     iters: int = 2
     """Calls with fresh inputs each (epochs advance)."""
     straggler: int = -1
-    """Rank whose producer is delayed by ``delay_s`` (-1: none)."""
+    """Rank that is late by ``delay_s`` in each call (-1: none): its producer is delayed, or on a path
+    without one (the one-shot paths, GEMM + AllReduce) it sleeps before each call."""
     delay_s: float = 0.0
     seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(GemmCase):
+    """A case of AllGather + GEMM or GEMM + ReduceScatter: M per rank and the transport."""
+
+    m_chunk: int
+    """Rows per rank (M / W)."""
     transport: str = ""
     """Reduce-scatter transport: "chunked" (also for ""); "oneshot": the one-shot path
-    (``policy="oneshot"``), whose straggler sleeps before each call instead (it has no producer)."""
+    (``policy="oneshot"``)."""
     ag_transport: str = "mesh"
     """All-gather transport: "mesh", "ring" or "chunked"; "oneshot": the one-shot path
-    (``policy="oneshot"``), whose straggler sleeps before each call instead (it has no producer)."""
+    (``policy="oneshot"``)."""
     chunk_rows: int = 0
     """Chunked reduce-scatter: rows per block (0: the op's default)."""
-    graphable: bool = False
-    """The op with constant-valued (CUDA-graph replayable) flags (all-gather: every transport;
-    reduce-scatter: chunked)."""
     pull: bool = False
     """Chunked reduce-scatter: the owner pulls the peer's blocks into its output (``GemmReduceScatter.pull``;
     False: the push variant, though pulling is the default at two ranks)."""

@@ -17,47 +17,21 @@ import torch.distributed as dist
 from tileweave.ops import common
 from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
+from tileweave.testing.scenarios.common import GemmCase, device_name, randn, rel_err
+from tileweave.testing.scenarios.graphs import captured
 
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeCase:
+class DecodeCase(GemmCase):
+    """A case of GEMM + AllReduce: M (the same on every rank), the policy and the fused epilogue. The
+    ranks' slices of K are uneven (rank p's is ``k + p``)."""
+
     m: int
-    k: int
-    """K_loc of rank 0; rank p has ``k + p`` (uneven slices of K are allowed)."""
-    n: int
-    dtype: str = "float16"
     policy: str = "oneshot"
-    graphable: bool = False
-    bias: bool = False
     residual: bool = False
     norm: bool = False
-    weight_layout: bool = True
-    """Pass b as ``weight.t()`` of an ``[N, K_loc]`` weight (else a row-major ``[K_loc, N]``)."""
-    iters: int = 2
-    """Calls with fresh inputs each."""
-    straggler: int = -1
-    """Rank that sleeps ``delay_s`` before each call (-1: none)."""
-    delay_s: float = 0.0
-    seed: int = 0
-
-
-def _randn(shape, dtype, *seed_parts, device="cpu"):
-    # zlib.crc32, not hash(): string hashing is salted per process and every rank must agree.
-    g = torch.Generator().manual_seed(zlib.crc32(repr(seed_parts).encode()))
-    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
-
-
-def _device() -> str:
-    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-
-
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got = got.double()
-    if not torch.isfinite(got).all():
-        return float("inf")
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -68,17 +42,17 @@ def case_inputs(case: DecodeCase, it: int, world: int, device) -> dict:
     """Every rank's inputs of call ``it`` of ``case`` (each rank rebuilds all of them from seeds)."""
     dtype = getattr(torch, case.dtype)
     tag = (case.seed, case.m, case.n, it)
-    a = [_randn((case.m, case.k + p), dtype, "a", *tag, p, device=device) for p in range(world)]
+    a = [randn((case.m, case.k + p), dtype, "a", *tag, p, device=device) for p in range(world)]
     if case.weight_layout:
-        b = [_randn((case.n, case.k + p), dtype, "w", *tag, p, device=device).t() for p in range(world)]
+        b = [randn((case.n, case.k + p), dtype, "w", *tag, p, device=device).t() for p in range(world)]
     else:
-        b = [_randn((case.k + p, case.n), dtype, "b", *tag, p, device=device) for p in range(world)]
+        b = [randn((case.k + p, case.n), dtype, "b", *tag, p, device=device) for p in range(world)]
     scale = 1.0 / (case.k + world) ** 0.5
     b = [x * scale for x in b]
     return {"a": a, "b": b,
-            "bias": _randn((case.n,), dtype, "bias", *tag, device=device) if case.bias else None,
-            "residual": _randn((case.m, case.n), dtype, "res", *tag, device=device) if case.residual else None,
-            "norm": (1 + 0.5 * _randn((case.n,), dtype, "g", *tag, device=device)) if case.norm else None}
+            "bias": randn((case.n,), dtype, "bias", *tag, device=device) if case.bias else None,
+            "residual": randn((case.m, case.n), dtype, "res", *tag, device=device) if case.residual else None,
+            "norm": (1 + 0.5 * randn((case.n,), dtype, "g", *tag, device=device)) if case.norm else None}
 
 
 def reference(inputs: dict, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,7 +72,7 @@ def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float 
     """Each case's calls on one op per (policy, graphable), with NaN-poisoned outputs: per call the
     error against float64, the path taken and checksums of the outputs (equal on every rank, and across
     protocols, for the same inputs)."""
-    device = _device()
+    device = device_name()
     ops: dict[tuple, GemmAllReduce] = {}
     rows = []
     for case in cases:
@@ -113,9 +87,9 @@ def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float 
                         norm_weight=inputs["norm"], eps=eps, out=out)
             y, resid = result if case.norm else (result, None)
             ref_y, ref_resid = reference(inputs, eps)
-            err = _rel_err(y, ref_y)
+            err = rel_err(y, ref_y)
             if resid is not None:
-                err = max(err, _rel_err(resid, ref_resid))
+                err = max(err, rel_err(resid, ref_resid))
             rows.append({"case": dataclasses.asdict(case), "it": it, "err": err, "tol": TOL[case.dtype],
                          "out_is_y": y is out, "seconds": time.monotonic() - start, "path": common.last_path("gemm_all_reduce"),
                          "sums": [_checksum(y)] + ([_checksum(resid)] if resid is not None else [])})
@@ -127,12 +101,12 @@ def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max
     agrees on the signature), then rank 0 calls it again and the others do not: rank 0 must raise
     ``CollectiveTimeout`` (on the CPU at that call; on GPUs at the next, after a synchronize), in about
     the time ``max_spin`` polls take."""
-    device = _device()
+    device = device_name()
     outcomes = []
     for policy, graphable in kinds:
         op = GemmAllReduce(policy=policy, graphable=graphable, max_spin=max_spin)
-        a = _randn((4, 8), torch.float16, "mp-a", rank, device=device)
-        b = _randn((8, 24), torch.float16, "mp-b", rank, device=device)
+        a = randn((4, 8), torch.float16, "mp-a", rank, device=device)
+        b = randn((8, 24), torch.float16, "mp-b", rank, device=device)
         op(a, b)
         outcome = {"raised": False, "message": "", "seconds": 0.0}
         if device != "cpu":
@@ -158,13 +132,13 @@ def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
     """Bad calls, each refused with a named error before anything runs; then a good call, which must
     still work (nothing half-done by the refused ones). Returns each call's error type and message."""
-    device = _device()
+    device = device_name()
     op = GemmAllReduce(policy="oneshot")
     f16, f32 = torch.float16, torch.float32
-    a = _randn((4, 8), f16, "ie-a", rank, device=device)
-    b = _randn((8, 12), f16, "ie-b", rank, device=device)
-    r = _randn((4, 12), f16, "ie-r", device=device)
-    g = _randn((12,), f16, "ie-g", device=device)
+    a = randn((4, 8), f16, "ie-a", rank, device=device)
+    b = randn((8, 12), f16, "ie-b", rank, device=device)
+    r = randn((4, 12), f16, "ie-r", device=device)
+    g = randn((12,), f16, "ie-g", device=device)
     bad = {
         "a 3-D": lambda: op(a[None], b),
         "a int": lambda: op(a.to(torch.int32), b),
@@ -206,7 +180,7 @@ def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int,
     two eager calls, replayed with new inputs copied into the captured buffers: each replay against
     float64, six replays back to back without a host sync, then an eager call on the last inputs, which
     must give the replay's bits (the constant flags are back where every call starts)."""
-    device = _device()
+    device = device_name()
     op = GemmAllReduce(policy=policy, graphable=True)
     case = DecodeCase(m=m, k=k, n=n, dtype=dtype, policy=policy, bias=True, residual=norm, norm=norm)
     first = case_inputs(case, 0, world, device)
@@ -228,19 +202,10 @@ def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int,
             residual.copy_(inputs["residual"])
         return inputs
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for it in (100, 101):
-            refill(it)
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call()
+    warm_up = iter((100, 101))  # the eager calls before the capture, on inputs of their own
+    graph, result = captured(call, lambda: refill(next(warm_up)))
     path = common.last_path("gemm_all_reduce")
-    outs = captured if norm else (captured,)
+    outs = result if norm else (result,)
     errors = []
     for it in range(3):
         inputs = refill(it)
@@ -249,13 +214,13 @@ def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int,
         graph.replay()
         torch.cuda.synchronize()
         ref = reference(inputs, 1e-6)
-        errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+        errors.append(max(rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
     inputs = refill(99)
     for _ in range(6):
         graph.replay()
     torch.cuda.synchronize()
     ref = reference(inputs, 1e-6)
-    errors.append(max(_rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
+    errors.append(max(rel_err(t, r) for t, r in zip(outs, ref) if r is not None))
     replayed = [_checksum(t) for t in outs]
     eager = call()
     torch.cuda.synchronize()
