@@ -25,13 +25,13 @@ the functional ops (the benchmark uses them); ``TILEWEAVE_CACHE_DIR`` holds auto
 """
 
 from tileweave.ops.all_gather.op import AllGatherGemm
-from tileweave.ops.all_reduce import GemmAllReduce, gemm_all_reduce
+from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.ops.common import last_path
-from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter  # registers torch.ops.tileweave.*
+from tileweave.ops.functional import (all_gather_gemm, gemm_all_reduce,  # registers torch.ops.tileweave.*
+                                      gemm_reduce_scatter, moe_all_gather_gemm, moe_gemm_reduce_scatter)
 from tileweave.ops.grouped_gemm import grouped_gemm
 from tileweave.ops.matmul import linear, matmul
-from tileweave.ops.moe import (MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, build_plan, moe_all_gather_gemm,
-                               moe_gemm_reduce_scatter, moe_plan)
+from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, build_plan, moe_plan
 from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
 from tileweave.tune.configs import GemmConfig

@@ -51,7 +51,8 @@ from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, Timi
 from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.common import last_path
-from tileweave.ops.moe import build_plan, moe_all_gather_gemm, moe_gemm_reduce_scatter
+from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
+from tileweave.ops.moe import build_plan
 from tileweave.testing.emulated import run_ranks
 
 MODELS: dict[str, tuple[int, int, int, int]] = {

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.ops.all_reduce import gemm_all_reduce
+from tileweave.ops.functional import gemm_all_reduce
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

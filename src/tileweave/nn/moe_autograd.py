@@ -51,8 +51,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tileweave.ops.moe import (MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_all_gather_gemm,
-                               moe_gemm_reduce_scatter, moe_plan)
+from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
+from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,6 +94,13 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dty
     return out
 
 
+def out_or_new(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """``out`` checked as :func:`check_out` does, or a new uninitialised tensor of that shape when None."""
+    out = check_out(out, shape, dtype, device)
+    return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
+
+
 def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
     """Raise ``CollectiveTimeout`` if the error word ``err`` (int32, one element) is set, clearing it.
     Codes: ``1 + src`` for the shard of rank ``src``, ``100 + src`` for rank ``src``'s partials."""

@@ -1,6 +1,6 @@
 """The functional API: one op per (group, device), shared by every caller (and so by the TP layers).
 Under ``torch.compile`` the calls go through the custom ops of ``tileweave.ops.registry``, which keep
-each call whole as one graph node."""
+each call whole as one graph node; there ``out=`` is filled by a copy of the op's result."""
 
 from __future__ import annotations
 
@@ -9,7 +9,19 @@ import torch.distributed as dist
 
 from tileweave.ops import registry
 from tileweave.ops.all_gather.op import AllGatherGemm, gathered_like
+from tileweave.ops.all_reduce.op import shared_op as shared_all_reduce
+from tileweave.ops.moe.layer0 import MoEAllGatherGemm
+from tileweave.ops.moe.layer1 import MoEGemmReduceScatter
+from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.reduce_scatter.op import GemmReduceScatter
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """A compiled call's result, copied into ``out`` when one was given."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -25,9 +37,7 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
             result, gathered = registry.all_gather_gemm_gathered_op(a_shard, b, bias, group.group_name)
         else:
             result = registry.all_gather_gemm_op(a_shard, b, bias, group.group_name)
-        if out is not None:
-            out.copy_(result)
-            result = out
+        result = _into(out, result)
         return (result, gathered) if return_gathered else result
     op = AllGatherGemm.shared(group, a_shard.device)
     if not return_gathered:
@@ -42,9 +52,54 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGro
     ``torch.ops.tileweave.gemm_reduce_scatter``."""
     group = group if group is not None else dist.group.WORLD
     if torch.compiler.is_compiling():
-        result = registry.gemm_reduce_scatter_op(a, b, bias, group.group_name)
-        if out is not None:
-            out.copy_(result)
-            result = out
-        return result
+        return _into(out, registry.gemm_reduce_scatter_op(a, b, bias, group.group_name))
     return GemmReduceScatter.shared(group, a.device)(a, b, bias=bias, out=out)
+
+
+def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
+    """Functional form of :class:`GemmAllReduce` (``tileweave.ops.all_reduce.op``: shapes, semantics,
+    synchronisation) on the op shared per group and device, which ``TILEWEAVE_GRAPHABLE=1`` makes
+    graphable and ``TILEWEAVE_AR_POLICY`` gives its policy. Returns ``[M, N]``, or ``(normed, resid)``
+    with ``norm_weight``. Under ``torch.compile`` this is ``torch.ops.tileweave.gemm_all_reduce`` (or
+    ``gemm_all_reduce_norm``)."""
+    group = group if group is not None else dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        return shared_all_reduce(group, a.device)(a, b, bias=bias, residual=residual, norm_weight=norm_weight,
+                                                  eps=eps, out=out)
+    if norm_weight is None:
+        return _into(out, registry.gemm_all_reduce_op(a, b, bias, residual, group.group_name))
+    if residual is None:
+        raise ValueError("gemm_all_reduce: norm_weight needs residual (the norm is of residual + the sum)")
+    normed, resid = registry.gemm_all_reduce_norm_op(a, b, bias, residual, norm_weight, float(eps), group.group_name)
+    return _into(out, normed), resid
+
+
+def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
+                        group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
+                        return_gathered: bool = False):
+    """Functional form of :class:`MoEAllGatherGemm` (``tileweave.ops.moe.layer0``: shapes and
+    semantics), with one op per (group, device): ``y [T*k, F_loc]``, or ``(y, x [T, H])`` with
+    ``return_gathered``. Under ``torch.compile`` this is ``torch.ops.tileweave.moe_all_gather_gemm``
+    (or ``moe_all_gather_gemm_gathered``)."""
+    group = group if group is not None else dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        return MoEAllGatherGemm.shared(group, x_shard.device)(x_shard, w0, plan, out=out,
+                                                               return_gathered=return_gathered)
+    if not return_gathered:
+        return _into(out, registry.moe_all_gather_gemm_op(x_shard, w0, list(plan.tensors()), group.group_name))
+    y, gathered = registry.moe_all_gather_gemm_gathered_op(x_shard, w0, list(plan.tensors()), group.group_name)
+    return _into(out, y), gathered
+
+
+def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor,
+                            group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form of :class:`MoEGemmReduceScatter` (``tileweave.ops.moe.layer1``: shapes and
+    semantics), with one op per (group, device): ``out_shard [T/W, H]``. Under ``torch.compile`` this is
+    ``torch.ops.tileweave.moe_gemm_reduce_scatter``."""
+    group = group if group is not None else dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        return MoEGemmReduceScatter.shared(group, h.device)(h, w1, plan, topk_weights_shard, out=out)
+    return _into(out, registry.moe_gemm_reduce_scatter_op(h, w1, list(plan.tensors()), topk_weights_shard,
+                                                          group.group_name))

@@ -51,9 +51,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         raise ValueError(f"a is [M={m}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N]")
     n = b.shape[1]
     bias = common.check_bias(bias, n, a.dtype, a.device)
-    out = common.check_out(out, (m, n), a.dtype, a.device)
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    out = common.out_or_new(out, (m, n), a.dtype, a.device)
     if m == 0 or n == 0:
         return out
     if k == 0:

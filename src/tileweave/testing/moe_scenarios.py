@@ -11,10 +11,13 @@ import zlib
 
 import torch
 
+import tileweave
+
 from tileweave.ops import common
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, build_plan, moe_plan
 from tileweave.runtime.backend import TileweaveError, set_producer_delay
 from tileweave.testing import moe_reference
+from tileweave.testing.scenarios.common import compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,3 +289,34 @@ def gate_timeout_check(rank: int, world: int, late: int, delay_s: float, max_spi
     finally:
         set_producer_delay(0.0)
     return None
+
+
+def compile_check(rank: int, world: int) -> dict:
+    """``torch.compile(fullgraph=True)`` of the MoE pair's functional forms on a plan built eagerly:
+    layer 0 (with the gathered input) and layer 1, the graphs, the tileweave ops in them and each
+    layer's error against float64 from the unsharded inputs."""
+    case = MoECase(tokens_per_rank=6, hidden=16, f_loc=24, experts=4, topk=2, dtype="float32")
+    tc, k, e, f = case.tokens_per_rank, case.topk, case.experts, case.f_loc
+    tokens = tc * world
+    device = _device()
+    ids, weights = routing(case, world, 0)
+    mine = slice(rank * tc, (rank + 1) * tc)
+    plan = moe_plan(ids[mine].to(device), num_experts=e)
+    w0_all, w1_all = _weights(case, world)
+    w0, w1 = _as_op_weight(w0_all[rank], case, torch.float32, device), _as_op_weight(w1_all[rank], case,
+                                                                                     torch.float32, device)
+    x = _randn((tokens, case.hidden), "x", case)
+    h_pairs = [_randn((tokens, k, f), "h", case, r) for r in range(world)]
+    pair_rows = plan.pair_row.reshape(-1).long()
+    h = torch.empty((tokens * k, f), device=device)
+    h[pair_rows] = h_pairs[rank].reshape(tokens * k, f).to(device)
+
+    def pair(x_shard, h, wt):
+        y, gathered = tileweave.moe_all_gather_gemm(x_shard, w0, plan, return_gathered=True)
+        return y, gathered, tileweave.moe_gemm_reduce_scatter(h, w1, plan, wt)
+
+    (y, gathered, out), graphs, ops = compiled(pair, x[mine].to(device), h, weights[mine].to(device))
+    ref0 = moe_reference.layer0_reference(x, ids, w0_all[rank])
+    ref1 = moe_reference.layer1_reference(h_pairs, ids, weights.double(), w1_all)
+    return {"graphs": graphs, "ops": ops, "err0": _rel_err(y[pair_rows].view(tokens, k, f), ref0),
+            "err1": _rel_err(out, ref1[mine]), "gathered_exact": torch.equal(gathered.cpu(), x)}

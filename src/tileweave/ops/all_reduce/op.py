@@ -212,13 +212,3 @@ def shared_op(group: dist.ProcessGroup, device: torch.device) -> GemmAllReduce:
                                           graphable=common.env_flag("TILEWEAVE_GRAPHABLE"))
     return op
 
-
-def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                    bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
-    """Functional form of :class:`GemmAllReduce` on the op shared per group and device (module
-    docstring: shapes, semantics, synchronisation). Returns ``[M, N]``, or ``(normed, resid)`` with
-    ``norm_weight``."""
-    group = group if group is not None else dist.group.WORLD
-    return shared_op(group, a.device)(a, b, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
-                                      out=out)

@@ -79,6 +79,15 @@ class MoEOp:
             self._backend = get_backend(self.group, device)
         return self._backend
 
+    def _backend_for(self, plan: MoEPlan, device: torch.device, *, experts: int,
+                     tokens_per_rank: int | None = None) -> Backend:
+        """This group's backend on ``device``, after checking that ``plan`` was built for it and for
+        ``experts`` experts (and ``tokens_per_rank`` tokens a rank, unless None)."""
+        backend = self._get_backend(device)
+        tokens = None if tokens_per_rank is None else tokens_per_rank * backend.world_size
+        check_plan(plan, world=backend.world_size, tokens=tokens, experts=experts, device=device)
+        return backend
+
     def _spin(self, backend: Backend) -> int:
         return self.max_spin or backend.default_max_spin
 

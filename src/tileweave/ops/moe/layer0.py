@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight
 from tileweave.ops.moe.gather import ShardGather
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.runtime.backend import Backend
@@ -62,12 +62,9 @@ class MoEAllGatherGemm(MoEOp):
         experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
                                shape_doc="[E, H, F_loc]")
         f_loc = w0.shape[2]
-        backend = self._get_backend(x_shard.device)
+        backend = self._backend_for(plan, x_shard.device, experts=experts, tokens_per_rank=tc)
         w = backend.world_size
-        check_plan(plan, world=w, tokens=tc * w, experts=experts, device=x_shard.device)
-        out = common.check_out(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
-        if out is None:
-            out = torch.empty((plan.rows, f_loc), dtype=x_shard.dtype, device=x_shard.device)
+        out = common.out_or_new(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
         signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
         path = self._decide(backend, signature, tokens=tc * w, topk=plan.topk, hidden=h, f_loc=f_loc,
                             dtype=x_shard.dtype)
@@ -95,16 +92,3 @@ class MoEAllGatherGemm(MoEOp):
         self._finish(backend, self._ws)
         return gathered
 
-
-def cached_op(group: dist.ProcessGroup, device: torch.device) -> MoEAllGatherGemm:
-    """The op shared by every functional call on ``group`` and ``device``."""
-    return MoEAllGatherGemm.shared(group, device)
-
-
-def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
-                        group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
-                        return_gathered: bool = False):
-    """Functional form of :class:`MoEAllGatherGemm` (module docstring: shapes and semantics), with one
-    cached op per (group, device)."""
-    group = group if group is not None else dist.group.WORLD
-    return cached_op(group, x_shard.device)(x_shard, w0, plan, out=out, return_gathered=return_gathered)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight, nccl
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
 from tileweave.runtime.backend import Backend
@@ -89,17 +89,14 @@ class MoEGemmReduceScatter(MoEOp):
         experts = check_weight("w1", w1, rows=f_loc, rows_name="F_loc", dtype=h.dtype, device=h.device,
                                shape_doc="[E, F_loc, H]")
         hidden = w1.shape[2]
-        backend = self._get_backend(h.device)
+        backend = self._backend_for(plan, h.device, experts=experts)
         w = backend.world_size
-        check_plan(plan, world=w, tokens=None, experts=experts, device=h.device)
         if rows != plan.rows:
             raise ValueError(f"h has {rows} rows but the plan has T*k = {plan.tokens}*{plan.topk} = {plan.rows}: "
                              "h must be layer 0's output for this plan")
         tc = plan.tokens // w
         _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
-        out = common.check_out(out, (tc, hidden), h.dtype, h.device)
-        if out is None:
-            out = torch.empty((tc, hidden), dtype=h.dtype, device=h.device)
+        out = common.out_or_new(out, (tc, hidden), h.dtype, h.device)
         signature = (_OP, tc, plan.topk, experts, f_loc, hidden, str(h.dtype), str(topk_weights_shard.dtype))
         path = self._decide(backend, signature, tokens=plan.tokens, topk=plan.topk, hidden=hidden, f_loc=f_loc,
                             dtype=h.dtype)
@@ -200,15 +197,3 @@ def _check_weights(weights: torch.Tensor, shape: tuple[int, int], device: torch.
     if weights.device != device:
         raise ValueError(f"topk_weights_shard is on {weights.device} but h is on {device}")
 
-
-def cached_op(group: dist.ProcessGroup, device: torch.device) -> MoEGemmReduceScatter:
-    """The op shared by every functional call on ``group`` and ``device``."""
-    return MoEGemmReduceScatter.shared(group, device)
-
-
-def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor,
-                            group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Functional form of :class:`MoEGemmReduceScatter` (module docstring: shapes and semantics), with
-    one cached op per (group, device)."""
-    group = group if group is not None else dist.group.WORLD
-    return cached_op(group, h.device)(h, w1, plan, topk_weights_shard, out=out)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from tileweave.ops import common
 from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
-from tileweave.testing.scenarios.common import GemmCase, device_name, randn, rel_err
+import tileweave
+from tileweave.testing.scenarios.common import GemmCase, compiled, device_name, randn, rel_err
 from tileweave.testing.scenarios.graphs import captured
 
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
@@ -227,3 +228,23 @@ def cuda_graph_check(rank: int, world: int, policy: str, m: int, k: int, n: int,
     eager_sums = [_checksum(t) for t in (eager if norm else (eager,))]
     dist.barrier()
     return {"path": path, "errors": errors, "tol": TOL[dtype], "replayed": replayed, "eager": eager_sums}
+
+
+def compile_check(rank: int, world: int) -> dict:
+    """``torch.compile(fullgraph=True)`` of ``gemm_all_reduce`` with and without the residual + RMSNorm
+    (the functional form, as the inference layers call it): the graphs, the tileweave ops in them and
+    each result's error against float64 from the unsharded inputs."""
+    case = DecodeCase(m=5, k=24, n=40, dtype="float32", residual=True, norm=True)
+    inputs = case_inputs(case, 0, world, device_name())
+    a, b, res, g = inputs["a"][rank], inputs["b"][rank], inputs["residual"], inputs["norm"]
+
+    def step(a, res):
+        y = tileweave.gemm_all_reduce(a, b)
+        normed, resid = tileweave.gemm_all_reduce(a, b, residual=res, norm_weight=g, eps=1e-6)
+        return y, normed, resid
+
+    (y, normed, resid), graphs, ops = compiled(step, a, res)
+    plain, _ = reference({**inputs, "residual": None, "norm": None}, 1e-6)
+    ref_normed, ref_resid = reference(inputs, 1e-6)
+    return {"graphs": graphs, "ops": ops,
+            "err": max(rel_err(y, plain), rel_err(normed, ref_normed), rel_err(resid, ref_resid))}

@@ -86,3 +86,19 @@ def shared_ops_graphable() -> bool:
     """Whether the ops that the functional API and the TP layers share were made graphable (and exist)."""
     ops = [op for cls in (tileweave.AllGatherGemm, tileweave.GemmReduceScatter) for op in cls._shared.values()]
     return bool(ops) and all(op.graphable for op in ops)
+
+
+def compiled(fn, *args):
+    """``(result, graphs, ops)``: ``fn(*args)`` under ``torch.compile(fullgraph=True)`` with a backend that
+    records the graphs it is given and runs them as traced; ``ops``: the sorted ``torch.ops.tileweave``
+    targets in them."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    result = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    nodes = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    return result, len(graphs), sorted(n for n in nodes if "tileweave" in n)

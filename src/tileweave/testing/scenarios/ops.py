@@ -14,7 +14,7 @@ from tileweave.ops import common
 from tileweave.tune.autotune import select_config
 from tileweave.runtime.backend import CudaBackend, TileweaveError
 from tileweave.nn import ColumnParallelLinear, RowParallelLinear
-from tileweave.testing.scenarios.common import device_name, randn, rel_err
+from tileweave.testing.scenarios.common import compiled, device_name, randn, rel_err
 
 
 def shared_gpu_refused_check(rank: int, world: int) -> str:
@@ -293,19 +293,11 @@ def compile_check(rank: int, world: int) -> dict:
         h = tileweave.all_gather_gemm(x, w_col[rank].t(), group)
         return tileweave.gemm_reduce_scatter(torch.relu(h), w_row[rank].t(), group)
 
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend, fullgraph=True)(shards[rank])
-    nodes = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    result, graphs, ops = compiled(block, shards[rank])
     x = torch.cat(shards).double()
     full = sum(torch.relu(x @ wc.double().t()) @ wr.double().t() for wc, wr in zip(w_col, w_row))
-    return {"graphs": len(graphs), "err": rel_err(compiled, full[rank * tokens:(rank + 1) * tokens]),
-            "shape": tuple(compiled.shape), "ops": sorted(n for n in nodes if "tileweave" in n)}
+    return {"graphs": graphs, "err": rel_err(result, full[rank * tokens:(rank + 1) * tokens]),
+            "shape": tuple(result.shape), "ops": ops}
 
 
 def foreign_group_check(rank: int, world: int) -> str:
