@@ -283,10 +283,11 @@ def compile_check(rank: int, world: int) -> dict:
     relative error against the same block computed in float64 from the unsharded inputs (every
     rank's shard of x and of both weights, rebuilt here from seeds)."""
     tokens, hidden, ffn_loc, out_features = 16, 32, 24, 40
-    shards = [randn((tokens, hidden), torch.float32, "cc-a", p) for p in range(world)]
+    device = device_name()
+    shards = [randn((tokens, hidden), torch.float32, "cc-a", p, device=device) for p in range(world)]
     # Rank p's rows of the up weight and its columns of the down one.
-    w_col = [randn((ffn_loc, hidden), torch.float32, "cc-w1", p) for p in range(world)]
-    w_row = [randn((out_features, ffn_loc), torch.float32, "cc-w2", p) for p in range(world)]
+    w_col = [randn((ffn_loc, hidden), torch.float32, "cc-w1", p, device=device) for p in range(world)]
+    w_row = [randn((out_features, ffn_loc), torch.float32, "cc-w2", p, device=device) for p in range(world)]
     group = dist.group.WORLD
 
     def block(x):
