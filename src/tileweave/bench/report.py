@@ -46,8 +46,8 @@ RECORDED_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Measurement:
-    """One variant on one shape. Times are per call in ms, median over reps, max over ranks."""
+class Shape:
+    """Where a row was measured: the section, the layer, the ranks and the dims."""
 
     op: str
     """Benchmark section: ``"ag"``, ``"rs"`` or ``"gemm"``."""
@@ -59,6 +59,16 @@ class Measurement:
     k: int
     n: int
     """AG/RS: full model dims (M tokens over the group). ``gemm``: the local GEMM ``[m, k] @ [k, n]``."""
+
+    @property
+    def shape_key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.op, self.layer, self.world_size, self.m, self.k, self.n)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measurement(Shape):
+    """One variant on one shape. Times are per call in ms, median over reps, max over ranks."""
+
     variant: str
     status: str
     """``"ok"``, ``"FAILED"`` (verification or run failed on some rank) or ``"n/a"`` (not available)."""
@@ -75,10 +85,6 @@ class Measurement:
     """The host's time to issue one call, max over ranks (``Timing.host_ms``)."""
     note: str = ""
     """Why a variant is FAILED or n/a."""
-
-    @property
-    def shape_key(self) -> tuple[str, str, int, int, int, int]:
-        return (self.op, self.layer, self.world_size, self.m, self.k, self.n)
 
 
 def speedup(t_ref: float | None, t: float | None) -> float | None:
@@ -119,15 +125,9 @@ def median_or_none(values: Iterable[float | None]) -> float | None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ShapeSummary:
+class ShapeSummary(Shape):
     """The wide view of one shape: every variant's time and the derived numbers."""
 
-    op: str
-    layer: str
-    world_size: int
-    m: int
-    k: int
-    n: int
     times: dict[str, float | None]
     """Variant -> ms; None unless the variant's status is ok."""
     status: dict[str, str]

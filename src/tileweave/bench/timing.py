@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from tileweave.tune.fields import bounded, check_bounds
+
 L2_BYTES = 60 * 2**20
 """H200 L2 (60 MB); inputs smaller than this would be timed L2-hot."""
 
@@ -36,31 +38,24 @@ class TimingConfig:
 
     warmup_s: float = 0.5
     """Sustained load before timing, enough for clocks and power to settle (converted to a count)."""
-    iters: int = 20
+    iters: int = bounded(20, low=20, why="docs/design.md steady-state rule")
     """Back-to-back calls between two events; per-call time is the batch time over ``iters``."""
-    reps: int = 5
+    reps: int = bounded(5, low=5, why="docs/design.md steady-state rule")
     """Timed batches; the median is reported."""
-    probe_calls: int = 3
+    probe_calls: int = bounded(3, low=1)
     """Synchronised calls whose duration sizes the warm-up."""
     max_warmup_calls: int = 20000
     """Cap on the warm-up so a mis-timed probe cannot stall the run; 0.5 s of 25 us calls fits."""
-    min_warmup_calls: int = 5
+    min_warmup_calls: int = bounded(5, low=0)
     """Floor so even the slowest shapes see a few back-to-back calls before timing."""
 
     def __post_init__(self) -> None:
         if not (self.warmup_s >= 0 and math.isfinite(self.warmup_s)):
             raise ValueError(f"warmup_s must be a finite number >= 0, got {self.warmup_s}")
-        if self.iters < 20:
-            raise ValueError(f"iters must be >= 20 (docs/design.md steady-state rule), got {self.iters}")
-        if self.reps < 5:
-            raise ValueError(f"reps must be >= 5 (docs/design.md steady-state rule), got {self.reps}")
-        if self.probe_calls < 1:
-            raise ValueError(f"probe_calls must be >= 1, got {self.probe_calls}")
-        if not 0 <= self.min_warmup_calls <= self.max_warmup_calls:
-            raise ValueError(
-                f"need 0 <= min_warmup_calls <= max_warmup_calls, got "
-                f"{self.min_warmup_calls} and {self.max_warmup_calls}"
-            )
+        check_bounds(self)
+        if self.min_warmup_calls > self.max_warmup_calls:
+            raise ValueError(f"need min_warmup_calls <= max_warmup_calls, got {self.min_warmup_calls} and "
+                             f"{self.max_warmup_calls}")
 
 
 class Agreement(Protocol):

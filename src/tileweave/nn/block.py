@@ -33,7 +33,7 @@ class BlockConfig:
     heads: int
     """Query heads; divisible by the TP group size."""
     kv_heads: int
-    """Key/value heads (grouped-query attention); divisible by the TP group size."""
+    """Key/value heads (grouped-query attention); divides ``heads`` and divisible by the TP group size."""
     ffn: int
     """MLP width; divisible by the TP group size."""
     rope_theta: float = 500000.0
@@ -67,6 +67,36 @@ def rope(x: torch.Tensor, theta: float, tables: tuple[torch.Tensor, torch.Tensor
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class RopeCache:
+    """``rope_tables`` per (sequence length, device, dtype) of one head size and base, computed once:
+    building them every step costs the host a series of small launches."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.head_dim, self.theta = head_dim, theta
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, seq: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of positions ``0..seq-1``, each ``[seq, head_dim / 2]``."""
+        key = (seq, device, dtype)
+        tables = self._tables.get(key)
+        if tables is None:
+            with torch.no_grad():
+                tables = self._tables[key] = rope_tables(seq, self.head_dim, self.theta, device, dtype)
+        return tables
+
+
+def split_heads(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qkv [B*S, (heads + 2 kv_heads) * head_dim]`` of ``batch`` sequences of S tokens (batch-major;
+    per row ``[q | k | v]``) -> ``q [B, heads, S, head_dim]``, ``k, v [B, kv_heads, S, head_dim]``, with
+    ``q`` and ``k`` rotated by ``tables`` (``rope_tables`` of the S tokens' positions)."""
+    seq = qkv.shape[0] // batch
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q = rope(q.view(batch, seq, heads, head_dim).transpose(1, 2), theta, tables)
+    k = rope(k.view(batch, seq, kv_heads, head_dim).transpose(1, 2), theta, tables)
+    return q, k, v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+
+
 class TPTransformerBlock(nn.Module):
     """One block; ``forward(x_shard_m [M/W, hidden], batch)`` returns ``[M/W, hidden]``.
 
@@ -95,9 +125,7 @@ class TPTransformerBlock(nn.Module):
         self.o = RowParallelLinear(config.hidden, config.hidden, bias=False, **kw)
         self.gate_up = ColumnParallelLinear(config.hidden, 2 * config.ffn, bias=False, **kw)
         self.down = RowParallelLinear(config.ffn, config.hidden, bias=False, **kw)
-        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        """RoPE tables per (sequence length, device, dtype), computed once: building them every step
-        costs the host a series of small launches."""
+        self._rope = RopeCache(hd, config.rope_theta)
 
     @property
     def ops(self) -> TPOps:
@@ -109,25 +137,12 @@ class TPTransformerBlock(nn.Module):
         for layer in (self.qkv, self.o, self.gate_up, self.down):
             layer.ops = ops
 
-    def _rope_tables(self, seq: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (seq, like.device, like.dtype)
-        tables = self._rope.get(key)
-        if tables is None:
-            with torch.no_grad():
-                tables = self._rope[key] = rope_tables(seq, self.config.head_dim, self.config.rope_theta,
-                                                       like.device, like.dtype)
-        return tables
-
     def forward(self, x_shard: torch.Tensor, batch: int) -> torch.Tensor:
         c, hd = self.config, self.config.head_dim
         qkv = self.qkv(self.attn_norm(x_shard))                       # [M, (hl + 2 kvl) hd]
         m = qkv.shape[0]
-        seq = m // batch
-        q, k, v = qkv.split([self.local_heads * hd, self.local_kv_heads * hd, self.local_kv_heads * hd], dim=1)
-        tables = self._rope_tables(seq, q)
-        q = rope(q.view(batch, seq, self.local_heads, hd).transpose(1, 2), c.rope_theta, tables)
-        k = rope(k.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2), c.rope_theta, tables)
-        v = v.view(batch, seq, self.local_kv_heads, hd).transpose(1, 2)
+        tables = self._rope(m // batch, qkv.device, qkv.dtype)
+        q, k, v = split_heads(qkv, batch, self.local_heads, self.local_kv_heads, hd, c.rope_theta, tables)
         groups = self.local_heads // self.local_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -35,31 +35,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from tileweave.nn import inference
-from tileweave.nn.block import rope, rope_tables
+from tileweave.nn.block import BlockConfig, RopeCache, split_heads
+from tileweave.nn.shards import gather_shards
 from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecoderConfig:
-    """Shape of the model (Llama 3 8B: vocab 128256, hidden 4096, layers 32, heads 32, kv_heads 8,
-    ffn 14336)."""
+class DecoderConfig(BlockConfig):
+    """Shape of the model: ``layers`` layers of a block's shape (the fields of ``BlockConfig``), the
+    vocabulary and the longest sequence (Llama 3 8B: vocab 128256, hidden 4096, layers 32, heads 32,
+    kv_heads 8, ffn 14336)."""
 
     vocab: int
     """Vocabulary size; divisible by the TP group size (the LM head is split by vocabulary rows)."""
-    hidden: int
-    """Model width."""
     layers: int
     """Decoder layers."""
-    heads: int
-    """Query heads; divisible by the TP group size."""
-    kv_heads: int
-    """Key/value heads (grouped-query attention); divides ``heads`` and divisible by the TP size."""
-    ffn: int
-    """MLP width; divisible by the TP group size."""
-    rope_theta: float = 500000.0
-    """RoPE base."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
     max_seq: int = 2048
     """Longest sequence (prompt plus generated tokens) a KV cache holds."""
 
@@ -69,12 +59,7 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"hidden={self.hidden} must be heads={self.heads} times an even head size")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+        super().__post_init__()
 
 
 RowNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -141,11 +126,9 @@ class TPDecoderLayer(nn.Module):
         writes their keys and values into layer ``index`` of the cache."""
         hd, hl, kvl = self.config.head_dim, self.local_heads, self.local_kv_heads
         pos = cache.length
-        q, k, v = qkv.split([hl * hd, kvl * hd, kvl * hd], dim=1)
-        q = rope(q.view(batch, seq, hl, hd).transpose(1, 2), self.config.rope_theta, rope_cs)
-        k = rope(k.view(batch, seq, kvl, hd).transpose(1, 2), self.config.rope_theta, rope_cs)
+        q, k, v = split_heads(qkv, batch, hl, kvl, hd, self.config.rope_theta, rope_cs)
         cache.k[index, :, :, pos:pos + seq] = k
-        cache.v[index, :, :, pos:pos + seq] = v.view(batch, seq, kvl, hd).transpose(1, 2)
+        cache.v[index, :, :, pos:pos + seq] = v
         keys, values = cache.k[index, :, :, :pos + seq], cache.v[index, :, :, :pos + seq]
         if seq == 1 or pos == 0:  # one new token sees every key; a fresh prompt is plainly causal
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=seq > 1, enable_gqa=hl != kvl)
@@ -227,7 +210,7 @@ class TPDecoder(nn.Module):
         self.norm = nn.Parameter(torch.ones(config.hidden, **kw))
         self.lm_head = nn.Parameter(torch.empty(config.vocab // self.world, config.hidden, **kw))
         nn.init.normal_(self.lm_head, std=config.hidden ** -0.5)
-        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope = RopeCache(config.head_dim, config.rope_theta)
 
     def new_cache(self, batch: int) -> KVCache:
         """An empty KV cache for ``batch`` sequences on the model's device and dtype."""
@@ -235,12 +218,8 @@ class TPDecoder(nn.Module):
                        dtype=self.embed.dtype)
 
     def _rope_tables(self, pos: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (self.embed.device, self.embed.dtype)
-        tables = self._rope.get(key)
-        if tables is None:
-            tables = self._rope[key] = rope_tables(self.config.max_seq, self.config.head_dim,
-                                                   self.config.rope_theta, self.embed.device, self.embed.dtype)
-        return tables[0][pos:pos + seq], tables[1][pos:pos + seq]
+        cos, sin = self._rope(self.config.max_seq, self.embed.device, self.embed.dtype)
+        return cos[pos:pos + seq], sin[pos:pos + seq]
 
     def _check(self, tokens: torch.Tensor, cache: KVCache) -> tuple[int, int]:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
@@ -294,9 +273,7 @@ class TPDecoder(nn.Module):
 
     def _gather_vocab(self, logits_shard: torch.Tensor) -> torch.Tensor:
         """``[M, vocab/W]`` of this rank's vocabulary rows -> ``[M, vocab]``."""
-        parts = [torch.empty_like(logits_shard) for _ in range(self.world)]
-        dist.all_gather(parts, logits_shard.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        return gather_shards(logits_shard, 1, self.group)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tileweave.nn import inference
+from tileweave.nn.shards import gather_shards
 from tileweave.ops import functional
 from tileweave.ops.all_gather.op import AllGatherGemm
 
@@ -60,12 +62,6 @@ class TPOps:
 TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
                       gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
 """tileweave's fused ops, shared per (group, device): the layers' default."""
-from tileweave.nn import inference
-
-
-def _group_info(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = group if group is not None else dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -78,30 +74,12 @@ def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
-def _init_parameters(layer: nn.Module, weight_shape: tuple[int, int], bias_features: int, device, dtype) -> None:
-    """``layer.weight`` (kaiming-uniform, as ``nn.Linear``) and ``layer.bias`` (zeros; None for 0 features)."""
-    layer.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
-    layer.bias = nn.Parameter(torch.zeros(bias_features, device=device, dtype=dtype)) if bias_features else None
-    nn.init.kaiming_uniform_(layer.weight, a=5 ** 0.5)
-
-
-def _apply(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
-    """``function.apply(x, weight, bias, *args)`` in the autocast dtype, if autocast is on."""
+def _run(call, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> torch.Tensor:
+    """``call(x, weight, bias, *args)`` in the autocast dtype, if autocast is on: an autograd
+    Function's ``apply`` or a function of ``tileweave.nn.inference``."""
     x, weight, bias = _autocast(x, weight, bias)
     with torch.autocast(x.device.type, enabled=False):
-        return function.apply(x, weight, bias, *args)
-
-
-def _replicated(function, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
-    """``function(x, weight, bias, group)`` of ``tileweave.nn.inference`` in the autocast dtype, if on."""
-    x, weight, bias = _autocast(x, weight, bias)
-    with torch.autocast(x.device.type, enabled=False):
-        return function(x, weight, bias, group)
-
-
-def _check_divisible(name: str, value: int, world: int) -> None:
-    if value % world:
-        raise ValueError(f"{name}={value} must be divisible by the TP group size {world}")
+        return call(x, weight, bias, *args)
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -185,7 +163,32 @@ def _start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
     return _Gathered(gathered)
 
 
-class ColumnParallelLinear(nn.Module):
+class _TPLinear(nn.Module):
+    """What both TP linears hold: the group, the ops, and this rank's shard of an ``nn.Linear``'s
+    ``weight [out, in]`` (split along ``split_dim``: 0 by output features, 1 by input features;
+    kaiming-uniform, as ``nn.Linear``) and ``bias`` (zeros, as many as the local output features; None
+    without a bias)."""
+
+    def __init__(self, in_features: int, out_features: int, *, split_dim: int, bias: bool,
+                 group: dist.ProcessGroup | None, device, dtype, ops: TPOps | None,
+                 sequence_parallel: bool) -> None:
+        super().__init__()
+        self.ops = ops or TILEWEAVE_OPS
+        self.sequence_parallel = sequence_parallel
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        shape = [out_features, in_features]
+        if shape[split_dim] % self.world:
+            name = ("out_features", "in_features")[split_dim]
+            raise ValueError(f"{name}={shape[split_dim]} must be divisible by the TP group size {self.world}")
+        self.in_features, self.out_features = in_features, out_features
+        shape[split_dim] //= self.world
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(shape[0], device=device, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+
+class ColumnParallelLinear(_TPLinear):
     """``nn.Linear(in_features, out_features)`` split by output features over a TP group, with
     sequence-parallel input: takes ``x_shard_m [M/W, in]`` (or ``[..., M/W, in]`` flattened by the
     caller), returns ``[M, out/W]``. See the module docstring for forward and backward.
@@ -195,20 +198,14 @@ class ColumnParallelLinear(nn.Module):
                  group: dist.ProcessGroup | None = None, save_gathered: bool = True,
                  device=None, dtype=None, ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
         """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
-        super().__init__()
-        self.ops = ops or TILEWEAVE_OPS
-        self.sequence_parallel = sequence_parallel
-        self.group, self.rank, self.world = _group_info(group)
-        _check_divisible("out_features", out_features, self.world)
-        self.in_features, self.out_features = in_features, out_features
+        super().__init__(in_features, out_features, split_dim=0, bias=bias, group=group, device=device,
+                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel)
         self.save_gathered = save_gathered
-        local = out_features // self.world
-        _init_parameters(self, (local, in_features), local if bias else 0, device, dtype)
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
-            return _replicated(inference.column_parallel_linear, x_shard, self.weight, self.bias, self.group)
-        return _apply(_ColumnParallel, x_shard, self.weight, self.bias, self.group, self.save_gathered, self.ops)
+            return _run(inference.column_parallel_linear, x_shard, self.weight, self.bias, self.group)
+        return _run(_ColumnParallel.apply, x_shard, self.weight, self.bias, self.group, self.save_gathered, self.ops)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -221,9 +218,9 @@ class ColumnParallelLinear(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights (collective: every rank must call it)."""
-        out = {"weight": _gather(self.weight, 0, self.group, self.world)}
+        out = {"weight": gather_shards(self.weight, 0, self.group)}
         if self.bias is not None:
-            out["bias"] = _gather(self.bias, 0, self.group, self.world)
+            out["bias"] = gather_shards(self.bias, 0, self.group)
         return out
 
     def extra_repr(self) -> str:
@@ -231,7 +228,7 @@ class ColumnParallelLinear(nn.Module):
                 f"{self.weight.shape[0]}), bias={self.bias is not None}, tp={self.world}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     """``nn.Linear(in_features, out_features)`` split by input features over a TP group, with
     sequence-parallel output: takes ``x [M, in/W]``, returns ``y_shard_m [M/W, out]``. The bias is
     whole on every rank and added once. See the module docstring for forward and backward.
@@ -241,18 +238,13 @@ class RowParallelLinear(nn.Module):
                  group: dist.ProcessGroup | None = None, device=None, dtype=None,
                  ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
         """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
-        super().__init__()
-        self.ops = ops or TILEWEAVE_OPS
-        self.sequence_parallel = sequence_parallel
-        self.group, self.rank, self.world = _group_info(group)
-        _check_divisible("in_features", in_features, self.world)
-        self.in_features, self.out_features = in_features, out_features
-        _init_parameters(self, (out_features, in_features // self.world), out_features if bias else 0, device, dtype)
+        super().__init__(in_features, out_features, split_dim=1, bias=bias, group=group, device=device,
+                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
-            return _replicated(inference.row_parallel_linear, x, self.weight, self.bias, self.group)
-        return _apply(_RowParallel, x, self.weight, self.bias, self.group, self.ops)
+            return _run(inference.row_parallel_linear, x, self.weight, self.bias, self.group)
+        return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -265,7 +257,7 @@ class RowParallelLinear(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights (collective: every rank must call it)."""
-        out = {"weight": _gather(self.weight, 1, self.group, self.world)}
+        out = {"weight": gather_shards(self.weight, 1, self.group)}
         if self.bias is not None:
             out["bias"] = self.bias.detach().clone()
         return out
@@ -273,9 +265,3 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, tp={self.world}")
-
-
-def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, MoEOps
+from tileweave.nn.shards import gather_shards
 
 
 def route(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +147,9 @@ class TPMoE(nn.Module):
         """The unsharded weights under ``load_full_state_dict``'s names (collective: every rank calls it)."""
         gate, up = self.w0.split(self.ffn_local, dim=1)
         return {"router.weight": self.router.weight.detach().clone(),
-                "experts.gate": _gather(gate, 1, self.group, self.world),
-                "experts.up": _gather(up, 1, self.group, self.world),
-                "experts.down": _gather(self.w1, 2, self.group, self.world)}
+                "experts.gate": gather_shards(gate, 1, self.group),
+                "experts.up": gather_shards(up, 1, self.group),
+                "experts.down": gather_shards(self.w1, 2, self.group)}
 
     def _check_state(self, state: dict[str, torch.Tensor]) -> None:
         e, h, f = self.num_experts, self.hidden, self.ffn
@@ -165,9 +166,3 @@ class TPMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn} (local {self.ffn_local}), num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, normalize_topk={self.normalize_topk}, tp={self.world}")
-
-
-def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=dim)

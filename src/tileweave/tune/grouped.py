@@ -37,40 +37,33 @@ import math
 
 import torch
 
+from tileweave.tune.fields import bounded, check_bounds
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupedConfig:
     """Compile-time shape of one launch of the grouped GEMM."""
 
-    block_m: int = 128
+    block_m: int = bounded(128, low=16, power_of_two=True)
     """Output rows per tile (rows of one group only: a group's last tile is partly masked)."""
-    block_n: int = 256
+    block_n: int = bounded(256, low=16, power_of_two=True)
     """Output columns per tile."""
-    block_k: int = 64
+    block_k: int = bounded(64, low=16, power_of_two=True)
     """Depth of one pipelined K step."""
-    group_m: int = 8
+    group_m: int = bounded(8, low=1)
     """Row tiles of one group per L2 super-group (consecutive programs share the expert's B tiles)."""
-    num_stages: int = 3
+    num_stages: int = bounded(3, low=1)
     """Shared-memory pipeline depth of the K loop."""
-    num_warps: int = 8
+    num_warps: int = bounded(8, low=1, power_of_two=True)
     """Warps per program."""
-    programs: int = 0
+    programs: int = bounded(0, low=0)
     """Persistent programs; 0 means one per SM."""
     flatten: bool = False
     """Pipeline the tile and K loops as one (the tile's epilogue overlaps the next tile's loads). Applies
     where the offsets sit in registers and without a gate; ignored elsewhere."""
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
-                raise ValueError(f"GroupedConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name, low in (("group_m", 1), ("num_stages", 1), ("num_warps", 1), ("programs", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"GroupedConfig.{name} must be an int >= {low}, got {value!r}")
-        if self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"GroupedConfig.num_warps must be a power of two, got {self.num_warps}")
+        check_bounds(self)
 
 
 INTERPRETER_CONFIG = GroupedConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_stages=1, num_warps=4,
