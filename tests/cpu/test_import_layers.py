@@ -1,0 +1,162 @@
+"""The package's imports run one way (docs/design.md, "Layout"): no import circle among tileweave's
+modules, none hidden by an import inside a function (the imports inside functions, moved to the top,
+would close no circle: the CLI's are there only to start fast), each layer imports only the layers
+below it, and testing/ uses no private name of bench/. Read from the source with ``ast``; nothing is
+imported."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "tileweave"
+
+# What each layer may import from tileweave (besides itself). bench/ and testing/ sit above these and
+# use each other (the benchmark runs on emulated ranks; the block's test checks the benchmark's variants).
+ALLOWED = {
+    "runtime": set(),
+    "kernels": set(),
+    "tune": {"runtime"},
+    "ops": {"runtime", "kernels", "tune"},
+    "nn": {"runtime", "kernels", "tune", "ops"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module a dotted tileweave name stands for (a name imported from a module resolves to it)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, tree: ast.Module, *, top_level: bool):
+    """``(line, target module)`` of the tileweave imports of ``tree``: its top-level statements (with
+    ``top_level``) or those inside functions."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = tree.body if top_level else [n for f in functions for n in ast.walk(f)]
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names] or [base]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] == "tileweave":
+                target = _resolve(name)
+                if target is not None and target != module:
+                    yield node.lineno, target
+
+
+def _graph(*, with_function_imports: bool = False) -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        found = list(_imports(module, tree, top_level=True))
+        if with_function_imports:
+            found += list(_imports(module, tree, top_level=False))
+        # Importing a.b.c runs the packages a.b and a.b.c first, except those the importer is inside
+        # (already running); the root package is left out (it only re-exports, every module is below it).
+        inside = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        targets = set()
+        for _, target in found:
+            parts = target.split(".")
+            targets |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)} - inside
+        graph[module] = targets - {module, "tileweave"}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_circle_hidden_inside_a_function():
+    assert _cycles(_graph(with_function_imports=True)) == []
+
+
+def test_testing_uses_no_private_name_of_bench():
+    found = []
+    for module, path in MODULES.items():
+        if module.startswith("tileweave.testing"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tileweave.bench"):
+                    found += [f"{module} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    if isinstance(node.value, ast.Name) and node.value.id in _bench_aliases(path):
+                        found.append(f"{module} reads {node.value.id}.{node.attr}")
+    assert found == []
+
+
+def _bench_aliases(path: Path) -> set[str]:
+    """The names a module binds to bench modules (``from tileweave.bench import block as B``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tileweave.bench"):
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("tileweave.bench")}
+    return names
+
+
+def test_each_layer_imports_only_those_below_it():
+    found = []
+    for module, targets in _graph().items():
+        layer = module.split(".")[1] if module.count(".") else None
+        if layer not in ALLOWED:
+            continue
+        for target in targets:
+            other = target.split(".")[1]
+            if other != layer and other not in ALLOWED[layer]:
+                found.append(f"{module} imports {target}")
+    assert sorted(found) == []
