@@ -378,3 +378,12 @@ def test_cuda_graph_capture_rules():
                 assert outcome.startswith("error") and "before capturing" in outcome, (name, outcome)
             else:
                 assert outcome.startswith("ok") and float(outcome.split()[1]) < 1e-5, (name, outcome)
+
+
+def test_ops_refuse_inputs_that_require_grad():
+    # Not differentiable: a silent result without a gradient (or torch's error from inside a transport,
+    # peers left waiting) would be wrong; the TP layers are the differentiable form.
+    for outcomes in run_ranks(2, scenarios.grad_refused_check):
+        for name, (error, finite) in outcomes.items():
+            assert error is not None and error.startswith(f"{name} is not differentiable"), (name, error)
+            assert "grad: call it under torch.no_grad()" in error and finite, (name, error, finite)

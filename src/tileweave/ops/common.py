@@ -94,6 +94,19 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dty
     return out
 
 
+def check_no_grad(op: str, *tensors: torch.Tensor | None, names: tuple[str, ...]) -> None:
+    """Refuse, before anything runs, a call whose ``tensors`` (called ``names``) would need a gradient:
+    the ops are not differentiable (the TP layers in ``tileweave.nn`` give them a backward)."""
+    if not torch.is_grad_enabled():
+        return
+    wanted = [name for name, t in zip(names, tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if wanted:
+        verb = "requires" if len(wanted) == 1 else "require"
+        raise TypeError(f"{op} is not differentiable, but {', '.join(wanted)} {verb} grad: call it under "
+                        "torch.no_grad() (or torch.inference_mode()), or use the layers of tileweave.nn, whose "
+                        "backward runs on these ops")
+
+
 def out_or_new(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
     """``out`` checked as :func:`check_out` does, or a new uninitialised tensor of that shape when None."""

@@ -186,6 +186,7 @@ class FusedOp:
         """``(plan, bias, out)`` of a call: its signature's plan, decided now if it is the first call
         (collectively); the arguments checked unless a plan exists and the call has neither bias nor
         ``out`` (the signature's first call checked them)."""
+        common.check_no_grad(self.op_name, a, b, bias, names=("a", "b", "bias"))
         key = self.signature(a, b, bias)
         plan = self._planned(key, common.capturing(a)) if key is not None else None
         if plan is None or bias is not None or out is not None:

@@ -87,6 +87,8 @@ class GemmAllReduce:
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, out: torch.Tensor | None = None):
+        common.check_no_grad(OP, a, b, bias, residual, norm_weight,
+                             names=("a", "b", "bias", "residual", "norm_weight"))
         bias, b = _check(a, b, bias, residual, norm_weight, eps, out)
         backend = self._get_backend(a.device)
         m, n = a.shape[0], b.shape[1]

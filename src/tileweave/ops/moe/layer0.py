@@ -58,6 +58,7 @@ class MoEAllGatherGemm(MoEOp):
         """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
         result's dtype with unit column stride. ``x`` is a fresh tensor."""
         check_activation("x_shard", x_shard, "[T/W, H]")
+        common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
         tc, h = x_shard.shape
         experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
                                shape_doc="[E, H, F_loc]")

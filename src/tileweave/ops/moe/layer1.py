@@ -85,6 +85,7 @@ class MoEGemmReduceScatter(MoEOp):
         """``out_shard [T/W, H]`` (module docstring); ``out``: an optional tensor of that shape and the
         result's dtype with unit column stride."""
         check_activation("h", h, "[T*k, F_loc]")
+        common.check_no_grad(_OP, h, w1, topk_weights_shard, names=("h", "w1", "topk_weights_shard"))
         rows, f_loc = h.shape
         experts = check_weight("w1", w1, rows=f_loc, rows_name="F_loc", dtype=h.dtype, device=h.device,
                                shape_doc="[E, F_loc, H]")

@@ -13,7 +13,7 @@ from tileweave.testing.scenarios.reduce_scatter import (  # noqa: F401
     gemm_reduce_scatter_check, rs_padded_out_check,
 )
 from tileweave.testing.scenarios.ops import (  # noqa: F401
-    shared_gpu_refused_check, missing_peer_check, back_to_back_check, oneshot_slots_check, settings_change_check, input_errors_check, bf16_cpu_check, fallback_check, compile_check, foreign_group_check, capture_rules_check,
+    shared_gpu_refused_check, missing_peer_check, back_to_back_check, oneshot_slots_check, settings_change_check, input_errors_check, bf16_cpu_check, fallback_check, compile_check, foreign_group_check, capture_rules_check, grad_refused_check,
 )
 from tileweave.testing.scenarios.layers import (  # noqa: F401
     tp_mlp_check, small_block_data, tp_block_check, block_bench_variants_check, block_bench_gpu_check,

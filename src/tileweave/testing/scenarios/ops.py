@@ -170,6 +170,40 @@ def settings_change_check(rank: int, world: int) -> list[dict]:
     return results
 
 
+def grad_refused_check(rank: int, world: int) -> dict:
+    """Every fused op called in grad mode on an input that requires grad: the error each raises (before
+    any communication, so every rank raises it), then whether the same call under ``torch.no_grad()``
+    completes on every rank with a finite result (no rank was left waiting by the refused call; the
+    ops' arithmetic is checked elsewhere)."""
+    device = device_name()
+    x = randn((4, 8), torch.float32, "gr-x", rank, device=device)
+    w = randn((8, 6), torch.float32, "gr-w", rank, device=device).requires_grad_()
+    ids = torch.randint(0, 4, (4, 2), generator=torch.Generator().manual_seed(7 + rank)).to(device)
+    w0 = randn((4, 8, 6), torch.float32, "gr-w0", rank, device=device).requires_grad_()
+    w1 = randn((4, 6, 8), torch.float32, "gr-w1", rank, device=device).requires_grad_()
+    plan = tileweave.moe_plan(ids, num_experts=4)
+    h = randn((plan.rows, 6), torch.float32, "gr-h", rank, device=device)
+    weights = torch.full((4, 2), 0.5, device=device)
+    calls = {
+        "all_gather_gemm": lambda: tileweave.all_gather_gemm(x, w),
+        "gemm_reduce_scatter": lambda: tileweave.gemm_reduce_scatter(x.repeat(world, 1), w),
+        "gemm_all_reduce": lambda: tileweave.gemm_all_reduce(x, w),
+        "moe_all_gather_gemm": lambda: tileweave.moe_all_gather_gemm(x, w0, plan),
+        "moe_gemm_reduce_scatter": lambda: tileweave.moe_gemm_reduce_scatter(h, w1, plan, weights),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            error = None
+        except TypeError as exc:
+            error = str(exc)
+        with torch.no_grad():
+            finite = bool(torch.isfinite(call()).all())
+        out[name] = (error, finite)
+    return out
+
+
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
     """Bad inputs must raise a clear error on every rank before any flag wait (so no rank hangs)."""
     caught: dict[str, str] = {}
