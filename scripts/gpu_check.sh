@@ -18,6 +18,8 @@
 # (tileweave.testing.shared_gpu; no timing). Set TILEWEAVE_GIT_COMMIT so the results name their commit
 # (the tree may travel without .git, or with a stale one). BLOCK=1 also runs examples/train_block.py
 # (fused, NCCL, floor), which writes block.txt.
+# OPS may also name moe, decode and grouped: each runs with its defaults (plus SECTION_ARGS) into
+# $OUT/results/<op>.
 # ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
 # times ours before the baselines in each row.
 set -uo pipefail
@@ -61,6 +63,13 @@ if [ "${TESTS:-}" != none ]; then
 fi
 comma() { echo "$*" | tr ' ' ','; }
 for op in $OPS; do
+  if [ "$op" = moe ] || [ "$op" = decode ] || [ "$op" = grouped ]; then
+    # Sections with options of their own (tileweave bench --op moe --help); SECTION_ARGS passes some.
+    mkdir -p "$OUT/results/$op"
+    timeout "$BENCH_TIMEOUT" python3 -m tileweave bench --op "$op" --out "$OUT/results/$op" ${SECTION_ARGS:-} 2>&1 \
+      | grep -v -i warning | tail -60 || status=1
+    continue
+  fi
   m="$M"
   policy="${POLICY:-fused}"
   flags=()
