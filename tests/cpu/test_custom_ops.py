@@ -18,7 +18,7 @@ def test_schemas():
         torch.ops.tileweave.gemm_all_reduce_norm.default._schema)
     assert "Tensor[] plan, str group_name) -> (Tensor, Tensor)" in str(
         torch.ops.tileweave.moe_all_gather_gemm_gathered.default._schema)
-    assert "Tensor[] plan, Tensor topk_weights_shard, str group_name) -> Tensor" in str(
+    assert "Tensor[] plan, Tensor? topk_weights_shard, str group_name) -> Tensor" in str(
         torch.ops.tileweave.moe_gemm_reduce_scatter.default._schema)
 
 

@@ -34,8 +34,10 @@ def _check(rows_per_rank, cases, world):
 # paths; fp16 and fp32; both weight layouts.
 @pytest.mark.parametrize("world,cases", [
     (1, [C(6, 32, 16, 8, 2, iters=1)]),                                         # a group of one: no communication
-    (2, [C(12, 32, 16, 4, 2, straggler=1, delay_s=0.2, repeat=True),           # random, back to back, late rank
-         C(3, 32, 24, 64, 2, dtype="float32", linear_layout=False, policy="fallback", iters=1)]),  # E = 64
+    (2, [C(12, 32, 16, 4, 2, straggler=1, delay_s=0.2, repeat=True,            # random, back to back, late rank,
+           unweighted=True),                                                    # weights None on the last call
+         C(3, 32, 24, 64, 2, dtype="float32", linear_layout=False, policy="fallback", iters=1,
+           unweighted=True)]),                                                  # E = 64, weights None
     (3, [C(5, 32, 16, 1, 1, routing="one_expert", iters=1),                    # E = 1, k = 1, T = 15
          C(2, 32, 48, 8, 8, dtype="float32", iters=1, repeat=True)]),           # k = 8: every expert
     (4, [C(3, 32, 16, 8, 6, routing="skip_expert", straggler=0, delay_s=0.2)]),  # k = 6, expert 0 empty

@@ -15,7 +15,8 @@ EXPECTED = {"fused": ("fused", "chunked"), "fallback": ("fallback", "fallback")}
 
 CASES = [
     C(256, 512, 256, 8, 2, dtype="bfloat16", iters=3, repeat=True),                   # random, back to back
-    C(100, 256, 128, 64, 6, dtype="float16", linear_layout=False, repeat=True),       # T not a tile multiple
+    C(100, 256, 128, 64, 6, dtype="float16", linear_layout=False, repeat=True,        # T not a tile multiple,
+      unweighted=True),                                                               # weights None last
     C(96, 256, 192, 1, 1, dtype="bfloat16", routing="one_expert"),                    # E = 1, k = 1
     C(64, 256, 128, 64, 8, dtype="bfloat16", routing="skip_expert"),                  # k = 8, empty experts
     C(128, 256, 128, 8, 2, dtype="bfloat16", routing="one_expert"),                   # every pair to one expert

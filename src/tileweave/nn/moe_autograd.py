@@ -83,7 +83,7 @@ def _tileweave_layer0(x_shard, w, plan, group, return_gathered):
 
 
 def _tileweave_layer1(h, w, plan, weights_shard, group):
-    return moe_gemm_reduce_scatter(h, w, plan, _ones_if_none(weights_shard, plan, h.device), group)
+    return moe_gemm_reduce_scatter(h, w, plan, weights_shard, group)
 
 
 TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1)
@@ -102,16 +102,9 @@ def tileweave_ops(*, policy: str = "auto", group: dist.ProcessGroup | None = Non
         return up(x_shard, w, plan, return_gathered=return_gathered)
 
     def layer1(h, w, plan, weights_shard, group):
-        return down(h, w, plan, _ones_if_none(weights_shard, plan, h.device))
+        return down(h, w, plan, weights_shard)
 
     return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1)
-
-
-def _ones_if_none(weights_shard: torch.Tensor | None, plan: MoEPlan, device: torch.device) -> torch.Tensor:
-    """Layer 1 with every weight 1 (layer 0's input gradient), as a tensor until the op takes None."""
-    if weights_shard is not None:
-        return weights_shard
-    return torch.ones((plan.tokens // plan.world_size, plan.topk), dtype=torch.float32, device=device)
 
 
 def gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

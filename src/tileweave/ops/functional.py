@@ -93,7 +93,7 @@ def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
     return _into(out, y), gathered
 
 
-def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor,
+def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor | None,
                             group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Functional form of :class:`MoEGemmReduceScatter` (``tileweave.ops.moe.layer1``: shapes and
     semantics), with one op per (group, device): ``out_shard [T/W, H]``. Under ``torch.compile`` this is

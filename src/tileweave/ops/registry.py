@@ -17,7 +17,7 @@ op                                 schema (``group_name``: ``ProcessGroup.group_
                                    (normed, resid)``
 ``moe_all_gather_gemm``            ``(x_shard, w0, plan[], group_name) -> y``
 ``moe_all_gather_gemm_gathered``   ``(x_shard, w0, plan[], group_name) -> (y, gathered)``
-``moe_gemm_reduce_scatter``        ``(h, w1, plan[], topk_weights_shard, group_name) -> out_shard``
+``moe_gemm_reduce_scatter``        ``(h, w1, plan[], topk_weights_shard?, group_name) -> out_shard``
 =================================  ==============================================================
 """
 
@@ -148,7 +148,7 @@ def _fake_moe_all_gather_gemm_gathered(x_shard, w0, plan, group_name):
 
 
 def _fake_moe_gemm_reduce_scatter(h, w1, plan, topk_weights_shard, group_name):
-    return h.new_empty((topk_weights_shard.shape[0], w1.shape[2]))  # [T/W, H]
+    return h.new_empty((plan[3].shape[0] // _group(group_name).size(), w1.shape[2]))  # [T/W, H]
 
 
 moe_all_gather_gemm_op = _define("moe_all_gather_gemm",
@@ -159,6 +159,6 @@ moe_all_gather_gemm_gathered_op = _define("moe_all_gather_gemm_gathered",
                                           "(Tensor, Tensor)",
                                           _moe_all_gather_gemm_gathered, _fake_moe_all_gather_gemm_gathered)
 moe_gemm_reduce_scatter_op = _define("moe_gemm_reduce_scatter",
-                                     "(Tensor h, Tensor w1, Tensor[] plan, Tensor topk_weights_shard, "
+                                     "(Tensor h, Tensor w1, Tensor[] plan, Tensor? topk_weights_shard, "
                                      "str group_name) -> Tensor",
                                      _moe_gemm_reduce_scatter, _fake_moe_gemm_reduce_scatter)

@@ -39,6 +39,8 @@ class MoECase:
     """Calls with fresh routing and inputs each."""
     repeat: bool = False
     """Call each layer a second time with the last call's inputs (the result must be bitwise the same)."""
+    unweighted: bool = False
+    """Call layer 1 with ``topk_weights_shard=None`` (every weight 1) on the last call."""
     straggler: int = -1
     """Rank whose copy engine is delayed by ``delay_s`` (-1: none)."""
     delay_s: float = 0.0
@@ -141,14 +143,17 @@ def pair_check(rank: int, world: int, cases: list[MoECase]) -> list[dict]:
                 h = torch.empty((tokens * k, f), dtype=dtype, device=device)
                 h[pair_rows] = h_pairs[rank].reshape(tokens * k, f).to(device)
                 wt_dtype = torch.float32 if it % 2 == 0 else dtype
+                if case.unweighted and it == case.iters - 1:
+                    weights, wt_shard = torch.ones_like(weights), None
+                else:
+                    wt_shard = weights[mine].to(wt_dtype).to(device)
                 out = torch.full((tc, hid), float("nan"), dtype=dtype, device=device)
-                layer1(h, w1, plan, weights[mine].to(wt_dtype).to(device), out=out)
+                layer1(h, w1, plan, wt_shard, out=out)
                 path1 = common.last_path("moe_gemm_reduce_scatter")
                 ref1 = moe_reference.layer1_reference(h_pairs, ids, weights.to(wt_dtype).double(),
                                                       [w.to(dtype) for w in w1_all])
                 err1 = _rel_err(out, ref1[mine])
-                repeat1 = (torch.equal(layer1(h, w1, plan, weights[mine].to(wt_dtype).to(device)), out) if last
-                           else None)
+                repeat1 = torch.equal(layer1(h, w1, plan, wt_shard), out) if last else None
                 rows.append({"case": dataclasses.asdict(case), "it": it, "plan_ok": plan_ok, "path0": path0,
                              "path1": path1, "err0": err0, "err1": err1, "gathered_exact": gathered_exact,
                              "repeat0": repeat0, "repeat1": repeat1})

@@ -9,8 +9,9 @@ tensor                   shape (per rank)            meaning
                                                      ``w.transpose(1, 2)`` of an ``[E, H, F_loc]``
                                                      nn.Linear stack is read in place)
 ``plan``                 ``MoEPlan``                 the plan layer 0 ran with
-``topk_weights_shard``   ``[T / W, k]``              routing weights of this rank's tokens
-                                                     (fp32, fp16 or bf16; gathered inside)
+``topk_weights_shard``   ``[T / W, k]`` or None      routing weights of this rank's tokens
+                                                     (fp32, fp16 or bf16; gathered inside); None:
+                                                     every weight 1 (nothing gathered)
 result ``out_shard``     ``[T / W, H]``              tokens ``[r*T/W, (r+1)*T/W)`` of
                                                      ``sum over ranks of O``, where
                                                      ``O[t] = sum_j wt[t, j] * Z[pair_row[t, j]]``
@@ -51,10 +52,16 @@ _OP = "moe_gemm_reduce_scatter"
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     """fp32 ``[n, H]``: ``sum_j weights[t, j] * z[pair_row[t, j]]`` for the n tokens of ``pair_row
-    [n, k]``, in slot order j = 0, 1, ... (the same order on every run and every path)."""
+    [n, k]`` (``weights`` None: every weight 1), in slot order j = 0, 1, ... (the same order on every
+    run and every path)."""
     rows = pair_row.long()
+    if weights is None:
+        acc = z[rows[:, 0]].float()
+        for j in range(1, rows.shape[1]):
+            acc.add_(z[rows[:, j]].float())
+        return acc
     w = weights.float()
     acc = z[rows[:, 0]].float() * w[:, :1]
     for j in range(1, rows.shape[1]):
@@ -80,7 +87,7 @@ class MoEGemmReduceScatter(MoEOp):
 
     op_name = _OP
 
-    def __call__(self, h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor, *,
+    def __call__(self, h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor | None, *,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """``out_shard [T/W, H]`` (module docstring); ``out``: an optional tensor of that shape and the
         result's dtype with unit column stride."""
@@ -96,16 +103,18 @@ class MoEGemmReduceScatter(MoEOp):
             raise ValueError(f"h has {rows} rows but the plan has T*k = {plan.tokens}*{plan.topk} = {plan.rows}: "
                              "h must be layer 0's output for this plan")
         tc = plan.tokens // w
-        _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
+        if topk_weights_shard is not None:
+            _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
         out = common.out_or_new(out, (tc, hidden), h.dtype, h.device)
-        signature = (_OP, tc, plan.topk, experts, f_loc, hidden, str(h.dtype), str(topk_weights_shard.dtype))
+        signature = (_OP, tc, plan.topk, experts, f_loc, hidden, str(h.dtype),
+                     None if topk_weights_shard is None else str(topk_weights_shard.dtype))
         path = self._decide(backend, signature, tokens=plan.tokens, topk=plan.topk, hidden=hidden, f_loc=f_loc,
                             dtype=h.dtype)
         if path == "local":
             z = grouped_gemm(h, w1, plan.offsets, experts=experts)
             out.copy_(topk_reduce(z, plan.pair_row, topk_weights_shard))
         else:
-            weights = all_gather_rows(topk_weights_shard, backend)
+            weights = None if topk_weights_shard is None else all_gather_rows(topk_weights_shard, backend)
             if path == "fused" and tc > 0:
                 self._chunked(backend, h, w1, plan, weights, out)
                 path = "chunked"
@@ -141,7 +150,7 @@ class MoEGemmReduceScatter(MoEOp):
         def block(source: int) -> torch.Tensor:
             grouped_gemm(h, w1, plan.offsets, experts=e, out=z, group_range=(source * e, (source + 1) * e))
             tokens = slice(source * tc, (source + 1) * tc)
-            return topk_reduce(z, plan.pair_row[tokens], weights[tokens])
+            return topk_reduce(z, plan.pair_row[tokens], None if weights is None else weights[tokens])
 
         for owner, released, send, dst, arrival in cplan.sends:
             send.copy_(block(owner))
