@@ -44,17 +44,14 @@ def _resolve(name: str) -> str | None:
 def _imports(module: str, tree: ast.Module, *, top_level: bool):
     """``(line, target module)`` of the tileweave imports of ``tree``: its top-level statements (with
     ``top_level``) or those inside functions."""
-    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     nodes = tree.body if top_level else [n for f in functions for n in ast.walk(f)]
     for node in nodes:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names = [f"{base}.{alias.name}" for alias in node.names] or [base]
+            assert node.level == 0, f"{module}:{node.lineno}: the package imports absolutely"
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue
         for name in names:

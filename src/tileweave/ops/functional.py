@@ -70,8 +70,6 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup |
                                                   eps=eps, out=out)
     if norm_weight is None:
         return _into(out, registry.gemm_all_reduce_op(a, b, bias, residual, group.group_name))
-    if residual is None:
-        raise ValueError("gemm_all_reduce: norm_weight needs residual (the norm is of residual + the sum)")
     normed, resid = registry.gemm_all_reduce_norm_op(a, b, bias, residual, norm_weight, float(eps), group.group_name)
     return _into(out, normed), resid
 

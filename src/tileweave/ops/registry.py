@@ -13,7 +13,7 @@ op                                 schema (``group_name``: ``ProcessGroup.group_
 ``all_gather_gemm_gathered``       ``(a_shard, b, bias?, group_name) -> (out, gathered)``
 ``gemm_reduce_scatter``            ``(a, b, bias?, group_name) -> out_shard``
 ``gemm_all_reduce``                ``(a, b, bias?, residual?, group_name) -> out``
-``gemm_all_reduce_norm``           ``(a, b, bias?, residual, norm_weight, eps, group_name) ->
+``gemm_all_reduce_norm``           ``(a, b, bias?, residual?, norm_weight, eps, group_name) ->
                                    (normed, resid)``
 ``moe_all_gather_gemm``            ``(x_shard, w0, plan[], group_name) -> y``
 ``moe_all_gather_gemm_gathered``   ``(x_shard, w0, plan[], group_name) -> (y, gathered)``
@@ -116,7 +116,7 @@ gemm_all_reduce_op = _define("gemm_all_reduce",
                              "(Tensor a, Tensor b, Tensor? bias, Tensor? residual, str group_name) -> Tensor",
                              _gemm_all_reduce, _fake_gemm_all_reduce)
 gemm_all_reduce_norm_op = _define("gemm_all_reduce_norm",
-                                  "(Tensor a, Tensor b, Tensor? bias, Tensor residual, Tensor norm_weight, "
+                                  "(Tensor a, Tensor b, Tensor? bias, Tensor? residual, Tensor norm_weight, "
                                   "float eps, str group_name) -> (Tensor, Tensor)",
                                   _gemm_all_reduce_norm, _fake_gemm_all_reduce_norm)
 
