@@ -29,7 +29,8 @@ which move it into q's symmetric receive slot and raise q's flag while the next 
 own block comes last, in fp32, and then the W partials are summed in rank order. ``"fallback"``: the
 grouped GEMM over every group, the top-k sum, NCCL reduce-scatter. ``policy="auto"`` chooses per shape
 (``tileweave.ops.moe.paths.choose_path``); a group of one communicates nothing (``"local"``).
-``Z [T*k, H]`` is materialised on both paths (an epilogue reduce would remove it).
+``Z [T*k, H]`` is materialised on both paths and read once by the top-k reduce
+(``tileweave.ops.topk_reduce``), which sums each token's k rows in fp32 in slot order.
 
 Synchronises: nothing with the host. Concurrency: as ``moe_all_gather_gemm``.
 """
@@ -45,28 +46,12 @@ from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
 from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight, nccl
 from tileweave.ops.moe.plan import MoEPlan
+from tileweave.ops.topk_reduce import topk_reduce
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
 from tileweave.runtime.backend import Backend
 
 _OP = "moe_gemm_reduce_scatter"
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``[n, H]``: ``sum_j weights[t, j] * z[pair_row[t, j]]`` for the n tokens of ``pair_row
-    [n, k]`` (``weights`` None: every weight 1), in slot order j = 0, 1, ... (the same order on every
-    run and every path)."""
-    rows = pair_row.long()
-    if weights is None:
-        acc = z[rows[:, 0]].float()
-        for j in range(1, rows.shape[1]):
-            acc.add_(z[rows[:, j]].float())
-        return acc
-    w = weights.float()
-    acc = z[rows[:, 0]].float() * w[:, :1]
-    for j in range(1, rows.shape[1]):
-        acc.addcmul_(z[rows[:, j]].float(), w[:, j:j + 1])
-    return acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +97,7 @@ class MoEGemmReduceScatter(MoEOp):
                             dtype=h.dtype)
         if path == "local":
             z = grouped_gemm(h, w1, plan.offsets, experts=experts)
-            out.copy_(topk_reduce(z, plan.pair_row, topk_weights_shard))
+            topk_reduce(z, plan.pair_row, topk_weights_shard, out=out)
         else:
             weights = None if topk_weights_shard is None else all_gather_rows(topk_weights_shard, backend)
             if path == "fused" and tc > 0:
@@ -126,10 +111,11 @@ class MoEGemmReduceScatter(MoEOp):
 
     def _fallback(self, backend: Backend, h, w1, plan: MoEPlan, weights, out) -> None:
         z = grouped_gemm(h, w1, plan.offsets, experts=plan.num_experts)
-        partial = topk_reduce(z, plan.pair_row, weights)
         if nccl(backend):
-            dist.reduce_scatter_tensor(out, partial.to(h.dtype), group=backend.group)
+            partial = topk_reduce(z, plan.pair_row, weights, out_dtype=h.dtype)
+            dist.reduce_scatter_tensor(out, partial, group=backend.group)
         else:  # gloo has no reduce-scatter
+            partial = topk_reduce(z, plan.pair_row, weights)
             dist.all_reduce(partial, group=backend.group)
             out.copy_(partial.chunk(backend.world_size)[backend.rank])
 
@@ -147,13 +133,13 @@ class MoEGemmReduceScatter(MoEOp):
         values = FlagValues(ws.epoch, False)
         z = torch.empty((plan.rows, hidden), dtype=h.dtype, device=h.device)
 
-        def block(source: int) -> torch.Tensor:
+        def block(source: int, into: torch.Tensor | None = None) -> torch.Tensor:
             grouped_gemm(h, w1, plan.offsets, experts=e, out=z, group_range=(source * e, (source + 1) * e))
             tokens = slice(source * tc, (source + 1) * tc)
-            return topk_reduce(z, plan.pair_row[tokens], None if weights is None else weights[tokens])
+            return topk_reduce(z, plan.pair_row[tokens], None if weights is None else weights[tokens], out=into)
 
         for owner, released, send, dst, arrival in cplan.sends:
-            send.copy_(block(owner))
+            block(owner, send)
             backend.comm_begin()  # the copy stream after this block's reduce
             values.claim(backend, released)
             backend.comm_copy(dst, send)
