@@ -22,6 +22,14 @@ rank + 1, ...); a tile whose group comes from source ``s = g // E`` other than `
 ``ready_ptr[s]`` to reach ``epoch``. An expired wait records ``1 + s`` in ``err_ptr`` and the tile
 neither loads nor stores. ``SIGNAL``: each finished tile of group g adds 1 to ``counters_ptr[g // E]``
 with a system-scope release, after its stores.
+
+``SWIGLU`` (an expert MLP's up projection; ``N`` is the width of the activation, the columns a tile
+covers): B holds gate columns ``[0, N)`` and up columns ``[N, 2N)``; a tile of BN
+  output columns multiplies by the 2 BN columns of B they need, loaded side by side (gate j next to up
+  j: a four-dimensional TMA box over the ``nn.Linear`` weight, or pointer loads), so one MMA chain
+  feeds both and the epilogue stores ``silu(gate) * up``; ``SAVE_PRE`` also stores the pre-activations
+  into ``pre_ptr`` ``[P, 2N]``, interleaved (gate j at column 2j, up j at 2j + 1): what the backward
+  needs.
 """
 
 import triton
@@ -43,12 +51,12 @@ def _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn,
 
 
 @triton.jit
-def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
           row_lo, row_hi, row_end, local, expert, source, N, K,
-          stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+          stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
           B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
-          SIGNAL: tl.constexpr, PRECISION: tl.constexpr):
+          SIGNAL: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr):
     """Tile ``local`` of the group of output rows ``[row_lo, row_hi)``, times ``b[expert]``. Rows from
     ``row_end`` on are neither loaded nor stored (``row_end == row_lo`` after an expired gate: the
     masks then depend on the flag's value, so no load can be issued before the wait)."""
@@ -65,27 +73,48 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
     else:
         src = offs_m.to(tl.int64)
     a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak
+    # A SwiGLU tile multiplies by 2 * BN columns of B, gate j and up j side by side (2j, 2j + 1), so
+    # that one accumulator (one MMA chain) holds both and the epilogue splits them in registers.
+    BNB: tl.constexpr = BN * (1 + SWIGLU)
+    offs_b = tl.arange(0, BNB)
+    if SWIGLU:
+        b_cols = (offs_b % 2) * N + pid_n * BN + offs_b // 2
+        mask_b = pid_n * BN + offs_b // 2 < N
+    else:
+        b_cols = pid_n * BN + offs_b
+        mask_b = b_cols < N
     b_base = b_ptr + expert.to(tl.int64) * stride_be
-    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
+    acc = tl.zeros((BM, BNB), dtype=tl.float32)
     for ki in range(0, tl.cdiv(K, BK)):
         kk = ki * BK + offs_k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
         if B_TMA:
-            if B_NK:
+            if SWIGLU:  # B_NK: the descriptor is [E, N, 2, K], gate and up of one column adjacent
+                b = b_src.load([expert, pid_n * BN, 0, ki * BK]).reshape(BNB, BK).T
+            elif B_NK:
                 b = b_src.load([expert, pid_n * BN, ki * BK]).reshape(BN, BK).T
             else:
                 b = b_src.load([expert, ki * BK, pid_n * BN]).reshape(BK, BN)
         else:
-            b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_n[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_b[None, :], other=0.0)
             b_ptrs += BK * stride_bk
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ak
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows64 = offs_m.to(tl.int64)[:, None]
+    if SWIGLU:
+        if SAVE_PRE:  # interleaved like the tile: one contiguous store
+            offs_pre = pid_n * 2 * BN + tl.arange(0, 2 * BN)
+            tl.store(pre_ptr + rows64 * stride_pm + offs_pre[None, :], acc.to(pre_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & (offs_pre < 2 * N)[None, :])
+        gate, up = tl.split(acc.reshape(BM, BN, 2))
+        acc = gate / (1.0 + tl.exp(-gate)) * up
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * scale[:, None]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    c_ptrs = c_ptr + rows64 * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     if SIGNAL:
         release_add(counters_ptr + source, 1, "sys")
 
@@ -106,12 +135,13 @@ def _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed):
 @triton.jit(do_not_specialize=["epoch", "max_spin", "rank", "g_lo", "n_groups", "rotate"])
 def grouped_gemm_kernel(
         a_ptr, a_rows_ptr, b_ptr, c_ptr, offsets_ptr, scale_ptr, ready_ptr, err_ptr, counters_ptr,
+        pre_ptr,
         epoch, max_spin, rank, g_lo, n_groups, rotate, E, N, K,
-        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, P: tl.constexpr,
         G_BLOCK: tl.constexpr, B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr,
         HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
-        FLATTEN: tl.constexpr = False):
+        FLATTEN: tl.constexpr = False, SWIGLU: tl.constexpr = False, SAVE_PRE: tl.constexpr = False):
     """See the module docstring. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in ``[0, n_groups)``
     are visited in order of ``i``; group g multiplies by expert ``g % E``, its source rank (``GATE``,
     ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read only under
@@ -120,7 +150,11 @@ def grouped_gemm_kernel(
     tile's first loads."""
     pid = tl.program_id(0)
     if B_TMA:
-        b_src = _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn, BN, BK, B_NK)
+        if SWIGLU:
+            b_src = tl.make_tensor_descriptor(b_ptr, shape=[E, N, 2, K], strides=[stride_be, stride_bn, N * stride_bn, 1],
+                                              block_shape=[1, BN, 2, BK])
+        else:
+            b_src = _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn, BN, BK, B_NK)
     else:
         b_src = b_ptr
     num_n = tl.cdiv(N, BN)
@@ -146,10 +180,10 @@ def grouped_gemm_kernel(
             if GATE:
                 waited, missed = _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed)
                 row_end = row_hi - missed * (row_hi - row_lo)
-            _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+            _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
                   row_lo, row_hi, row_end, t - first, g - source * E, source, N, K,
-                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                  BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION)
+                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
+                  BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU, SAVE_PRE)
     else:
         base = 0
         for i in range(0, n_groups):
@@ -164,8 +198,9 @@ def grouped_gemm_kernel(
                 if GATE:
                     waited, missed = _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed)
                     row_end = row_hi - missed * (row_hi - row_lo)
-                _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr,
+                _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
                       row_lo, row_hi, row_end, local, g - source * E, source, N, K,
-                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION)
+                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
+                      BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU,
+                      SAVE_PRE)
             base += tiles

@@ -76,15 +76,17 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup |
 
 def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
                         group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
-                        return_gathered: bool = False):
+                        return_gathered: bool = False, epilogue=None):
     """Functional form of :class:`MoEAllGatherGemm` (``tileweave.ops.moe.layer0``: shapes and
     semantics), with one op per (group, device): ``y [T*k, F_loc]``, or ``(y, x [T, H])`` with
     ``return_gathered``. Under ``torch.compile`` this is ``torch.ops.tileweave.moe_all_gather_gemm``
-    (or ``moe_all_gather_gemm_gathered``)."""
+    (or ``moe_all_gather_gemm_gathered``), without ``epilogue``."""
     group = group if group is not None else dist.group.WORLD
     if not torch.compiler.is_compiling():
-        return MoEAllGatherGemm.shared(group, x_shard.device)(x_shard, w0, plan, out=out,
-                                                               return_gathered=return_gathered)
+        return MoEAllGatherGemm.shared(group, x_shard.device)(x_shard, w0, plan, out=out, return_gathered=return_gathered,
+                                                               epilogue=epilogue)
+    if epilogue is not None:
+        raise NotImplementedError("moe_all_gather_gemm: epilogue is not supported under torch.compile; call it eagerly")
     if not return_gathered:
         return _into(out, registry.moe_all_gather_gemm_op(x_shard, w0, list(plan.tensors()), group.group_name))
     y, gathered = registry.moe_all_gather_gemm_gathered_op(x_shard, w0, list(plan.tensors()), group.group_name)

@@ -22,6 +22,17 @@ G_BLOCK_MAX = 1024
 program walks the groups in memory."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SwiGLU:
+    """Epilogue of an expert MLP's up projection: ``b [E, K, 2N]`` holds the gate columns ``[0, N)``
+    and the up columns ``[N, 2N)`` (for a stacked ``nn.Linear`` weight ``[E, 2N, K]``: its transpose
+    view); the result is ``out [P, N] = silu(a @ gate) * up`` from the fp32 accumulators.
+    ``pre``: an optional ``[P, 2N]`` tensor of ``a``'s dtype that receives ``gate | up`` (the
+    backward's input)."""
+
+    pre: torch.Tensor | None = None
+
+
 class Gate(NamedTuple):
     ready_flags: torch.Tensor
     epoch: int
@@ -47,17 +58,18 @@ def _capability(index: int | None) -> int:
 
 
 def grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype,
-                   device: torch.device) -> GroupedConfig:
-    """The config ``grouped_gemm`` picks when given none (``tileweave.tune.grouped`` has the rule)."""
+                   device: torch.device, *, swiglu: bool = False) -> GroupedConfig:
+    """The config ``grouped_gemm`` picks when given none (``tileweave.tune.grouped`` has the rule);
+    ``swiglu``: with the SwiGLU epilogue (``n`` counts gate and up columns)."""
     return choose_grouped_config(rows, n, k, groups, dtype, num_sms=_sm_count(device.type, device.index),
-                                 interpreter=common.interpreting())
+                                 interpreter=common.interpreting(), swiglu=swiglu)
 
 
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_rows: torch.Tensor | None = None,
                  row_scale: torch.Tensor | None = None, experts: int | None = None,
                  out: torch.Tensor | None = None, config: GroupedConfig | None = None,
                  group_range: tuple[int, int] | None = None, gate: tuple | None = None,
-                 signal: tuple | None = None) -> torch.Tensor:
+                 signal: tuple | None = None, epilogue: SwiGLU | None = None) -> torch.Tensor:
     """``out[p] = a[a_rows[p]] @ b[g % E] (* row_scale[p])`` for every row p of every group g.
 
     Shapes: ``a [Ma, K]`` (unit column stride, any row stride); ``a_rows`` int32/int64 ``[P]`` (row p
@@ -87,22 +99,27 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     ``signal=(counters,)``: after each finished tile of group g (its stores done), a system-scope
     release adds 1 to ``counters[g // E]`` (int32). ``expected_tiles`` gives the counts per call.
 
+    ``epilogue``: :class:`SwiGLU` (``out`` is ``[P, N/2]``), the SwiGLU of an expert MLP fused into
+    the tile's epilogue; rows of ``pre`` follow ``out``'s.
+
     Concurrency: ``out`` rows of the computed groups are written, nothing else; the call is ordered on
     the current stream like any kernel.
     """
-    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         # First call with arguments like these: check them and derive the launch.
-        plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal)
+        plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
+                        epilogue)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
     if out is None:
-        out = torch.empty((plan.rows, plan.n), dtype=a.dtype, device=a.device)
+        out = torch.empty((plan.rows, plan.out_n), dtype=a.dtype, device=a.device)
     if common.debug_mode():
         _check_offsets(offsets, plan.rows)
+    pre = None if epilogue is None else epilogue.pre
     if plan.empty:
         return out
     epoch = max_spin = 0
@@ -113,11 +130,14 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
         counters = signal[0]
     if plan.upcast:
         # The interpreter's bfloat16 dot is wrong: compute in float32 and round once at the end.
-        staged = out.float()
-        _run(plan, a.float(), b.float(), offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin)
+        staged, staged_pre = out.float(), None if pre is None else pre.float()
+        _run(plan, a.float(), b.float(), offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin,
+             staged_pre)
         out.copy_(staged)
+        if pre is not None:
+            pre.copy_(staged_pre)
     else:
-        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin)
+        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin, pre)
     return out
 
 
@@ -129,6 +149,8 @@ class _Plan:
     rows: int
     n: int
     empty: bool
+    out_n: int = 0
+    """Columns of ``out``: ``n``, or ``n / 2`` under ``SwiGLU``."""
     upcast: bool = False
     copy_a: bool = False
     copy_b: bool = False
@@ -146,8 +168,14 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> tuple | None:
+def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
+              epilogue) -> tuple | None:
     """Everything about the arguments that the launch depends on, or None to take the checked path."""
+    epilogue_key = None
+    if epilogue is not None:
+        if type(epilogue) is not SwiGLU or epilogue.pre is not None and type(epilogue.pre) is not torch.Tensor:
+            return None
+        epilogue_key = ("swiglu", layout(epilogue.pre))
     for t in (a, b, offsets, a_rows, row_scale, out):
         if t is not None and type(t) is not torch.Tensor:
             return None
@@ -167,11 +195,27 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
             return None
         signal_key = layout(signal[0])
     return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
-            group_range, gate_key, signal_key, common.interpreting(), G_BLOCK_MAX,
+            group_range, gate_key, signal_key, epilogue_key, common.interpreting(), G_BLOCK_MAX,
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
-def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal) -> _Plan:
+def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: torch.device,
+                    row_scale) -> int:
+    """The width of ``out`` under ``epilogue`` after checking its tensors."""
+    if epilogue is None:
+        return n
+    if not isinstance(epilogue, SwiGLU):
+        raise TypeError(f"epilogue must be None or SwiGLU, got {type(epilogue).__name__}")
+    if n % 2:
+        raise ValueError(f"SwiGLU: b must hold gate and up columns [E, K, 2N], got {n} columns (odd)")
+    if row_scale is not None:
+        raise ValueError("SwiGLU: row_scale does not apply to the up projection's epilogue; pass None")
+    if epilogue.pre is not None:
+        common.check_out(epilogue.pre, (rows, n), dtype, device, name="SwiGLU pre")
+    return n // 2
+
+
+def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue) -> _Plan:
     common.check_matrix("a", a)
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D tensor [E, K, N], got {_describe(b)}")
@@ -196,16 +240,19 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
                              f"got {_describe(row_scale)}")
-    common.check_out(out, (rows, n), a.dtype, a.device)
+    out_n = _check_epilogue(epilogue, rows, n, a.dtype, a.device, row_scale)
+    common.check_out(out, (rows, out_n), a.dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)
     sources = math.ceil(groups / experts)
     gate = _check_gate(gate, sources, a.device)
     _check_signal(signal, sources, a.device)
+    swiglu = isinstance(epilogue, SwiGLU)
+    n_tile = n // 2 if swiglu else n
     if rows == 0 or n == 0 or g_hi == g_lo:
-        return _Plan(rows=rows, n=n, empty=True)
+        return _Plan(rows=rows, n=n, empty=True, out_n=out_n)
     if a.device.type == "cpu" and not common.interpreting():
         raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
-    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device)
+    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device, swiglu=swiglu)
     if not isinstance(config, GroupedConfig):
         raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
     upcast = a.dtype == torch.bfloat16 and common.interpreting()
@@ -225,9 +272,12 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     inner = b.stride(2) if b_nk else b.stride(1)
     b_tma = (k > 0 and b.data_ptr() % 16 == 0 and (b.stride(0) * elem) % 16 == 0 and (inner * elem) % 16 == 0
              and (common.interpreting() or _sm90(a.device)))
+    # The SwiGLU tile's box pairs gate and up rows of an nn.Linear weight ([E, 2N, K], read as its
+    # transpose): other layouts load by pointers.
+    b_tma = b_tma and (not swiglu or b_nk)
     n_groups = g_hi - g_lo
     g_block = triton.next_power_of_2(n_groups) if n_groups <= G_BLOCK_MAX else 0
-    bound = (math.ceil(rows / config.block_m) + n_groups) * math.ceil(n / config.block_n)
+    bound = (math.ceil(rows / config.block_m) + n_groups) * math.ceil(n_tile / config.block_n)
     programs = max(1, min(config.programs or _sm_count(a.device.type, a.device.index), bound))
     if a.dtype == torch.float32:
         precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
@@ -237,24 +287,29 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     if gate is not None:
         rank = gate.rank
         rotate = (rank * experts - g_lo) % n_groups
-    out_strides = (n, 1) if out is None else out.stride()
+    out_strides = (out_n, 1) if out is None else out.stride()
+    pre_stride = 0 if epilogue is None or epilogue.pre is None else epilogue.pre.stride(0)
     constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
                       G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
                       HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
-                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None)
-    scalars = (rank, g_lo, n_groups, rotate, experts, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               b.stride(2), *out_strides)
+                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None,
+                      SWIGLU=swiglu, SAVE_PRE=swiglu and epilogue.pre is not None)
+    scalars = (rank, g_lo, n_groups, rotate, experts, n_tile, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+               b.stride(2), *out_strides, pre_stride)
     return _Plan(rows=rows, n=n, empty=False, upcast=upcast, copy_a=copy_a, copy_b=copy_b, scalars=scalars,
-                 constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages)
+                 constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages,
+                 out_n=out_n)
 
 
-def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin) -> None:
+def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin,
+         pre=None) -> None:
     if plan.copy_a:
         a = a.contiguous()
     if plan.copy_b:
         b = b.contiguous()
     tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
-               out if ready is None else ready, out if err is None else err, out if counters is None else counters)
+               out if ready is None else ready, out if err is None else err, out if counters is None else counters,
+               out if pre is None else pre)
     scalars = (wrap_int32(epoch), max_spin, *plan.scalars)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         triton_launch.launch_compiled(plan.compiled[0], a.device.index, plan.programs,

@@ -21,6 +21,11 @@ benchmark's shapes, T = 4096 and 16384, against ``torch._grouped_mm``):
   384 and 704: 0.48 against 0.54 ms for Qwen3 at T = 16384) and for the gathered layer 0 of Mixtral
   (3.00 against 3.24 ms at T = 16384). With 128 x 128 tiles it was slower, so those stay unflattened.
 
+The SwiGLU epilogue (``swiglu``; ``n`` counts gate and up columns): a tile of 128 output columns
+multiplies by 256 columns of B (gate and up side by side), so it takes the 128 x 256 GEMM's config
+(3 stages, 8 warps, flattened), and runs as fast as the plain grouped GEMM of the same FLOPs (two
+128 x 128 accumulators over separate gate and up loads ran a quarter slower; NOTES.md has the sweep).
+
 Worked example: Mixtral-8x7B layer 0 at TP=2, T = 8192, k = 2: P = 16384 rows over G = 8 experts
 (2048 rows each), N = F/2 = 7168, K = 4096. 2048 >= 128 rows gives BM = 128; 7168 is 28 x 256 columns
 exactly, and 8 * 16 * 28 = 3584 tiles are 27 waves on 132 SMs: 128 x 256 x 64, 3 stages, 8 warps,
@@ -78,14 +83,17 @@ def column_waste(n: int, block_n: int) -> float:
 
 
 def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype, *, num_sms: int,
-                          interpreter: bool = False) -> GroupedConfig:
-    """The config for ``rows`` output rows over ``groups`` groups, ``[rows, k] x [k, n]`` per group; see
-    the module docstring for the rule and a worked example."""
+                          interpreter: bool = False, swiglu: bool = False) -> GroupedConfig:
+    """The config for ``rows`` output rows over ``groups`` groups, ``[rows, k] x [k, n]`` per group
+    (``swiglu``: with a SwiGLU epilogue); see the module docstring for the rule and a worked example."""
     if interpreter:
         return INTERPRETER_CONFIG
     per_group = rows / max(groups, 1)
     block_m = 128 if per_group >= 128 else 64
     block_k = 32 if dtype == torch.float32 else 64
+    if swiglu:
+        return GroupedConfig(block_m=block_m, block_n=128, block_k=block_k, num_stages=3 if block_m == 128 else 4,
+                             num_warps=8, flatten=block_m == 128)
     row_tiles = max(1, math.ceil(rows / block_m))
     wide = row_tiles * math.ceil(n / 256) >= 2 * num_sms and column_waste(n, 256) <= 1.1 * column_waste(n, 128)
     block_n = 256 if wide else 128
@@ -94,3 +102,33 @@ def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.d
                              num_warps=8, flatten=block_m == 128)
     return GroupedConfig(block_m=block_m, block_n=128, block_k=block_k, num_stages=4,
                          num_warps=8 if block_m == 128 else 4)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WgradConfig:
+    """Compile-time shape of one launch of the grouped weight gradient (``tileweave.ops.grouped_wgrad``)."""
+
+    block_n: int = bounded(128, low=16, power_of_two=True)
+    """Rows of the ``[N, K]`` output tile (columns of the left operand)."""
+    block_k: int = bounded(128, low=16, power_of_two=True)
+    """Columns of the output tile (columns of the right operand)."""
+    block_r: int = bounded(64, low=16, power_of_two=True)
+    """Plan rows summed per pipelined step."""
+    num_stages: int = bounded(3, low=1)
+    """Shared-memory pipeline depth of the row loop."""
+    num_warps: int = bounded(8, low=1, power_of_two=True)
+    """Warps per program."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+
+WGRAD_INTERPRETER_CONFIG = WgradConfig(block_n=32, block_k=32, block_r=16, num_stages=1, num_warps=4)
+
+
+def choose_wgrad_config(dtype: torch.dtype, *, interpreter: bool = False) -> WgradConfig:
+    """The weight gradient's config: 128 x 128 output tiles, 64 rows a step (32 in fp32, whose tiles take
+    twice the shared memory), 3 stages, 8 warps."""
+    if interpreter:
+        return WGRAD_INTERPRETER_CONFIG
+    return WgradConfig(block_r=32 if dtype == torch.float32 else 64)

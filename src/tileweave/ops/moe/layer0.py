@@ -18,6 +18,10 @@ gathered ``x``      ``[T, H]``                  ``X = AllGather(x_shard)`` (``re
 
 fp16, bf16 or fp32 in (one dtype for ``x_shard`` and ``w0``), fp32 accumulation, result in that dtype.
 
+``epilogue=SwiGLU(pre=...)`` (``tileweave.ops.grouped_gemm.SwiGLU``) fuses an expert MLP's SwiGLU
+into the grouped GEMM on every path: ``w0 [E, H, 2*F_loc]`` holds the gate columns, then the up
+columns, and the result is ``silu(gate) * up [T * k, F_loc]`` (``pre`` receives the pre-activations).
+
 Paths. ``"fused"``: each rank pushes its shard into every peer's symmetric gather buffer on the copy
 engines (``gather.ShardGather``) while ONE persistent grouped GEMM runs over the plan's W*E groups
 in rotated order, its own source's groups first; a tile of source s's groups waits for s's ready flag
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.grouped_gemm import grouped_gemm
+from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
 from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight
 from tileweave.ops.moe.gather import ShardGather
 from tileweave.ops.moe.plan import MoEPlan
@@ -54,38 +58,41 @@ class MoEAllGatherGemm(MoEOp):
     op_name = _OP
 
     def __call__(self, x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan, *, out: torch.Tensor | None = None,
-                 return_gathered: bool = False):
+                 return_gathered: bool = False, epilogue: SwiGLU | None = None):
         """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
-        result's dtype with unit column stride. ``x`` is a fresh tensor."""
+        result's dtype with unit column stride (its width follows ``epilogue``). ``x`` is a fresh
+        tensor."""
         check_activation("x_shard", x_shard, "[T/W, H]")
         common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
         tc, h = x_shard.shape
         experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
                                shape_doc="[E, H, F_loc]")
         f_loc = w0.shape[2]
+        width = f_loc // 2 if isinstance(epilogue, SwiGLU) else f_loc
         backend = self._backend_for(plan, x_shard.device, experts=experts, tokens_per_rank=tc)
         w = backend.world_size
-        out = common.out_or_new(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
+        out = common.out_or_new(out, (plan.rows, width), x_shard.dtype, x_shard.device)
+        extra = dict(epilogue=epilogue)
         signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
         path = self._decide(backend, signature, tokens=tc * w, topk=plan.topk, hidden=h, f_loc=f_loc,
                             dtype=x_shard.dtype)
         if path == "fused" and tc == 0:
             path = "fallback"
         if path == "fused":
-            gathered = self._fused(backend, x_shard, w0, plan, out, return_gathered)
+            gathered = self._fused(backend, x_shard, w0, plan, out, return_gathered, extra)
         else:
             gathered = x_shard if path == "local" else all_gather_rows(x_shard, backend)
-            grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out)
+            grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out, **extra)
         common.record_path(_OP, path)
         return (out, gathered) if return_gathered else out
 
-    def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool):
+    def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool, extra: dict):
         """The fused path: the pushes, one gated grouped GEMM, the release (module docstring)."""
         self._check_previous()
         gather = ShardGather.start(backend, self._ws, x_shard)
         self._ws = gather.ws
         grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
-                     gate=(gather.ready_flags, gather.epoch, backend.rank, self._ws.err, self._spin(backend)))
+                     gate=(gather.ready_flags, gather.epoch, backend.rank, self._ws.err, self._spin(backend)), **extra)
         # A copy for the caller before the release lets the peers refill the buffer (the kernel has
         # waited for every shard, so the copy reads them all).
         gathered = gather.gathered.clone() if return_gathered else None

@@ -1,0 +1,62 @@
+"""The SwiGLU's backward pass of the MoE experts (``tileweave.kernels.swiglu``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from tileweave.kernels.swiglu import swiglu_grad_kernel
+from tileweave.ops import common
+
+
+def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dy [P, 2N], h_scaled [P, N], row_dot [P])`` of the SwiGLU ``h = silu(gate) * up`` whose
+    output row p was scaled by ``row_scale[p]`` (a routing weight) before the down projection:
+
+    * ``dy = dgate | dup`` (gate columns, then up columns: the layout of the up projection's weight)
+      of ``dh = row_scale[p] * g[p]``;
+    * ``h_scaled[p] = row_scale[p] * h[p]`` (what the down projection's weight gradient multiplies);
+    * ``row_dot[p] = <g[p], h[p]>`` (float32: the routing weight's gradient), summed in a fixed order.
+
+    ``g [P, N]`` is the gradient of the scaled projection's input before the scale; ``pre [P, 2N]`` the
+    pre-activations interleaved as ``tileweave.ops.grouped_gemm.SwiGLU`` stores them (gate j in
+    column 2j, up j in 2j + 1); both of one dtype (fp16, bf16, fp32) with unit column stride;
+    ``row_scale`` float32 ``[P]``. Math in fp32; ``dy`` and ``h_scaled`` in ``g``'s dtype. No host
+    synchronisation. On the CPU this runs in Triton's interpreter (bfloat16 read through float32).
+    """
+    common.check_matrix("g", g)
+    rows, n = g.shape
+    common.check_matrix("pre", pre, dtype=g.dtype, device=g.device)
+    if tuple(pre.shape) != (rows, 2 * n):
+        raise ValueError(f"pre must be [P, 2N] = [{rows}, {2 * n}] for g [P, N] = [{rows}, {n}], "
+                         f"got {list(pre.shape)}")
+    for name, t in (("g", g), ("pre", pre)):
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dimension, got strides {t.stride()}")
+    if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (rows,) or row_scale.dtype != torch.float32 \
+            or row_scale.device != g.device or (rows > 1 and row_scale.stride(0) != 1):
+        raise ValueError(f"row_scale must be a contiguous float32 tensor of shape ({rows},) on {g.device}")
+    dy = torch.empty((rows, 2 * n), dtype=g.dtype, device=g.device)
+    h_scaled = torch.empty((rows, n), dtype=g.dtype, device=g.device)
+    row_dot = torch.zeros(rows, dtype=torch.float32, device=g.device)
+    if rows == 0 or n == 0:
+        return dy, h_scaled, row_dot
+    interp = common.interpreting()
+    if g.device.type == "cpu" and not interp:
+        raise RuntimeError("swiglu_grad on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    outs = (dy, h_scaled)
+    if interp and g.dtype == torch.bfloat16:
+        g, pre = g.float(), pre.float()
+        outs = (torch.empty(dy.shape), torch.empty(h_scaled.shape))
+    br, bc, warps = (16, 32, 4) if interp else (8, 256, 4)
+    with torch.cuda.device(g.device) if g.is_cuda else contextlib.nullcontext():
+        swiglu_grad_kernel[(triton.cdiv(rows, br),)](
+            g, pre, row_scale, outs[0], outs[1], row_dot, rows, n,
+            g.stride(0), pre.stride(0), outs[0].stride(0), outs[1].stride(0), BR=br, BC=bc, num_warps=warps)
+    if outs[0] is not dy:
+        dy.copy_(outs[0])
+        h_scaled.copy_(outs[1])
+    return dy, h_scaled, row_dot
