@@ -1,6 +1,7 @@
 """The TP MoE layer on emulated ranks against the unsharded float64 MoE: output, input gradient, every
 parameter gradient (router included), over random, skewed and empty-expert routing, k = 1, 2 and 8,
-both paths of the MoE pair, fp32 and fp16, repeated steps with fresh routing and a straggling rank."""
+both paths of the MoE pair, the fused and the unfused SwiGLU, W = 1 to 4, fp32 and fp16, repeated
+steps with fresh routing and a straggling rank."""
 
 import pytest
 
@@ -16,10 +17,16 @@ CASES = {
     # k = 1 over a Zipf-skewed routing (uneven experts), weights not renormalised (else all 1)
     "w4-skewed-k1": (4, LayerCase(tokens=16, hidden=16, ffn=16, experts=8, top_k=1, routing="skewed",
                                   normalize_topk=False, seed=12)),
-    # two experts without a token, uneven counts on the rest; a width of 72 bytes, which torch._grouped_mm
-    # does not take: the weight gradients' per-expert loop
+    # two experts without a token, uneven counts on the rest; a width of 72 bytes
     "w4-empty-k2": (4, LayerCase(tokens=12, hidden=18, ffn=32, experts=6, top_k=2, routing="empty",
                                  empty_experts=2, seed=13)),
+    # one rank (no communication), k = 8 of 10 experts, Zipf-skewed: uneven and nearly empty experts
+    "w1-skewed-k8": (1, LayerCase(tokens=8, hidden=16, ffn=16, experts=10, top_k=8, routing="skewed", seed=15)),
+    # three ranks, two experts without a token
+    "w3-empty-k2": (3, LayerCase(tokens=12, hidden=16, ffn=24, experts=5, top_k=2, routing="empty",
+                                 empty_experts=2, seed=16)),
+    # the two layers apart with the SwiGLU in torch (the form ops without epilogues run)
+    "w2-unfused-k2": (2, LayerCase(tokens=8, hidden=16, ffn=16, experts=4, top_k=2, fused_swiglu=False, seed=17)),
     # k = 8 = E, fp16, on the MoE pair's fallback path
     "w2-k8-fp16-fallback": (2, LayerCase(tokens=8, hidden=16, ffn=16, experts=8, top_k=8, dtype="float16",
                                          policy="fallback", seed=14)),
@@ -38,6 +45,8 @@ def test_tp_moe_matches_float64_reference(name):
                 assert err < tol, (name, rank, step, key, errors)
         assert result["round_trip"], "full_state_dict must give back the loaded weights"
         expected = ("fallback", "fallback") if case.policy == "fallback" else ("fused", "chunked")
+        if world == 1:
+            expected = ("local", "local")
         assert result["paths"] == expected, result["paths"]
 
 

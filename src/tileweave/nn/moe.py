@@ -7,7 +7,7 @@ Every rank holds every expert, sharded along the expert FFN width F (rank r: fea
     wt, ids = topk(softmax(logits), k)                   # [T/W, k]; wt / wt.sum() if normalize_topk
     plan = moe_plan(ids)                                 # collective: every rank's ids, grouped
     gate | up = AG(x_shard)[tok(p)] @ w0[e(p)].T         # layer 0: [T*k, 2*F_loc]
-    h = silu(gate) * up                                  # [T*k, F_loc]
+    h = silu(gate) * up                                  # [T*k, F_loc], in layer 0's epilogue
     out_shard = RS(sum_j wt[t, j] * h[p(t, j)] @ w1[e].T)  # layer 1: [T/W, H]
 
 =======================  ======================  ==================================================
@@ -33,12 +33,13 @@ like the dense block's norm weights, each rank's ``router.weight.grad`` covers i
 gradient of the replicated weight is their sum over the group (``all_reduce_replicated_grads``).
 
 Kept for backward, per rank: the gathered input ``[T, H]`` (unless ``save_gathered=False``: gathered
-again), layer 0's output ``[T*k, 2*F_loc]`` and the SwiGLU output ``[T*k, F_loc]``.
+again) and layer 0's pre-activations ``[T*k, 2*F_loc]`` (on ops without epilogues: layer 0's output
+``[T*k, 2*F_loc]`` and the SwiGLU output ``[T*k, F_loc]``).
 
 Every rank must call the layer, its backward and the state-dict methods in the same order, like any
-collective. The forward path reads no expert counts on the host (``moe_plan`` reads only the ids'
-range, to check it); the weight gradients read them where ``torch._grouped_mm`` does not take the
-shapes (``tileweave.nn.moe_autograd``).
+collective. Neither pass reads expert counts on the host on tileweave's ops (the layer's plan skips
+the host check of the ids: its router makes them); on other ops (``ops=``) the weight gradients read
+them where ``torch._grouped_mm`` does not take the shapes (``tileweave.nn.moe_autograd``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, MoEOps
+from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, FusedExperts, MoEOps
 from tileweave.nn.shards import gather_shards
 
 
@@ -108,6 +109,8 @@ class TPMoE(nn.Module):
         weights, ids = route(logits, self.top_k, normalize=self.normalize_topk)
         with torch.autocast(x_shard.device.type, enabled=False):
             plan = self.ops.plan(ids, self.num_experts, self.group)
+            if self.ops.swiglu and not torch.compiler.is_compiling():
+                return FusedExperts.apply(x_shard, w0, w1, weights, plan, self.group, self.ops, self.save_gathered)
             # The gathered input serves only w0's gradient: not kept (nor copied out of the op) without one.
             keep = self.save_gathered and torch.is_grad_enabled() and w0.requires_grad
             y = ExpertsUp.apply(x_shard, w0, plan, self.group, self.ops, keep)

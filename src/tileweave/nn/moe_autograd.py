@@ -31,14 +31,27 @@ wgrad       ``dw1[e] = sum over rows p of e: wt[p] dO[tok]   grouped GEMM over t
             .T h[p]``
 ==========  ===============================================  =======================================
 
-Layer 1's input gradient runs layer 0's form without a row scale and applies ``wt`` afterwards in the
-same elementwise pass: the unscaled ``G`` gives the routing weights' gradient as ``<G[p], h[p]>``
-(which equals ``<dO[t], Z[p]>``), so ``Z`` is neither kept from the forward nor computed again.
+The routing weights' gradient uses the unscaled ``G``: ``<G[p], h[p]>`` equals ``<dO[t], Z[p]>``, so
+``Z`` is neither kept from the forward nor computed again.
 
-The weight gradients sum over each expert's rows, which the plan orders by (source rank, expert): the
-rows are put in expert order and reduced by ``torch._grouped_mm`` over the grouped K dimension where
-it takes the shapes (rows of 16-byte multiples), else by one matmul per expert (a host read of the
-expert counts). The grouped GEMM core has no transposed-A form to do this in place yet.
+Two forms. ``FusedExperts`` (the default, on ops that take epilogues: ``MoEOps.swiglu``) runs the
+whole expert MLP with the SwiGLU fused into layer 0's epilogue, forward and backward:
+
+* forward: ``h = silu(gate) * up`` is computed in layer 0's epilogue, which also stores the
+  pre-activations ``[P, 2*F_loc]`` (interleaved) for the backward; they are all that is kept of the
+  experts' activations (``h`` is not: the backward recomputes it from them, which costs no GEMM);
+* backward: layer 1's input gradient ``G = dO[tok] @ w1[e]`` runs layer 0's form (the plain grouped
+  GEMM), then one pass (``tileweave.ops.swiglu.swiglu_grad``) reads ``G`` and the pre-activations once
+  and writes ``dgate | dup`` of ``wt * G``, ``wt * h`` and ``<G[p], h[p]>``; the weight gradients run
+  ``tileweave.ops.grouped_wgrad`` over the plan's rows, gathering rows by index (no permuted copies).
+  The SwiGLU's derivative inside the GEMM's epilogue ran two to two and a half times slower than the
+  GEMM and this pass together (its loads stall each tile), so it is a pass of its own.
+
+``ExpertsUp`` / ``ExpertsDown`` (ops without epilogues: the benchmark's baselines, and
+``torch.compile``) run the two layers apart with the SwiGLU between them in torch, and sum the weight
+gradients over each expert's rows by putting the rows in expert order and calling
+``torch._grouped_mm`` where it takes the shapes, else one matmul per expert (a host read of the expert
+counts).
 
 Every rank must run the same layers in the same order, forward and backward, like any collective.
 """
@@ -52,7 +65,10 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
+from tileweave.ops.grouped_gemm import SwiGLU
+from tileweave.ops.grouped_wgrad import grouped_wgrad
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_plan
+from tileweave.ops.swiglu import swiglu_grad
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +81,16 @@ class MoEOps:
       ``(y, AG(x_shard) [T, K])``;
     * ``layer1(h [P, K], w [E, K, N], plan, weights_shard [T/W, k] | None, group) -> [T/W, N]``
       (``None``: every weight 1).
+
+    ``swiglu``: ``layer0`` also takes the keyword ``epilogue=`` of
+    ``tileweave.ops.moe.MoEAllGatherGemm`` (the SwiGLU fused into its epilogue), and the layer runs
+    ``FusedExperts`` on them.
     """
 
     plan: Callable[..., MoEPlan]
     layer0: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     layer1: Callable[..., torch.Tensor]
+    swiglu: bool = False
 
 
 def _tileweave_plan(topk_ids_shard: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> MoEPlan:
@@ -78,15 +99,15 @@ def _tileweave_plan(topk_ids_shard: torch.Tensor, num_experts: int, group: dist.
     return moe_plan(topk_ids_shard, num_experts=num_experts, group=group, validate=False)
 
 
-def _tileweave_layer0(x_shard, w, plan, group, return_gathered):
-    return moe_all_gather_gemm(x_shard, w, plan, group, return_gathered=return_gathered)
+def _tileweave_layer0(x_shard, w, plan, group, return_gathered, **options):
+    return moe_all_gather_gemm(x_shard, w, plan, group, return_gathered=return_gathered, **options)
 
 
 def _tileweave_layer1(h, w, plan, weights_shard, group):
     return moe_gemm_reduce_scatter(h, w, plan, weights_shard, group)
 
 
-TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1)
+TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1, swiglu=True)
 """tileweave's functional MoE ops (one cached op object per group and device, ``policy="auto"``)."""
 
 
@@ -98,13 +119,13 @@ def tileweave_ops(*, policy: str = "auto", group: dist.ProcessGroup | None = Non
     up = MoEAllGatherGemm(group, policy=policy, max_spin=max_spin)
     down = MoEGemmReduceScatter(group, policy=policy, max_spin=max_spin)
 
-    def layer0(x_shard, w, plan, group, return_gathered):
-        return up(x_shard, w, plan, return_gathered=return_gathered)
+    def layer0(x_shard, w, plan, group, return_gathered, **options):
+        return up(x_shard, w, plan, return_gathered=return_gathered, **options)
 
     def layer1(h, w, plan, weights_shard, group):
         return down(h, w, plan, weights_shard)
 
-    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1)
+    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1, swiglu=True)
 
 
 def gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -223,3 +244,45 @@ class ExpertsDown(torch.autograd.Function):
             scaled = (dout[plan.row_token.long()].float() * wrow[:, None]).to(h.dtype)
             dw1 = expert_weight_grad(scaled, h, plan, w1.dtype)
         return dh, dw1, dweights, None, None, None
+
+
+class FusedExperts(torch.autograd.Function):
+    """The expert MLP with the SwiGLU fused into layer 0 (module docstring): ``out_shard [T/W, H]`` from
+    ``x_shard [T/W, H]``, ``w0 [E, 2*F_loc, H]`` (gate rows, then up rows), ``w1 [E, H, F_loc]`` and
+    ``topk_weights_shard [T/W, k]`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x_shard, w0, w1, topk_weights_shard, plan: MoEPlan, group, ops: MoEOps, save_gathered: bool):
+        grads = any(ctx.needs_input_grad[:4])
+        pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
+        keep = save_gathered and ctx.needs_input_grad[1]
+        result = ops.layer0(x_shard, w0.transpose(1, 2), plan, group, keep, epilogue=SwiGLU(pre=pre))
+        h, gathered = result if keep else (result, None)
+        out = ops.layer1(h, w1.transpose(1, 2), plan, topk_weights_shard, group)
+        ctx.plan, ctx.group, ctx.ops, ctx.keep = plan, group, ops, keep
+        if grads:
+            ctx.save_for_backward(gathered if keep else x_shard, w0, w1, topk_weights_shard, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_shard):
+        saved, w0, w1, weights_shard, pre = ctx.saved_tensors
+        plan, group, ops = ctx.plan, ctx.group, ctx.ops
+        e = plan.num_experts
+        wrow = row_weights(plan, gather_rows(weights_shard, group))
+        g, dout = ops.layer0(dout_shard.contiguous(), w1, plan, group, True)  # [P, F_loc] = dO[tok] @ w1[e]; AG(dO)
+        dy, h_scaled, row_dot = swiglu_grad(g, pre, wrow)
+        del g
+        dweights = None
+        if ctx.needs_input_grad[3]:
+            # This rank's F_loc share of <dO[t], Z[p(t, j)]>, summed over the ranks.
+            dweights = reduce_scatter_rows(row_dot[plan.pair_row.long()], group).to(weights_shard.dtype)
+        dw1 = None
+        if ctx.needs_input_grad[2]:
+            dw1 = grouped_wgrad(dout, h_scaled, plan.offsets, experts=e, lhs_rows=plan.row_token)
+        dx_shard = ops.layer1(dy, w0, plan, None, group) if ctx.needs_input_grad[0] else None
+        dw0 = None
+        if ctx.needs_input_grad[1]:
+            gathered = saved if ctx.keep else gather_rows(saved, group)
+            dw0 = grouped_wgrad(dy, gathered, plan.offsets, experts=e, rhs_rows=plan.row_token)
+        return dx_shard, dw0, dw1, dweights, None, None, None, None

@@ -42,6 +42,9 @@ class LayerCase:
     empty_experts: int = 1
     straggler: int = -1
     """A rank whose copies are delayed (its producer straggles), or -1."""
+    fused_swiglu: bool = True
+    """The layer's default form (the SwiGLU in layer 0's epilogue, ``FusedExperts``), or the two layers
+    apart with the SwiGLU in torch (``ExpertsUp`` / ``ExpertsDown``, what ops without epilogues run)."""
     seed: int = 0
 
 
@@ -90,9 +93,10 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref.detach().double()).norm() / ref.detach().double().norm().clamp_min(1e-30)).item()
 
 
-def _ops_for(policy: str, group: dist.ProcessGroup):
+def _ops_for(policy: str, group: dist.ProcessGroup, fused_swiglu: bool = True):
     """The layer's ops under ``policy`` (``auto`` is the layer's default: tileweave's functional ops)."""
-    return TILEWEAVE_OPS if policy == "auto" else tileweave_ops(policy=policy, group=group)
+    ops = TILEWEAVE_OPS if policy == "auto" else tileweave_ops(policy=policy, group=group)
+    return ops if fused_swiglu else dataclasses.replace(ops, swiglu=False)
 
 
 def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
@@ -104,7 +108,7 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     state = layer_state(case)
     state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}  # the reference sees them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
-                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), device=device, dtype=dtype)
+                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group, case.fused_swiglu), device=device, dtype=dtype)
     layer.load_full_state_dict(state)
     rows = slice(rank * case.tokens // world, (rank + 1) * case.tokens // world)
     cols = slice(rank * case.ffn // world, (rank + 1) * case.ffn // world)
