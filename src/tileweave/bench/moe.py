@@ -22,8 +22,9 @@ through the router (the first E features of a token score the experts, read by a
 router): ``uniform`` or ``zipf`` (expert e drawn with weight ``1/(e+1)**1.2``).
 
 Method (docs/design.md, "Measuring"): every variant is verified against float64 computed from the
-definitions (a mask per expert, no plan) before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back
-calls between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
+definitions (``tileweave.bench.moe_reference``: a mask per expert, no plan, one expert at a time)
+before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back calls
+between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
 rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib) into ``--out``. With
 ``--smoke`` the ranks are emulated on the CPU, each variant runs and is checked once (times are the
 interpreter's and mean nothing).
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tileweave.bench.moe_reference import reference, rel_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.report import Measurement, collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
@@ -70,6 +72,7 @@ VARIANTS = ("ours", "grouped", "loop", "floor")
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 """Relative Frobenius error against float64 (bf16 and fp16: the layer rounds at each of its steps, the
 router's weights included, so twice the single-op bound)."""
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,72 +249,6 @@ def _floor_call(part: str, inp: Inputs, group) -> Callable[[], list[torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------
-# Verification: every variant against float64 computed from the definitions (no plan, no grouped GEMM).
-
-def _pairs_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``out[i] = a[i] @ w[ids[i]].T`` for ``a [n, K]``, ``w [E, N, K]``, by a mask per expert."""
-    out = a.new_zeros((a.shape[0], w.shape[1]))
-    for e in range(w.shape[0]):
-        rows = ids == e
-        out[rows] = a[rows] @ w[e].t()
-    return out
-
-
-def reference(part: str, variant: str, inp: Inputs, group, device) -> list[torch.Tensor]:
-    """float64 results of ``part`` in the variants' shared form: per (token, slot) pair for layer 0 and
-    the floor; this rank's tokens for layer 1 and the layer; the layer's input gradient and its expert
-    weights' (this rank's shards; not the router's, which each rank holds for its own tokens only)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    t, k = inp.t, inp.k
-    rows = slice(rank * t // world, (rank + 1) * t // world)
-    ids = gather_rows(inp.ids_shard, group).reshape(-1)
-    x = gather_rows(inp.x_shard, group).double()
-    token = torch.arange(t, device=device).repeat_interleave(k)
-    w0, w1 = inp.w0.double(), inp.w1.double()
-    if part == "layer0":
-        return [_pairs_gemm(x[token], w0, ids)]
-    if part == "layer1":
-        z = _pairs_gemm(inp.h_rows.double(), w1, ids)
-        if variant == "floor":
-            return [z]
-        out = (z.view(t, k, -1) * gather_rows(inp.weights_shard, group).double()[..., None]).sum(1)
-        dist.all_reduce(out, group=group)
-        return [out[rows]]
-    if variant == "floor":
-        gate, up = _pairs_gemm(x[token], w0, ids).split(inp.f_loc, dim=1)
-        return [_pairs_gemm(F.silu(gate) * up, w1, ids)]
-    # The layer: this rank's F_loc part of every token's output, routed by the definition, summed over
-    # the ranks; its gradients are those of the rank's own expert shards (and of x, summed over ranks).
-    w0.requires_grad_(part == "layer-bwd")
-    w1.requires_grad_(part == "layer-bwd")
-    x.requires_grad_(part == "layer-bwd")
-    probs = torch.softmax(x @ inp.router.double().t(), dim=1)
-    coeff, chosen = probs.topk(k, dim=1)
-    coeff = coeff / coeff.sum(dim=1, keepdim=True)
-    gate, up = _pairs_gemm(x[token], w0, chosen.reshape(-1)).split(inp.f_loc, dim=1)
-    z = _pairs_gemm(F.silu(gate) * up, w1, chosen.reshape(-1))
-    partial = (z.view(t, k, -1) * coeff[..., None]).sum(1)
-    out = partial.detach().clone()
-    dist.all_reduce(out, group=group)
-    if part == "layer":
-        return [out[rows]]
-    (partial * gather_rows(inp.dout_shard, group).double()).sum().backward()
-    dx = x.grad.clone()
-    dist.all_reduce(dx, group=group)
-    return [out[rows], dx[rows], w0.grad, w1.grad]
-
-
-def _rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    worst = 0.0
-    for g, r in zip(got, ref):
-        g = g.detach().float()
-        if g.shape != r.shape or not torch.isfinite(g).all():
-            return math.inf
-        worst = max(worst, ((g - r).norm() / r.norm().clamp_min(1e-30)).item())
-    return worst
-
-
-# ---------------------------------------------------------------------------------------------------
 # One rank's run: every row, every variant, verified then timed, in the same order on every rank.
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +312,7 @@ def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConf
     try:
         call = make_call(row.part, variant, inp, group, dtype, device)
         start = time.perf_counter()
-        err = _rel_err(call(), ref)
+        err = rel_err(call(), ref)
         host_ms = (time.perf_counter() - start) * 1e3
     except Exception as exc:  # the other ranks see it in the agreed error below
         err, entry["note"] = math.inf, f"{type(exc).__name__}: {exc}"[:300]
