@@ -1,7 +1,7 @@
 """The MoE benchmark's float64 reference (``tileweave.bench.moe_reference``), which works one expert at a
 time with the layer's backward written out, against the whole-graph form it replaced (every expert's
 weights in float64, float64 autograd over the layer), on small odd shapes, 1 and 2 emulated ranks;
-and its check (``rel_err``)."""
+and its checks (``rel_err``, ``route_err``)."""
 
 import math
 import types
@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.bench.moe_reference import reference, rel_err
+from tileweave.bench.moe_reference import reference, rel_err, route_err
+from tileweave.nn.moe import route
 from tileweave.nn.moe_autograd import gather_rows
+from tileweave.ops.moe import build_plan
 from tileweave.testing.emulated import run_ranks
 
 # (H, F, E, k, T): odd widths, k = 1 and k = 8, more experts than pairs (some get none).
@@ -106,6 +108,30 @@ def compare_rank(rank: int, world: int, dtype_name: str) -> list[str]:
                                                                                            atol=1e-12):
                         problems.append(f"{shape} {part} {variant} result {j}: {a.dtype} {tuple(a.shape)} vs "
                                         f"{tuple(b.shape)}, max diff {(a - b).abs().max().item():.3g}")
+        problems += _check_route(rank, world, inp, group, device, shape)
+    return problems
+
+
+def _check_route(rank, world, inp, group, device, shape) -> list[str]:
+    """``route``'s reference picks what fp32 ``route`` picks; ``route_err`` accepts that plan and names
+    a plan whose pair goes to another expert."""
+    w_ref, ids_ref, probs = reference("route", "ours", inp, group, device)
+    weights, ids = route(F.linear(inp.x_shard.float(), inp.router), inp.k, normalize=True)
+    plan = build_plan(gather_rows(ids, group), num_experts=inp.e, world_size=1)
+    got = [weights, plan.pair_row, plan.row_token, plan.row_expert]
+    problems = []
+    if not torch.equal(gather_rows(ids, group), ids_ref):
+        problems.append(f"{shape} route: reference ids differ from fp32 route's")
+    if route_err(got, [w_ref, ids_ref, probs]) > 1e-5:
+        problems.append(f"{shape} route: weights differ")
+    bad = plan.row_expert.clone()
+    bad[plan.pair_row[0, 0]] = (bad[plan.pair_row[0, 0]] + 1) % inp.e
+    try:
+        route_err([weights, plan.pair_row, plan.row_token, bad], [w_ref, ids_ref, probs])
+        problems.append(f"{shape} route: a misrouted pair passed")
+    except ValueError as exc:
+        if "(token 0, slot 0)" not in str(exc):
+            problems.append(f"{shape} route: {exc}")
     return problems
 
 

@@ -6,7 +6,8 @@
 
 Parts (``--parts``): ``layer0`` (AllGather + grouped GEMM), ``layer1`` (grouped GEMM + top-k reduce +
 ReduceScatter), ``layer`` (``TPMoE`` forward under ``torch.no_grad``: router, plan, both layers,
-SwiGLU) and ``layer-bwd`` (forward + backward, no optimizer). Variants, on the same inputs:
+SwiGLU), ``layer-bwd`` (forward + backward, no optimizer) and ``route`` (the layer's routing on the
+device as one call: router GEMM in fp32, softmax + top-k, the plan). Variants, on the same inputs:
 
 * ``ours``: tileweave's MoE pair (``tileweave.ops.moe``), the layer on its default ops;
 * ``grouped``: NCCL all-gather + index gather + ``torch._grouped_mm`` + weighted ``index_add`` + NCCL
@@ -15,6 +16,11 @@ SwiGLU) and ``layer-bwd`` (forward + backward, no optimizer). Variants, on the s
 * ``floor``: the grouped GEMMs alone (``torch._grouped_mm``), inputs already gathered and permuted:
   the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
   backward GEMMs).
+
+``route`` runs ``ours`` (the layer's plan, ``tileweave.nn.moe_autograd.TILEWEAVE_OPS``) and ``grouped``
+(all-gather of the ids + ``build_plan``) only; it is verified by routing: every (token, slot) pair's
+plan row must hold that token and the expert a float64 top-k of the same logits picks, and the top-k
+weights are checked against float64.
 
 The layer parts run one ``TPMoE`` whose ``ops`` are swapped (``tileweave.nn.moe_autograd.MoEOps``), so
 the backward of ``grouped`` and ``loop`` runs their own collectives and GEMMs. Routing is imposed
@@ -46,11 +52,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.bench.moe_reference import reference, rel_err
+from tileweave.bench.moe_reference import reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.report import Measurement, collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
-from tileweave.nn.moe import TPMoE
+from tileweave.nn.moe import TPMoE, route
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.common import last_path
 from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
@@ -67,12 +73,18 @@ MODELS: dict[str, tuple[int, int, int, int]] = {
 SMOKE_MODELS: dict[str, tuple[int, int, int, int]] = {"smoke": (16, 32, 4, 2)}
 TOKENS = (2048, 4096, 8192, 16384)
 ROUTINGS = ("uniform", "zipf")
-PARTS = ("layer0", "layer1", "layer", "layer-bwd")
+PARTS = ("layer0", "layer1", "layer", "layer-bwd", "route")
 VARIANTS = ("ours", "grouped", "loop", "floor")
+PART_VARIANTS = {"route": ("ours", "grouped")}
+"""The variants a part has where not all of ``VARIANTS`` (the others are not run, and reported "-")."""
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 """Relative Frobenius error against float64 (bf16 and fp16: the layer rounds at each of its steps, the
 router's weights included, so twice the single-op bound)."""
 
+
+def part_variants(part: str, variants: tuple[str, ...] = VARIANTS) -> tuple[str, ...]:
+    """Those of ``variants`` that ``part`` runs, in their order."""
+    return tuple(v for v in variants if v in PART_VARIANTS.get(part, VARIANTS))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,6 +180,8 @@ class Inputs:
         self.router[:, :e] += 2.0 * torch.eye(e)
         self.router = self.router.to(device)
         self.dout_shard = torch.randn(t, h, generator=gen)[rows].to(**cast)
+        if row.part == "route":  # the router alone
+            return
         own = torch.Generator(device=device).manual_seed(seed * 64 + rank)
         self.w0 = (torch.randn(e, 2 * self.f_loc, h, generator=own, device=device) / h ** 0.5).to(dtype)
         self.w1 = (torch.randn(e, h, self.f_loc, generator=own, device=device) / f ** 0.5).to(dtype)
@@ -192,6 +206,8 @@ def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Cal
     if variant == "floor":
         return _floor_call(part, inp, group)
     ops = {"ours": TILEWEAVE_OPS, "grouped": baseline_ops(_grouped_mm), "loop": baseline_ops(_expert_loop)}[variant]
+    if part == "route":
+        return _route_call(ops, inp, group)
     if part in ("layer", "layer-bwd"):
         layer = _layer_module(inp, ops, group, dtype, device)
         x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
@@ -218,6 +234,19 @@ def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Cal
     if variant == "ours":
         return lambda: [moe_gemm_reduce_scatter(h, w1, plan, inp.weights_shard, group)]
     return lambda: [ops.layer1(h, w1, plan, inp.weights_shard, group)]
+
+
+def _route_call(ops: MoEOps, inp: Inputs, group) -> Callable[[], list[torch.Tensor]]:
+    """``route``: what the TP MoE layer runs before its experts, as ``TPMoE.forward`` does: the router
+    GEMM (fp32), softmax + top-k (``tileweave.nn.moe.route``) and the plan (``ops.plan``, collective).
+    Returns the top-k weights and the plan's ``pair_row``, ``row_token``, ``row_expert``."""
+
+    def run():
+        logits = F.linear(inp.x_shard.float(), inp.router)
+        weights, ids = route(logits, inp.k, normalize=True)
+        plan = ops.plan(ids, inp.e, group)
+        return [weights, plan.pair_row, plan.row_token, plan.row_expert]
+    return run
 
 
 def _floor_call(part: str, inp: Inputs, group) -> Callable[[], list[torch.Tensor]]:
@@ -295,7 +324,7 @@ def bench_rank(rank: int, world: int, cfg: MoEBenchConfig) -> list[dict]:
                     row = Row(model, t, routing, part)
                     inp = Inputs(row, rank=rank, world=world, smoke=cfg.smoke, dtype=dtype, device=device)
                     refs = {}
-                    for variant in cfg.variants:
+                    for variant in part_variants(part, cfg.variants):
                         key = variant == "floor"
                         if key not in refs:
                             refs[key] = reference(part, variant, inp, group, device)
@@ -312,7 +341,7 @@ def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConf
     try:
         call = make_call(row.part, variant, inp, group, dtype, device)
         start = time.perf_counter()
-        err = rel_err(call(), ref)
+        err = (route_err if row.part == "route" else rel_err)(call(), ref)
         host_ms = (time.perf_counter() - start) * 1e3
     except Exception as exc:  # the other ranks see it in the agreed error below
         err, entry["note"] = math.inf, f"{type(exc).__name__}: {exc}"[:300]

@@ -1,5 +1,5 @@
 """float64 results of the MoE benchmark's parts (``tileweave.bench.moe``), computed from the
-definitions, and the check of the variants' results against them (``rel_err``).
+definitions, and the checks of the variants' results against them (``rel_err``, ``route_err``).
 
 Independent of the code under test: no tileweave op, no plan. The pairs of each expert are found by a
 mask over the routing ids, and the work runs one expert at a time: only that expert's weights and the
@@ -22,6 +22,11 @@ import torch
 import torch.distributed as dist
 
 from tileweave.nn.moe_autograd import gather_rows
+
+ROUTE_TIE = 1e-4
+"""``route``: a pair routed to another expert than float64's top-k passes only if both experts' float64
+probabilities agree within this relative gap (a tie: the router runs in fp32, whose logits carry
+relative rounding errors near 1e-6, whatever the layer's dtype)."""
 
 
 def _experts(ids: torch.Tensor, num_experts: int):
@@ -65,12 +70,16 @@ def reference(part: str, variant: str, inp, group, device) -> list[torch.Tensor]
     * ``layer``: this rank's ``[T/W, H]`` (``floor``: ``[T*k, H]`` per pair, imposed ids);
     * ``layer-bwd``: the output, the input gradient (this rank's tokens, summed over the ranks), and
       this rank's expert weight shards' gradients ``[E, 2*F_loc, H]``, ``[E, H, F_loc]`` (not the
-      router's, which each rank holds for its own tokens only); ``floor`` as ``layer``.
+      router's, which each rank holds for its own tokens only); ``floor`` as ``layer``;
+    * ``route``: this rank's top-k weights ``[T/W, k]``, every token's top-k ids ``[T, k]`` (int64)
+      and softmax probabilities ``[T, E]`` (ties are judged on these).
 
     Collective: every rank of ``group`` calls it with the same part."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     t, k = inp.t, inp.k
     rows = slice(rank * t // world, (rank + 1) * t // world)
+    if part == "route":
+        return _route(inp, group, rows)
     token = torch.arange(t, device=device).repeat_interleave(k)
     ids = gather_rows(inp.ids_shard, group).reshape(-1)
     if part == "layer1":
@@ -94,6 +103,15 @@ def reference(part: str, variant: str, inp, group, device) -> list[torch.Tensor]
 def _logits(x: torch.Tensor, router: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """float64 ``x @ router.T`` (``[n, E]``), casting ``block`` rows of ``x`` at a time."""
     return torch.cat([x[i:i + block].double() @ router.t() for i in range(0, x.shape[0], block)])
+
+
+def _route(inp, group, rows: slice) -> list[torch.Tensor]:
+    """float64 routing of every token: softmax of the router logits over the E experts, the top k,
+    the k weights divided by their sum (``TPMoE``'s default ``normalize_topk``)."""
+    logits = gather_rows(_logits(inp.x_shard, inp.router.double()), group)
+    probs = torch.softmax(logits, dim=1)
+    top, ids = probs.topk(inp.k, dim=1)
+    return [(top / top.sum(dim=1, keepdim=True))[rows], ids, probs]
 
 
 def _layer(part: str, inp, x: torch.Tensor, group, rows: slice, token: torch.Tensor) -> list[torch.Tensor]:
@@ -157,7 +175,7 @@ def _layer(part: str, inp, x: torch.Tensor, group, rows: slice, token: torch.Ten
     return [out[rows], dx[rows], dw0, dw1]
 
 
-# The check of the variants' results against the reference.
+# Checks of the variants' results against the reference.
 
 def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor], block: int = 1 << 26) -> float:
     """The largest relative Frobenius error ``|got - ref| / |ref|`` over the results (inf for a wrong
@@ -177,3 +195,33 @@ def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor], block: int = 1 << 
         worst = max(worst, math.sqrt(diff) / max(math.sqrt(norm), 1e-30))
     return worst
 
+
+def route_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """``route``: ``got = [weights_shard, pair_row, row_token, row_expert]`` (the routing and its plan),
+    ``ref = [weights_shard, ids, probs]`` in float64 (``reference``). The plan must hold
+    every (token, slot) pair in a row of that token and of the expert the float64 top-k picks (a swap
+    of two experts whose float64 probabilities agree within ``ROUTE_TIE`` is a tie, not an error);
+    returns the weights' relative error. Raises ``ValueError`` naming the first misrouted pair."""
+    weights, pair_row, row_token, row_expert = got
+    ref_weights, ref_ids, probs = ref
+    t, k = ref_ids.shape
+    if tuple(pair_row.shape) != (t, k):
+        raise ValueError(f"route: plan.pair_row must be [{t}, {k}], got {list(pair_row.shape)}")
+    rows = pair_row.long()
+    tokens = torch.arange(t, device=rows.device)[:, None].expand(t, k)
+    if not torch.equal(row_token.long()[rows], tokens):
+        bad = (row_token.long()[rows] != tokens).nonzero()[0].tolist()
+        raise ValueError(f"route: the plan row of pair (token {bad[0]}, slot {bad[1]}) holds token "
+                         f"{row_token[rows[bad[0], bad[1]]].item()}")
+    ids = row_expert.long()[rows]
+    wrong = ids != ref_ids
+    if wrong.any():
+        p_got, p_ref = probs.gather(1, ids.clamp(0, probs.shape[1] - 1)), probs.gather(1, ref_ids)
+        gap = ((p_got - p_ref).abs() / p_ref).masked_fill(~wrong, 0)
+        gap = gap.masked_fill((ids < 0) | (ids >= probs.shape[1]), math.inf)
+        if gap.max().item() > ROUTE_TIE:
+            tok, slot = (gap > ROUTE_TIE).nonzero()[0].tolist()
+            raise ValueError(f"route: {int((gap > ROUTE_TIE).sum())} pairs misrouted; (token {tok}, slot {slot}) "
+                             f"goes to expert {ids[tok, slot].item()}, float64 top-k picks "
+                             f"{ref_ids[tok, slot].item()}")
+    return rel_err([weights], [ref_weights])
