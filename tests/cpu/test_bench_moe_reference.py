@@ -31,7 +31,8 @@ def _inputs(rank: int, world: int, shape, dtype, seed: int) -> types.SimpleNames
     rows = slice(rank * t // world, (rank + 1) * t // world)
     f_loc = f // world
     full_w0 = torch.randn(e, 2 * f, h, generator=gen) / h ** 0.5
-    cols = torch.cat([torch.arange(rank * f_loc, (rank + 1) * f_loc), f + torch.arange(rank * f_loc, (rank + 1) * f_loc)])
+    own = torch.arange(rank * f_loc, (rank + 1) * f_loc)
+    cols = torch.cat([own, f + own])  # this rank's gate rows, then its up rows
     return types.SimpleNamespace(
         h=h, f=f, e=e, k=k, t=t, f_loc=f_loc,
         x_shard=torch.randn(t, h, generator=gen)[rows].to(dtype),
