@@ -31,9 +31,10 @@ Method (docs/design.md, "Measuring"): every variant is verified against float64 
 definitions (``tileweave.bench.moe_reference``: a mask per expert, no plan, one expert at a time)
 before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back calls
 between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
-rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib) into ``--out``. With
-``--smoke`` the ranks are emulated on the CPU, each variant runs and is checked once (times are the
-interpreter's and mean nothing).
+rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib: ours' speedups over the
+baselines, and floor/ours) into ``--out`` (``tileweave.bench.moe_report``). With ``--smoke`` the ranks
+are emulated on the CPU, each variant runs and is checked once; its times are the interpreter's and
+mean nothing: the report says so and shows no ratios and no chart.
 """
 
 from __future__ import annotations
