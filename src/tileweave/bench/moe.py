@@ -6,7 +6,8 @@
 
 Parts (``--parts``): ``layer0`` (AllGather + grouped GEMM), ``layer1`` (grouped GEMM + top-k reduce +
 ReduceScatter), ``layer`` (``TPMoE`` forward under ``torch.no_grad``: router, plan, both layers,
-SwiGLU) and ``layer-bwd`` (forward + backward, no optimizer). Variants, on the same inputs:
+SwiGLU), ``layer-bwd`` (forward + backward, no optimizer) and ``route`` (the layer's routing on the
+device as one call: router GEMM in fp32, softmax + top-k, the plan). Variants, on the same inputs:
 
 * ``ours``: tileweave's MoE pair (``tileweave.ops.moe``), the layer on its default ops;
 * ``grouped``: NCCL all-gather + index gather + ``torch._grouped_mm`` + weighted ``index_add`` + NCCL
@@ -16,17 +17,24 @@ SwiGLU) and ``layer-bwd`` (forward + backward, no optimizer). Variants, on the s
   the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
   backward GEMMs).
 
+``route`` runs ``ours`` (the layer's plan, ``tileweave.nn.moe_autograd.TILEWEAVE_OPS``) and ``grouped``
+(all-gather of the ids + ``build_plan``) only; it is verified by routing: every (token, slot) pair's
+plan row must hold that token and the expert a float64 top-k of the same logits picks, and the top-k
+weights are checked against float64.
+
 The layer parts run one ``TPMoE`` whose ``ops`` are swapped (``tileweave.nn.moe_autograd.MoEOps``), so
 the backward of ``grouped`` and ``loop`` runs their own collectives and GEMMs. Routing is imposed
 through the router (the first E features of a token score the experts, read by a near-identity
 router): ``uniform`` or ``zipf`` (expert e drawn with weight ``1/(e+1)**1.2``).
 
 Method (docs/design.md, "Measuring"): every variant is verified against float64 computed from the
-definitions (a mask per expert, no plan) before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back
-calls between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
-rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib) into ``--out``. With
-``--smoke`` the ranks are emulated on the CPU, each variant runs and is checked once (times are the
-interpreter's and mean nothing).
+definitions (``tileweave.bench.moe_reference``: a mask per expert, no plan, one expert at a time)
+before it is timed; steady state (``tileweave.bench.timing.measure``: warm-up, back-to-back calls
+between CUDA events, median over reps, max over ranks, the SM clock); the same calls on every
+rank; peak memory per variant. JSON + markdown (+ a chart with matplotlib: ours' speedups over the
+baselines, and floor/ours) into ``--out`` (``tileweave.bench.moe_report``). With ``--smoke`` the ranks
+are emulated on the CPU, each variant runs and is checked once; its times are the interpreter's and
+mean nothing: the report says so and shows no ratios and no chart.
 """
 
 from __future__ import annotations
@@ -45,10 +53,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tileweave.bench.moe_reference import reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.report import Measurement, collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
-from tileweave.nn.moe import TPMoE
+from tileweave.nn.moe import TPMoE, route
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.common import last_path
 from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
@@ -65,11 +74,18 @@ MODELS: dict[str, tuple[int, int, int, int]] = {
 SMOKE_MODELS: dict[str, tuple[int, int, int, int]] = {"smoke": (16, 32, 4, 2)}
 TOKENS = (2048, 4096, 8192, 16384)
 ROUTINGS = ("uniform", "zipf")
-PARTS = ("layer0", "layer1", "layer", "layer-bwd")
+PARTS = ("layer0", "layer1", "layer", "layer-bwd", "route")
 VARIANTS = ("ours", "grouped", "loop", "floor")
+PART_VARIANTS = {"route": ("ours", "grouped")}
+"""The variants a part has where not all of ``VARIANTS`` (the others are not run, and reported "-")."""
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 """Relative Frobenius error against float64 (bf16 and fp16: the layer rounds at each of its steps, the
 router's weights included, so twice the single-op bound)."""
+
+
+def part_variants(part: str, variants: tuple[str, ...] = VARIANTS) -> tuple[str, ...]:
+    """Those of ``variants`` that ``part`` runs, in their order."""
+    return tuple(v for v in variants if v in PART_VARIANTS.get(part, VARIANTS))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,6 +181,8 @@ class Inputs:
         self.router[:, :e] += 2.0 * torch.eye(e)
         self.router = self.router.to(device)
         self.dout_shard = torch.randn(t, h, generator=gen)[rows].to(**cast)
+        if row.part == "route":  # the router alone
+            return
         own = torch.Generator(device=device).manual_seed(seed * 64 + rank)
         self.w0 = (torch.randn(e, 2 * self.f_loc, h, generator=own, device=device) / h ** 0.5).to(dtype)
         self.w1 = (torch.randn(e, h, self.f_loc, generator=own, device=device) / f ** 0.5).to(dtype)
@@ -189,6 +207,8 @@ def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Cal
     if variant == "floor":
         return _floor_call(part, inp, group)
     ops = {"ours": TILEWEAVE_OPS, "grouped": baseline_ops(_grouped_mm), "loop": baseline_ops(_expert_loop)}[variant]
+    if part == "route":
+        return _route_call(ops, inp, group)
     if part in ("layer", "layer-bwd"):
         layer = _layer_module(inp, ops, group, dtype, device)
         x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
@@ -217,6 +237,19 @@ def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Cal
     return lambda: [ops.layer1(h, w1, plan, inp.weights_shard, group)]
 
 
+def _route_call(ops: MoEOps, inp: Inputs, group) -> Callable[[], list[torch.Tensor]]:
+    """``route``: what the TP MoE layer runs before its experts, as ``TPMoE.forward`` does: the router
+    GEMM (fp32), softmax + top-k (``tileweave.nn.moe.route``) and the plan (``ops.plan``, collective).
+    Returns the top-k weights and the plan's ``pair_row``, ``row_token``, ``row_expert``."""
+
+    def run():
+        logits = F.linear(inp.x_shard.float(), inp.router)
+        weights, ids = route(logits, inp.k, normalize=True)
+        plan = ops.plan(ids, inp.e, group)
+        return [weights, plan.pair_row, plan.row_token, plan.row_expert]
+    return run
+
+
 def _floor_call(part: str, inp: Inputs, group) -> Callable[[], list[torch.Tensor]]:
     plan = _baseline_plan(inp.ids_shard, inp.e, group)
     x = gather_rows(inp.x_shard, group)[plan.row_token.long()].contiguous()
@@ -243,72 +276,6 @@ def _floor_call(part: str, inp: Inputs, group) -> Callable[[], list[torch.Tensor
             del da
         return [z[pairs]]
     return run
-
-
-# ---------------------------------------------------------------------------------------------------
-# Verification: every variant against float64 computed from the definitions (no plan, no grouped GEMM).
-
-def _pairs_gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``out[i] = a[i] @ w[ids[i]].T`` for ``a [n, K]``, ``w [E, N, K]``, by a mask per expert."""
-    out = a.new_zeros((a.shape[0], w.shape[1]))
-    for e in range(w.shape[0]):
-        rows = ids == e
-        out[rows] = a[rows] @ w[e].t()
-    return out
-
-
-def reference(part: str, variant: str, inp: Inputs, group, device) -> list[torch.Tensor]:
-    """float64 results of ``part`` in the variants' shared form: per (token, slot) pair for layer 0 and
-    the floor; this rank's tokens for layer 1 and the layer; the layer's input gradient and its expert
-    weights' (this rank's shards; not the router's, which each rank holds for its own tokens only)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    t, k = inp.t, inp.k
-    rows = slice(rank * t // world, (rank + 1) * t // world)
-    ids = gather_rows(inp.ids_shard, group).reshape(-1)
-    x = gather_rows(inp.x_shard, group).double()
-    token = torch.arange(t, device=device).repeat_interleave(k)
-    w0, w1 = inp.w0.double(), inp.w1.double()
-    if part == "layer0":
-        return [_pairs_gemm(x[token], w0, ids)]
-    if part == "layer1":
-        z = _pairs_gemm(inp.h_rows.double(), w1, ids)
-        if variant == "floor":
-            return [z]
-        out = (z.view(t, k, -1) * gather_rows(inp.weights_shard, group).double()[..., None]).sum(1)
-        dist.all_reduce(out, group=group)
-        return [out[rows]]
-    if variant == "floor":
-        gate, up = _pairs_gemm(x[token], w0, ids).split(inp.f_loc, dim=1)
-        return [_pairs_gemm(F.silu(gate) * up, w1, ids)]
-    # The layer: this rank's F_loc part of every token's output, routed by the definition, summed over
-    # the ranks; its gradients are those of the rank's own expert shards (and of x, summed over ranks).
-    w0.requires_grad_(part == "layer-bwd")
-    w1.requires_grad_(part == "layer-bwd")
-    x.requires_grad_(part == "layer-bwd")
-    probs = torch.softmax(x @ inp.router.double().t(), dim=1)
-    coeff, chosen = probs.topk(k, dim=1)
-    coeff = coeff / coeff.sum(dim=1, keepdim=True)
-    gate, up = _pairs_gemm(x[token], w0, chosen.reshape(-1)).split(inp.f_loc, dim=1)
-    z = _pairs_gemm(F.silu(gate) * up, w1, chosen.reshape(-1))
-    partial = (z.view(t, k, -1) * coeff[..., None]).sum(1)
-    out = partial.detach().clone()
-    dist.all_reduce(out, group=group)
-    if part == "layer":
-        return [out[rows]]
-    (partial * gather_rows(inp.dout_shard, group).double()).sum().backward()
-    dx = x.grad.clone()
-    dist.all_reduce(dx, group=group)
-    return [out[rows], dx[rows], w0.grad, w1.grad]
-
-
-def _rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    worst = 0.0
-    for g, r in zip(got, ref):
-        g = g.detach().float()
-        if g.shape != r.shape or not torch.isfinite(g).all():
-            return math.inf
-        worst = max(worst, ((g - r).norm() / r.norm().clamp_min(1e-30)).item())
-    return worst
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -358,7 +325,7 @@ def bench_rank(rank: int, world: int, cfg: MoEBenchConfig) -> list[dict]:
                     row = Row(model, t, routing, part)
                     inp = Inputs(row, rank=rank, world=world, smoke=cfg.smoke, dtype=dtype, device=device)
                     refs = {}
-                    for variant in cfg.variants:
+                    for variant in part_variants(part, cfg.variants):
                         key = variant == "floor"
                         if key not in refs:
                             refs[key] = reference(part, variant, inp, group, device)
@@ -375,7 +342,7 @@ def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConf
     try:
         call = make_call(row.part, variant, inp, group, dtype, device)
         start = time.perf_counter()
-        err = _rel_err(call(), ref)
+        err = (route_err if row.part == "route" else rel_err)(call(), ref)
         host_ms = (time.perf_counter() - start) * 1e3
     except Exception as exc:  # the other ranks see it in the agreed error below
         err, entry["note"] = math.inf, f"{type(exc).__name__}: {exc}"[:300]
