@@ -27,6 +27,10 @@ ungated. ``policy="auto"`` chooses per shape (``tileweave.ops.moe.paths.choose_p
 one communicates nothing (``"local"``). ``tileweave.last_path("moe_all_gather_gemm")``
 says which ran.
 
+Every call first agrees with the other ranks (``MoEOp``): a bad argument on one rank raises the same
+error on every rank. A plan built from ids outside ``[0, E)`` without validation raises ``ValueError``
+(at that call on the CPU and with ``TILEWEAVE_DEBUG=1``, else at the next).
+
 Synchronises: nothing with the host (the plan's offsets stay on the device). Concurrency: all ranks
 call the op the same number of times in the same order with the same shapes; do not run two calls of
 one op object concurrently on different streams.
@@ -39,9 +43,10 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, plan_signature
 from tileweave.ops.moe.gather import ShardGather
 from tileweave.ops.moe.plan import MoEPlan
+from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend
 
 _OP = "moe_all_gather_gemm"
@@ -57,18 +62,27 @@ class MoEAllGatherGemm(MoEOp):
                  return_gathered: bool = False):
         """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
         result's dtype with unit column stride. ``x`` is a fresh tensor."""
-        check_activation("x_shard", x_shard, "[T/W, H]")
-        common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
-        tc, h = x_shard.shape
-        experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
-                               shape_doc="[E, H, F_loc]")
-        f_loc = w0.shape[2]
-        backend = self._backend_for(plan, x_shard.device, experts=experts, tokens_per_rank=tc)
-        w = backend.world_size
+        if not isinstance(x_shard, torch.Tensor):  # its device says which backend to agree on
+            raise TypeError(f"x_shard must be a torch.Tensor [T/W, H], got {type(x_shard).__name__}")
+
+        def check(backend: Backend) -> dict:
+            check_activation("x_shard", x_shard, "[T/W, H]")
+            common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
+            common.check_runs_dtype(_OP, "x_shard", x_shard)
+            tc, h = x_shard.shape
+            experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
+                                   shape_doc="[E, H, F_loc]")
+            check_plan(plan, world=backend.world_size, tokens=tc * backend.world_size, experts=experts,
+                       device=x_shard.device)
+            common.check_out(out, (plan.rows, w0.shape[2]), x_shard.dtype, x_shard.device)
+            return dict(tokens=plan.tokens, topk=plan.topk, hidden=h, f_loc=w0.shape[2], dtype=x_shard.dtype)
+
+        signature = (describe(x_shard), describe(w0), plan_signature(plan))
+        backend, path = self._agree(x_shard.device, signature, check)
+        tc, f_loc = x_shard.shape[0], w0.shape[2]
+        experts = w0.shape[0]
         out = common.out_or_new(out, (plan.rows, f_loc), x_shard.dtype, x_shard.device)
-        signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
-        path = self._decide(backend, signature, tokens=tc * w, topk=plan.topk, hidden=h, f_loc=f_loc,
-                            dtype=x_shard.dtype)
+        self._mark_ids(plan, x_shard.device)
         if path == "fused" and tc == 0:
             path = "fallback"
         if path == "fused":
@@ -76,12 +90,12 @@ class MoEAllGatherGemm(MoEOp):
         else:
             gathered = x_shard if path == "local" else all_gather_rows(x_shard, backend)
             grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out)
+        self._finish_ids(backend, plan)
         common.record_path(_OP, path)
         return (out, gathered) if return_gathered else out
 
     def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool):
         """The fused path: the pushes, one gated grouped GEMM, the release (module docstring)."""
-        self._check_previous()
         gather = ShardGather.start(backend, self._ws, x_shard)
         self._ws = gather.ws
         grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
