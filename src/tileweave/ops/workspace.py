@@ -216,13 +216,14 @@ def _grow(backend: Backend, what: str, current: int | None, nbytes: int) -> int:
     return max(nbytes, 2 * current)
 
 
-def agree(backend: Backend, op: str, signature: tuple, proposal: object, *, hint: str = "") -> object:
+def agree(backend: Backend, op: str, signature: object, proposal: object, *, hint: str = "") -> object:
     """Exchange with every rank, at every call, what it was called with, and return rank 0's proposal
     (a path, a kernel config) so that all ranks use the same one. Collective: every rank of the group
     calls it at the same call of ``op``; none may skip it (say, because it met ``signature`` before).
 
-    ``signature``: what every rank must share (shapes, dtypes, which optional arguments are given;
-    ``tileweave.runtime.agreement.describe`` makes them from any argument). ``proposal``: this rank's
+    ``signature``: what every rank must share (shapes, dtypes, which optional arguments are given), best
+    a dict of argument name to ``tileweave.runtime.agreement.describe``'s text, which makes the error
+    of differing signatures name the arguments that differ. ``proposal``: this rank's
     proposal, or a function that checks this rank's arguments and returns it. What that function
     raises (``TypeError``, ``ValueError``, ``TileweaveError``) is exchanged instead of raised, so that
     every rank raises it, after the exchange: checks that can differ between ranks run here, never

@@ -80,16 +80,19 @@ def _delete(store, key: str) -> None:
 
 
 def describe(value: object, *, dims: tuple[int, ...] | None = None) -> object:
-    """What the ranks compare of an argument: a tensor's shape (only its dimensions ``dims`` when
-    given, for a tensor whose other dimensions may differ by rank), dtype and device type; None; a
-    number or string itself (its repr, so that NaN equals NaN); else the type's name."""
+    """What the ranks compare of an argument, as text: a tensor's shape (``*`` for the dimensions not in
+    ``dims`` when given, for a tensor whose other dimensions may differ by rank), dtype and device type,
+    e.g. ``"[4, *] float16 on cuda"``; None; a number or string itself (its repr, so that NaN equals
+    NaN); else the type's name."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
-        shape = tuple(value.shape)
+        shape = list(value.shape)
         if dims is not None:
-            shape = tuple(shape[d] if -len(shape) <= d < len(shape) else None for d in dims)
-        return (shape, str(value.dtype).removeprefix("torch."), value.device.type)
+            kept = {d % len(shape) for d in dims if -len(shape) <= d < len(shape)}
+            shape = [size if d in kept else "*" for d, size in enumerate(shape)]
+        return f"[{', '.join(str(size) for size in shape)}] {str(value.dtype).removeprefix('torch.')} on " \
+               f"{value.device.type}"
     if isinstance(value, (bool, int, float, str)):
         return repr(value)
     return type(value).__name__
@@ -102,8 +105,9 @@ def judge(op: str, everyone: list, *, hint: str = "") -> None:
     """Raise, the same error on every rank, if a rank's checks failed or the ranks' signatures differ.
     ``everyone``: each rank's ``(signature, failure, proposal)``, where ``failure`` is None or the
     ``(type name, message)`` of what that rank's checks raised. The lowest failing rank's error is
-    raised; its message carries the rank unless every rank failed alike. ``hint``: appended to the
-    message of differing signatures (what every rank must share)."""
+    raised; its message carries the rank unless every rank failed alike. A signature that is a dict
+    (argument name: ``describe``'s text) gives a message that names the arguments that differ.
+    ``hint``: appended to the message of differing signatures (what every rank must share)."""
     failures = [(r, entry[1]) for r, entry in enumerate(everyone) if entry[1] is not None]
     if failures:
         rank, (kind, message) = failures[0]
@@ -112,6 +116,12 @@ def judge(op: str, everyone: list, *, hint: str = "") -> None:
         raise _ERRORS.get(kind, TileweaveError)(message)
     first = everyone[0][0]
     for rank, entry in enumerate(everyone):
-        if entry[0] != first:
-            raise TileweaveError(f"{op}: every rank of the group must pass the same shapes and dtypes, but rank 0 "
-                                 f"passed {first} and rank {rank} passed {entry[0]}{hint}")
+        theirs = entry[0]
+        if theirs == first:
+            continue
+        if isinstance(first, dict) and isinstance(theirs, dict) and first.keys() == theirs.keys():
+            names = [name for name in first if first[name] != theirs[name]]
+            first = "; ".join(f"{name} {first[name]}" for name in names)
+            theirs = "; ".join(f"{name} {theirs[name]}" for name in names)
+        raise TileweaveError(f"{op}: every rank of the group must pass the same shapes and dtypes, but rank 0 "
+                             f"passed {first} and rank {rank} passed {theirs}{hint}")

@@ -145,8 +145,9 @@ class GemmAllReduce:
             path = propose()
         else:
             # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
-            signature = (describe(a, dims=(0,)), describe(b, dims=(-1,)), describe(bias), describe(residual),
-                         describe(norm_weight), self.policy, self.graphable)
+            signature = {"a": describe(a, dims=(0,)), "b": describe(b, dims=(-1,)), "bias": describe(bias),
+                         "residual": describe(residual), "norm_weight": describe(norm_weight),
+                         "policy": repr(self.policy), "graphable": repr(self.graphable)}
             path = agree(backend, OP, signature, propose)
         if w > 1 and (m == 0 or n == 0):
             path = "fallback"

@@ -82,7 +82,7 @@ class MoEOp:
             self._backend = get_backend(self.group, device)
         return self._backend
 
-    def _agree(self, device: torch.device, signature: tuple, check: Callable[[Backend], dict]) -> tuple[Backend, str]:
+    def _agree(self, device: torch.device, signature: dict, check: Callable[[Backend], dict]) -> tuple[Backend, str]:
         """``(backend, path)`` of a call, every rank together: this rank's pending error (an earlier
         call's expired wait or out-of-range ids) and ``check(backend)`` (the op's argument checks, which
         return ``choose_path``'s shape keywords) run, then every rank's outcome and ``signature`` (what
@@ -101,7 +101,7 @@ class MoEOp:
 
         if backend.world_size == 1:
             return backend, propose()
-        return backend, agree(backend, self.op_name, (*signature, self.policy), propose)
+        return backend, agree(backend, self.op_name, {**signature, "policy": self.policy}, propose)
 
     def _spin(self, backend: Backend) -> int:
         return self.max_spin or backend.default_max_spin

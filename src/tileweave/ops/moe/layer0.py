@@ -77,7 +77,7 @@ class MoEAllGatherGemm(MoEOp):
             common.check_out(out, (plan.rows, w0.shape[2]), x_shard.dtype, x_shard.device)
             return dict(tokens=plan.tokens, topk=plan.topk, hidden=h, f_loc=w0.shape[2], dtype=x_shard.dtype)
 
-        signature = (describe(x_shard), describe(w0), plan_signature(plan))
+        signature = {"x_shard": describe(x_shard), "w0": describe(w0), "plan (W, T, k, E)": plan_signature(plan)}
         backend, path = self._agree(x_shard.device, signature, check)
         tc, f_loc = x_shard.shape[0], w0.shape[2]
         experts = w0.shape[0]

@@ -114,7 +114,8 @@ class MoEGemmReduceScatter(MoEOp):
             common.check_out(out, (tc, w1.shape[2]), h.dtype, h.device)
             return dict(tokens=plan.tokens, topk=plan.topk, hidden=w1.shape[2], f_loc=f_loc, dtype=h.dtype)
 
-        signature = (describe(h), describe(w1), plan_signature(plan), describe(topk_weights_shard))
+        signature = {"h": describe(h), "w1": describe(w1), "plan (W, T, k, E)": plan_signature(plan),
+                     "topk_weights_shard": describe(topk_weights_shard)}
         backend, path = self._agree(h.device, signature, check)
         experts, hidden = w1.shape[0], w1.shape[2]
         tc = plan.tokens // backend.world_size

@@ -197,7 +197,7 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
     capturing = topk_ids_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     if world > 1:
         backend = get_backend(group, topk_ids_shard.device)
-        agree(backend, "moe_plan", (describe(topk_ids_shard), describe(num_experts)),
+        agree(backend, "moe_plan", {"topk_ids_shard": describe(topk_ids_shard), "num_experts": describe(num_experts)},
               lambda: check_ids(topk_ids_shard, num_experts, name="topk_ids_shard"),
               hint="; every rank must route the same number of tokens with the same k over the same experts")
     ids = topk_ids_shard.contiguous()
