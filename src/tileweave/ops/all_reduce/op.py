@@ -127,7 +127,8 @@ class GemmAllReduce:
         path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
         then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
         that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
-        m, n = a.shape[0], (b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0)
+        m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
+        n = b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
         key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None)
 
         def propose() -> str:
