@@ -28,7 +28,7 @@ Paths (``last_path("gemm_all_reduce")``): ``"oneshot"`` and ``"twoshot"`` (``tra
 picks per shape by ``rule.choose_path``, decided at the first call of a signature; rank 0's pick is
 taken by every rank.
 
-Every call first exchanges with the other ranks (on the host, through the group's store, bounded by
+Every call first exchanges with the other ranks (on the host, through shared memory, bounded by
 ``TILEWEAVE_TIMEOUT_S``) the shapes, dtypes and optional arguments and the outcome of each rank's checks,
 then judges them: a bad argument on one rank raises the same error on every rank, ranks that pass
 different M, N, dtype or optional arguments raise ``TileweaveError`` on every rank, and a rank that does
