@@ -2,7 +2,8 @@
 the same call and within a bounded wait, and the next good call is right (against float64 references
 computed here from the unsharded problem). Also: unchecked out-of-range routing ids raise, ids other than
 int32/int64 are refused by name, bfloat16 is refused on the CPU, and a missing peer of ``moe_plan`` is
-reported. Two emulated ranks, small shapes."""
+reported; and the guarantee of the exchange itself. Two emulated ranks (three for the exchange), small
+shapes."""
 
 from __future__ import annotations
 
@@ -253,3 +254,26 @@ def test_moe_plan_reports_a_missing_peer_within_the_bound():
     assert "rank 1" in outcome["raised"][1] and "expired" in outcome["raised"][1], outcome
     assert host_timeout_s <= outcome["seconds"] < 4 * host_timeout_s, outcome
     assert results[0]["after"] == results[1]["after"]
+
+
+def exchange_guarantee(rank: int, world: int) -> dict:
+    """Many exchanges with rank-specific records (every rank must get every rank's record of the same
+    exchange, never one of an earlier or later one), one where the ranks are in different ops, then more."""
+    from tileweave.runtime.agreement import exchange
+
+    group = torch.distributed.group.WORLD
+    wrong = [exchange(group, rank, world, "op", (i, rank), timeout_s=60) != [(i, r) for r in range(world)]
+             for i in range(300)]
+    outcome = _outcome(lambda: exchange(group, rank, world, f"op{rank % 2}", None, timeout_s=60))
+    after = exchange(group, rank, world, "op", rank, timeout_s=60)
+    return {"wrong": sum(wrong), "outcome": outcome, "after": after}
+
+
+def test_exchange_gives_every_rank_the_records_of_the_same_exchange():
+    results = run_ranks(3, exchange_guarantee)
+    for result in results:
+        assert result["wrong"] == 0, result
+        assert result["outcome"]["raised"] == results[0]["outcome"]["raised"], results
+        assert result["outcome"]["raised"][0] == "TileweaveError", result
+        assert "rank 0 op0, rank 1 op1, rank 2 op0" in result["outcome"]["raised"][1], result
+        assert result["after"] == [0, 1, 2], result
