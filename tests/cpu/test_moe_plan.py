@@ -68,14 +68,26 @@ def test_plan_errors():
         build_plan(bad, num_experts=4, world_size=2)
 
 
-def test_unchecked_bad_ids_stay_in_bounds():
-    # Unvalidated, a bad id's pair is left out of every group and every index stays in range.
+def test_unchecked_bad_ids_are_clamped_and_counted():
+    # Unvalidated, a bad id is clamped into [0, E) (every pair in a group, every index in range) and
+    # counted on the device, where the MoE ops find it.
     ids = torch.tensor([[0, 9], [1, 1], [-3, 0], [1, 0]])
     plan = build_plan(ids, num_experts=2, world_size=2, validate=False)
-    assert plan.offsets.tolist() == [0, 1, 3, 5, 6]  # two of the eight pairs in no group
+    assert plan.offsets.tolist() == [0, 1, 4, 7, 8]  # as the ids [[0, 1], [1, 1], [0, 0], [1, 0]]
     assert plan.row_token.min() >= 0 and plan.row_token.max() < 4
     assert plan.row_expert.min() >= 0 and plan.row_expert.max() < 2
-    assert plan.splits.tolist() == [3, 3]
+    assert plan.splits.tolist() == [4, 4]
+    assert plan.invalid.tolist() == [2]
+    again = type(plan).from_tensors(*plan.tensors())
+    assert again.invalid.tolist() == [2]
+    assert build_plan(ids.clamp(0, 1), num_experts=2, world_size=2).invalid.tolist() == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int8])
+def test_ids_other_than_int32_or_int64_are_refused_by_name(dtype):
+    ids = torch.zeros(4, 2, dtype=dtype)
+    with pytest.raises(TypeError, match=f"topk_ids has dtype {dtype}; expert ids must be int32 or int64"):
+        build_plan(ids, num_experts=2, world_size=2)
 
 
 def test_path_rule_worked_example():

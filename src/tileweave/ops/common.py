@@ -114,13 +114,24 @@ def out_or_new(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dt
     return out if out is not None else torch.empty(shape, dtype=dtype, device=device)
 
 
+BAD_IDS = 1 << 24
+"""Error-word code base of a routing plan built from expert ids outside [0, E): ``BAD_IDS + count``
+(above every rank code of an expired wait)."""
+
+
 def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
-    """Raise ``CollectiveTimeout`` if the error word ``err`` (int32, one element) is set, clearing it.
-    Codes: ``1 + src`` for the shard of rank ``src``, ``100 + src`` for rank ``src``'s partials."""
+    """Raise if the error word ``err`` (int32, one element) is set, clearing it: ``CollectiveTimeout``
+    for an expired wait (codes ``1 + src`` for the shard of rank ``src``, ``100 + src`` for rank
+    ``src``'s partials), ``ValueError`` for out-of-range routing ids (``BAD_IDS + count``)."""
     code = int(err.item())
     if code == 0:
         return
     err.zero_()
+    if code >= BAD_IDS:
+        raise ValueError(f"{op}: the routing plan was built from {code - BAD_IDS} expert id(s) outside "
+                         "[0, num_experts) (moe_plan(..., validate=False) does not check them on the host; they "
+                         "were clamped into range, so the results of the call that used the plan are wrong): fix "
+                         "the router's ids, or build the plan with validate=True to find the rank that holds them")
     what = f"the partial tiles from rank {code - 100}" if code >= 100 else f"the shard of rank {code - 1}"
     raise CollectiveTimeout(f"{op} on rank {rank}: a bounded wait for {what} expired; a peer is missing, "
                             "far behind, or calling the ops in a different order (raise TILEWEAVE_MAX_SPIN "

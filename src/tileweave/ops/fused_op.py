@@ -282,7 +282,7 @@ class FusedOp:
         proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0)
         proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
         path = auto() if self.policy == "auto" else self.policy
-        config = agree(backend, {}, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), proposal)
+        config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), proposal)
         if not (m > 0 and n > 0 and k > 0):
             path = "fallback"
         return path, config

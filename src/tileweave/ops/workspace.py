@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime.agreement import exchange, judge
 from tileweave.runtime.backend import Backend, SymmetricBuffer, TileweaveError
 
 # Flag array layout, in int32 words, for a group of W ranks:
@@ -215,20 +216,30 @@ def _grow(backend: Backend, what: str, current: int | None, nbytes: int) -> int:
     return max(nbytes, 2 * current)
 
 
-def agree(backend: Backend, cache: dict, op: str, signature: tuple, proposal: object) -> object:
-    """Check once per ``signature`` that every rank called ``op`` with the same shapes and dtypes, and
-    return rank 0's ``proposal`` (for example a kernel config) so that all ranks use the same one.
+def agree(backend: Backend, op: str, signature: object, proposal: object, *, hint: str = "") -> object:
+    """Exchange with every rank, at every call, what it was called with, and return rank 0's proposal
+    (a path, a kernel config) so that all ranks use the same one. Collective: every rank of the group
+    calls it at the same call of ``op``; none may skip it (say, because it met ``signature`` before).
 
-    Runs before any symmetric allocation: ranks that disagree must fail together, here, rather than
-    allocate different sizes or wait on each other's flags.
+    ``signature``: what every rank must share (shapes, dtypes, which optional arguments are given), best
+    a dict of argument name to ``tileweave.runtime.agreement.describe``'s text, which makes the error
+    of differing signatures name the arguments that differ. ``proposal``: this rank's
+    proposal, or a function that checks this rank's arguments and returns it. What that function
+    raises (``TypeError``, ``ValueError``, ``TileweaveError``) is exchanged instead of raised, so that
+    every rank raises it, after the exchange: checks that can differ between ranks run here, never
+    before. Differing signatures raise ``TileweaveError`` on every rank (``hint`` ends its message);
+    a rank that does not come within the backend's ``timeout_s``, ``CollectiveTimeout`` naming it.
+
+    Runs before any symmetric allocation or communication of the call: ranks that disagree fail
+    together, here, rather than allocate different sizes or wait on each other's flags.
     """
-    if signature in cache:
-        return cache[signature]
-    everyone: list = [None] * backend.world_size
-    dist.all_gather_object(everyone, (signature, proposal), group=backend.group)
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs != signature:
-            raise TileweaveError(f"{op}: rank {backend.rank} was called with {signature} but rank {rank} with "
-                                 f"{theirs}; every rank of the group must pass the same shapes and dtypes")
-    cache[signature] = everyone[0][1]
-    return cache[signature]
+    failure = None
+    if callable(proposal):
+        try:
+            proposal = proposal()
+        except (TypeError, ValueError, TileweaveError) as exc:
+            failure, proposal = (type(exc).__name__, str(exc)), None
+    everyone = exchange(backend.group, backend.rank, backend.world_size, op, (signature, failure, proposal),
+                        timeout_s=backend.timeout_s)
+    judge(op, everyone, hint=hint)
+    return everyone[0][2]

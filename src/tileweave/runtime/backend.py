@@ -87,6 +87,8 @@ class Backend(abc.ABC):
     may share one hardware queue, e.g. under CUDA_DEVICE_MAX_CONNECTIONS=1)."""
     num_sms: int
     default_max_spin: int
+    timeout_s: float
+    """Seconds a host-side wait for a peer may take before it raises ``CollectiveTimeout``."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> SymmetricBuffer:

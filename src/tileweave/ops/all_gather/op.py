@@ -219,7 +219,7 @@ class AllGatherGemm(FusedOp):
         return PendingGather(backend, plan.gathered, plan.releases, values=values, arrivals=plan.arrivals)
 
     def _decide_gather(self, backend: Backend, key: tuple) -> None:
-        agree(backend, {}, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
+        agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
         self._plans[key] = Plan("all_gather", None, backend)
 
 

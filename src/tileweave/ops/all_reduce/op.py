@@ -25,8 +25,14 @@ the unfused path in fp32, since the interpreter's bfloat16 arithmetic is wrong.
 
 Paths (``last_path("gemm_all_reduce")``): ``"oneshot"`` and ``"twoshot"`` (``transports``), ``"fallback"``
 (the GEMM, NCCL's all-reduce, torch's epilogue: ``nccl``), ``"local"`` (a group of one). ``policy="auto"``
-picks per shape by ``rule.choose_path``; rank 0's pick is agreed by all ranks at the first call of a
-signature.
+picks per shape by ``rule.choose_path``, decided at the first call of a signature; rank 0's pick is
+taken by every rank.
+
+Every call first exchanges with the other ranks (on the host, through shared memory, bounded by
+``TILEWEAVE_TIMEOUT_S``) the shapes, dtypes and optional arguments and the outcome of each rank's checks,
+then judges them: a bad argument on one rank raises the same error on every rank, ranks that pass
+different M, N, dtype or optional arguments raise ``TileweaveError`` on every rank, and a rank that does
+not come is named in a ``CollectiveTimeout``.
 
 Synchronisation: a fused call waits on the GPU for its peers' partials of the same call (and, on the
 graphable protocol, for the peers to have finished reading this rank's previous partial); the host never
@@ -46,6 +52,7 @@ from tileweave.ops import common
 from tileweave.ops.all_reduce import nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
 from tileweave.ops.workspace import agree
+from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend, TileweaveError, get_backend
 
 OP = "gemm_all_reduce"
@@ -80,19 +87,18 @@ class GemmAllReduce:
         self.max_spin = max_spin
         self._backend: Backend | None = None
         self._fused: FusedTransport | None = None
-        self._agreed: dict[tuple, object] = {}
         self._plans: dict[tuple, str] = {}
         """Per call signature: the path, decided once and agreed by every rank (the op's one cache)."""
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, out: torch.Tensor | None = None):
-        common.check_no_grad(OP, a, b, bias, residual, norm_weight,
-                             names=("a", "b", "bias", "residual", "norm_weight"))
-        bias, b = _check(a, b, bias, residual, norm_weight, eps, out)
+        if not isinstance(a, torch.Tensor):  # its device says which backend to agree on
+            raise TypeError(f"a must be a torch.Tensor [M, K_loc], got {type(a).__name__}")
         backend = self._get_backend(a.device)
+        path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out)
+        bias = common.check_bias(bias, b.shape[1], a.dtype, a.device)
         m, n = a.shape[0], b.shape[1]
-        path = self._plan(backend, a, b, bias, residual, norm_weight)
         capturing = common.capturing(a)
         if capturing and path in ("oneshot", "twoshot") and not self.graphable:
             path = "fallback"  # NCCL captures; the epochs of the fused transports would not advance on replay
@@ -116,20 +122,45 @@ class GemmAllReduce:
             self._fused = FusedTransport(backend, graphable=self.graphable, max_spin=self.max_spin)
         return self._fused
 
-    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight) -> str:
-        """The path of this call's signature: decided the first time (the policy's, or the rule's under
-        "auto"), agreed with every rank (rank 0's choice), then one lookup."""
-        m, n = a.shape[0], b.shape[1]
+    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out) -> str:
+        """The path of this call, every rank together: this rank checks its arguments and proposes a
+        path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
+        then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
+        that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
+        m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
+        n = b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
         key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None)
-        path = self._plans.get(key)
-        if path is not None:
-            return path
-        if common.capturing(a):
-            raise TileweaveError(f"{OP}: the first call of each signature agrees on it with the other ranks "
-                                 "(a collective that a CUDA graph cannot hold): call it once eagerly with these "
-                                 "shapes before capturing")
+
+        def propose() -> str:
+            common.check_no_grad(OP, a, b, bias, residual, norm_weight,
+                                 names=("a", "b", "bias", "residual", "norm_weight"))
+            _check(a, b, bias, residual, norm_weight, eps, out)
+            return self._plans.get(key) or self._propose(backend, a, m, n, norm_weight is not None)
+
+        if key not in self._plans and common.capturing(a):
+            raise TileweaveError(f"{OP}: the first call of each signature sizes the buffers with the other ranks "
+                                 "(collective allocations that a CUDA graph cannot hold): call it once eagerly with "
+                                 "these shapes before capturing")
         w = backend.world_size
-        slot_bytes = m * n * a.element_size() * (2 if norm_weight is not None else 1)
+        if w == 1:
+            path = propose()
+        else:
+            # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
+            signature = {"a": describe(a, dims=(0,)), "b": describe(b, dims=(-1,)), "bias": describe(bias),
+                         "residual": describe(residual), "norm_weight": describe(norm_weight),
+                         "policy": repr(self.policy), "graphable": repr(self.graphable)}
+            path = agree(backend, OP, signature, propose)
+        if w > 1 and (m == 0 or n == 0):
+            path = "fallback"
+        if key not in self._plans and path in ("oneshot", "twoshot"):
+            self._fused_transport(backend).prepare(path, m, n, a.dtype, norm_weight is not None)
+        self._plans[key] = path
+        return path
+
+    def _propose(self, backend: Backend, a, m: int, n: int, norm: bool) -> str:
+        """This rank's path for a new signature: the policy's, or under "auto" the rule's."""
+        w = backend.world_size
+        slot_bytes = m * n * a.element_size() * (2 if norm else 1)
         if w == 1:
             proposal = "local"
         elif self.policy != "auto":
@@ -143,15 +174,7 @@ class GemmAllReduce:
                                      "wrongly in the interpreter (CPU): use float16 or float32 there, or "
                                      "policy='auto' (the unfused path in fp32)")
             proposal = "fallback"
-        signature = (OP, m, n, str(a.dtype), bias is not None, residual is not None, norm_weight is not None,
-                     self.policy, self.graphable)
-        path = agree(backend, self._agreed, OP, signature, proposal) if w > 1 else proposal
-        if w > 1 and (m == 0 or n == 0):
-            path = "fallback"
-        if path in ("oneshot", "twoshot"):
-            self._fused_transport(backend).prepare(path, m, n, a.dtype, norm_weight is not None)
-        self._plans[key] = path
-        return path
+        return proposal
 
 
 def _check(a, b, bias, residual, norm_weight, eps, out) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -1,7 +1,10 @@
-"""What both MoE ops share: settings, the group's backend, argument checks, and the per-signature
-path that every rank agrees on before anything is allocated or launched."""
+"""What both MoE ops share: settings, the group's backend, argument checks, and the agreement of
+every call: each rank's arguments and checks are exchanged and judged, and rank 0's path taken,
+before anything is allocated or launched."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -10,7 +13,7 @@ from tileweave.ops import common
 from tileweave.ops.moe.paths import choose_path
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.workspace import Workspace, agree
-from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+from tileweave.runtime.backend import Backend, get_backend
 
 POLICIES = ("auto", "fused", "fallback")
 
@@ -32,8 +35,9 @@ class MoEOp:
         self._backend: Backend | None = None
         self._ws: Workspace | None = None
         self._err_mirror = None
-        self._paths: dict[tuple, str] = {}
-        """Signature -> agreed path: the one record of what this op decided (``agree``'s cache)."""
+        self._ids_err: torch.Tensor | None = None
+        """Device word: nonzero once a call's plan held ids outside [0, E) (``common.BAD_IDS`` + count)."""
+        self._ids_mirror = None
         self.policy = policy
         self.max_spin = max_spin
 
@@ -59,7 +63,6 @@ class MoEOp:
         if policy not in POLICIES:
             raise ValueError(f"{type(self).__name__}: policy must be one of {POLICIES}, got {policy!r}")
         self._policy = policy
-        self._paths.clear()  # decided under the old policy
 
     @property
     def max_spin(self) -> int | None:
@@ -79,52 +82,74 @@ class MoEOp:
             self._backend = get_backend(self.group, device)
         return self._backend
 
-    def _backend_for(self, plan: MoEPlan, device: torch.device, *, experts: int,
-                     tokens_per_rank: int | None = None) -> Backend:
-        """This group's backend on ``device``, after checking that ``plan`` was built for it and for
-        ``experts`` experts (and ``tokens_per_rank`` tokens a rank, unless None)."""
+    def _agree(self, device: torch.device, signature: dict, check: Callable[[Backend], dict]) -> tuple[Backend, str]:
+        """``(backend, path)`` of a call, every rank together: this rank's pending error (an earlier
+        call's expired wait or out-of-range ids) and ``check(backend)`` (the op's argument checks, which
+        return ``choose_path``'s shape keywords) run, then every rank's outcome and ``signature`` (what
+        the ranks must share) are exchanged and judged (``agree``), so that a bad argument on one rank
+        raises the same error on every rank. The path is rank 0's choice under this op's policy."""
         backend = self._get_backend(device)
-        tokens = None if tokens_per_rank is None else tokens_per_rank * backend.world_size
-        check_plan(plan, world=backend.world_size, tokens=tokens, experts=experts, device=device)
-        return backend
+
+        def propose() -> str:
+            self._raise_pending(backend, device)
+            shape = check(backend)
+            if backend.world_size == 1:
+                return "local"
+            if self.policy != "auto":
+                return self.policy
+            return choose_path(world=backend.world_size, interpreter=backend.interpreter, **shape)
+
+        if backend.world_size == 1:
+            return backend, propose()
+        return backend, agree(backend, self.op_name, {**signature, "policy": self.policy}, propose)
 
     def _spin(self, backend: Backend) -> int:
         return self.max_spin or backend.default_max_spin
 
-    def _decide(self, backend: Backend, signature: tuple, **shape) -> str:
-        """The agreed path of ``signature`` (shapes and dtypes that every rank must share): rank 0's
-        choice under this op's policy, checked against every rank's signature on the first call."""
-        path = self._paths.get(signature)
-        if path is not None:
-            return path
-        if backend.world_size == 1:
-            return "local"
-        proposal = self.policy
-        if proposal == "auto":
-            proposal = choose_path(world=backend.world_size, interpreter=backend.interpreter, **shape)
-        if backend.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise TileweaveError(f"{self.op_name}: the first call of each shape checks it with the other ranks "
-                                 "(a collective that a CUDA graph cannot hold): call it once eagerly before "
-                                 "capturing")
-        return agree(backend, self._paths, self.op_name, signature, proposal)
+    def _raise_pending(self, backend: Backend, device: torch.device) -> None:
+        """Raise an error that an earlier call left in an error word (on GPUs, read from its host copy
+        without waiting; none while a CUDA graph is being captured, where a query could break it)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        for mirror, word in ((self._err_mirror, self._ws.err if self._ws is not None else None),
+                             (self._ids_mirror, self._ids_err)):
+            code = mirror.read() if mirror is not None else 0
+            if code:
+                mirror.clear()
+                word.zero_()
+                common.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, backend.rank)
+
+    def _mark_ids(self, plan: MoEPlan, device: torch.device) -> None:
+        """Record on the device, without a host sync, whether ``plan`` was built from ids outside
+        ``[0, E)`` (``MoEPlan.invalid``); ``_finish_ids`` reports it."""
+        if plan.invalid is None:
+            return
+        if self._ids_err is None or self._ids_err.device != device:
+            self._ids_err = torch.zeros(1, dtype=torch.int32, device=device)
+        code = torch.where(plan.invalid > 0, plan.invalid + common.BAD_IDS, 0).to(torch.int32)
+        torch.maximum(self._ids_err, code, out=self._ids_err)
+
+    def _finish_ids(self, backend: Backend, plan: MoEPlan) -> None:
+        """After the call's work: raise for out-of-range ids, as an expired wait is reported (at once on
+        the CPU and with ``TILEWEAVE_DEBUG=1``, else at the next call, on every rank alike)."""
+        if plan.invalid is not None and not common.capturing(self._ids_err):
+            self._ids_mirror = common.surface_timeout(self._ids_err, self.op_name, backend, self._ids_mirror)
 
     def _finish(self, backend: Backend, ws: Workspace) -> None:
         """After a gated kernel: surface an expired wait. On the CPU (and in debug mode) at once; on GPUs
         from a copy of the error word read at the next call, so no call synchronises."""
         self._err_mirror = common.surface_timeout(ws.err, self.op_name, backend, self._err_mirror)
 
-    def _check_previous(self) -> None:
-        code = self._err_mirror.read() if self._err_mirror is not None else 0
-        if code:
-            self._err_mirror.clear()
-            self._ws.err.zero_()
-            common.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, self._backend.rank)
-
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:
         """After a call whose waits are stream waits: bounded on the host on the CPU and in debug mode."""
         if backend.interpreter or common.debug_mode():
             backend.synchronize()
+
+
+def plan_signature(plan: object) -> object:
+    """What the ranks compare of a plan: its (W, T, k, E), or the type's name of something else."""
+    return plan.signature() if isinstance(plan, MoEPlan) else type(plan).__name__
 
 
 def check_plan(plan: MoEPlan, *, world: int, tokens: int | None, experts: int, device: torch.device) -> None:

@@ -31,6 +31,10 @@ ungated. ``policy="auto"`` chooses per shape (``tileweave.ops.moe.paths.choose_p
 one communicates nothing (``"local"``). ``tileweave.last_path("moe_all_gather_gemm")``
 says which ran.
 
+Every call first agrees with the other ranks (``MoEOp``): a bad argument on one rank raises the same
+error on every rank. A plan built from ids outside ``[0, E)`` without validation raises ``ValueError``
+(at that call on the CPU and with ``TILEWEAVE_DEBUG=1``, else at the next).
+
 Synchronises: nothing with the host (the plan's offsets stay on the device). Concurrency: all ranks
 call the op the same number of times in the same order with the same shapes; do not run two calls of
 one op object concurrently on different streams.
@@ -43,9 +47,10 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight
+from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, plan_signature
 from tileweave.ops.moe.gather import ShardGather
 from tileweave.ops.moe.plan import MoEPlan
+from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend
 
 _OP = "moe_all_gather_gemm"
@@ -62,20 +67,32 @@ class MoEAllGatherGemm(MoEOp):
         """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
         result's dtype with unit column stride (its width follows ``epilogue``). ``x`` is a fresh
         tensor."""
-        check_activation("x_shard", x_shard, "[T/W, H]")
-        common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
-        tc, h = x_shard.shape
-        experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
-                               shape_doc="[E, H, F_loc]")
-        f_loc = w0.shape[2]
-        width = f_loc // 2 if isinstance(epilogue, SwiGLU) else f_loc
-        backend = self._backend_for(plan, x_shard.device, experts=experts, tokens_per_rank=tc)
-        w = backend.world_size
-        out = common.out_or_new(out, (plan.rows, width), x_shard.dtype, x_shard.device)
+        if not isinstance(x_shard, torch.Tensor):  # its device says which backend to agree on
+            raise TypeError(f"x_shard must be a torch.Tensor [T/W, H], got {type(x_shard).__name__}")
+
+        def check(backend: Backend) -> dict:
+            check_activation("x_shard", x_shard, "[T/W, H]")
+            common.check_no_grad(_OP, x_shard, w0, names=("x_shard", "w0"))
+            common.check_runs_dtype(_OP, "x_shard", x_shard)
+            tc, h = x_shard.shape
+            experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
+                                   shape_doc="[E, H, F_loc]")
+            check_plan(plan, world=backend.world_size, tokens=tc * backend.world_size, experts=experts,
+                       device=x_shard.device)
+            if epilogue is not None and (not isinstance(epilogue, SwiGLU) or w0.shape[2] % 2):
+                raise ValueError(f"epilogue must be None or SwiGLU over w0 [E, H, 2*F_loc] (gate columns, then "
+                                 f"up columns), got {type(epilogue).__name__} with w0 {list(w0.shape)}")
+            common.check_out(out, (plan.rows, _width(w0, epilogue)), x_shard.dtype, x_shard.device)
+            return dict(tokens=plan.tokens, topk=plan.topk, hidden=h, f_loc=w0.shape[2], dtype=x_shard.dtype)
+
+        signature = {"x_shard": describe(x_shard), "w0": describe(w0), "plan (W, T, k, E)": plan_signature(plan),
+                     "epilogue": type(epilogue).__name__}
+        backend, path = self._agree(x_shard.device, signature, check)
+        tc = x_shard.shape[0]
+        experts = w0.shape[0]
+        out = common.out_or_new(out, (plan.rows, _width(w0, epilogue)), x_shard.dtype, x_shard.device)
         extra = dict(epilogue=epilogue)
-        signature = (_OP, tc, h, plan.topk, experts, f_loc, str(x_shard.dtype))
-        path = self._decide(backend, signature, tokens=tc * w, topk=plan.topk, hidden=h, f_loc=f_loc,
-                            dtype=x_shard.dtype)
+        self._mark_ids(plan, x_shard.device)
         if path == "fused" and tc == 0:
             path = "fallback"
         if path == "fused":
@@ -83,12 +100,12 @@ class MoEAllGatherGemm(MoEOp):
         else:
             gathered = x_shard if path == "local" else all_gather_rows(x_shard, backend)
             grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=experts, out=out, **extra)
+        self._finish_ids(backend, plan)
         common.record_path(_OP, path)
         return (out, gathered) if return_gathered else out
 
     def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool, extra: dict):
         """The fused path: the pushes, one gated grouped GEMM, the release (module docstring)."""
-        self._check_previous()
         gather = ShardGather.start(backend, self._ws, x_shard)
         self._ws = gather.ws
         grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
@@ -100,3 +117,8 @@ class MoEAllGatherGemm(MoEOp):
         self._finish(backend, self._ws)
         return gathered
 
+
+
+def _width(w0: torch.Tensor, epilogue: SwiGLU | None) -> int:
+    """Columns of layer 0's result: F_loc, or half of ``w0``'s columns under the SwiGLU."""
+    return w0.shape[2] // 2 if epilogue is not None else w0.shape[2]

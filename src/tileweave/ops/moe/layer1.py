@@ -32,7 +32,8 @@ grouped GEMM over every group, the top-k sum, NCCL reduce-scatter. ``policy="aut
 ``Z [T*k, H]`` is materialised on both paths and read once by the top-k reduce
 (``tileweave.ops.topk_reduce``), which sums each token's k rows in fp32 in slot order.
 
-Synchronises: nothing with the host. Concurrency: as ``moe_all_gather_gemm``.
+Agreement with the other ranks, bad routing ids, synchronisation and concurrency: as
+``moe_all_gather_gemm``.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_weight, nccl
+from tileweave.ops.moe._op import (MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl,
+                                   plan_signature)
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.topk_reduce import topk_reduce
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
+from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend
 
 _OP = "moe_gemm_reduce_scatter"
@@ -76,25 +79,33 @@ class MoEGemmReduceScatter(MoEOp):
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """``out_shard [T/W, H]`` (module docstring); ``out``: an optional tensor of that shape and the
         result's dtype with unit column stride."""
-        check_activation("h", h, "[T*k, F_loc]")
-        common.check_no_grad(_OP, h, w1, topk_weights_shard, names=("h", "w1", "topk_weights_shard"))
-        rows, f_loc = h.shape
-        experts = check_weight("w1", w1, rows=f_loc, rows_name="F_loc", dtype=h.dtype, device=h.device,
-                               shape_doc="[E, F_loc, H]")
-        hidden = w1.shape[2]
-        backend = self._backend_for(plan, h.device, experts=experts)
-        w = backend.world_size
-        if rows != plan.rows:
-            raise ValueError(f"h has {rows} rows but the plan has T*k = {plan.tokens}*{plan.topk} = {plan.rows}: "
-                             "h must be layer 0's output for this plan")
-        tc = plan.tokens // w
-        if topk_weights_shard is not None:
-            _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
+        if not isinstance(h, torch.Tensor):  # its device says which backend to agree on
+            raise TypeError(f"h must be a torch.Tensor [T*k, F_loc], got {type(h).__name__}")
+
+        def check(backend: Backend) -> dict:
+            check_activation("h", h, "[T*k, F_loc]")
+            common.check_no_grad(_OP, h, w1, topk_weights_shard, names=("h", "w1", "topk_weights_shard"))
+            common.check_runs_dtype(_OP, "h", h)
+            rows, f_loc = h.shape
+            experts = check_weight("w1", w1, rows=f_loc, rows_name="F_loc", dtype=h.dtype, device=h.device,
+                                   shape_doc="[E, F_loc, H]")
+            check_plan(plan, world=backend.world_size, tokens=None, experts=experts, device=h.device)
+            if rows != plan.rows:
+                raise ValueError(f"h has {rows} rows but the plan has T*k = {plan.tokens}*{plan.topk} = "
+                                 f"{plan.rows}: h must be layer 0's output for this plan")
+            tc = plan.tokens // backend.world_size
+            if topk_weights_shard is not None:
+                _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
+            common.check_out(out, (tc, w1.shape[2]), h.dtype, h.device)
+            return dict(tokens=plan.tokens, topk=plan.topk, hidden=w1.shape[2], f_loc=f_loc, dtype=h.dtype)
+
+        signature = {"h": describe(h), "w1": describe(w1), "plan (W, T, k, E)": plan_signature(plan),
+                     "topk_weights_shard": describe(topk_weights_shard)}
+        backend, path = self._agree(h.device, signature, check)
+        experts, hidden = w1.shape[0], w1.shape[2]
+        tc = plan.tokens // backend.world_size
         out = common.out_or_new(out, (tc, hidden), h.dtype, h.device)
-        signature = (_OP, tc, plan.topk, experts, f_loc, hidden, str(h.dtype),
-                     None if topk_weights_shard is None else str(topk_weights_shard.dtype))
-        path = self._decide(backend, signature, tokens=plan.tokens, topk=plan.topk, hidden=hidden, f_loc=f_loc,
-                            dtype=h.dtype)
+        self._mark_ids(plan, h.device)
         if path == "local":
             z = grouped_gemm(h, w1, plan.offsets, experts=experts)
             topk_reduce(z, plan.pair_row, topk_weights_shard, out=out)
@@ -106,6 +117,7 @@ class MoEGemmReduceScatter(MoEOp):
             else:
                 path = "fallback"
                 self._fallback(backend, h, w1, plan, weights, out)
+        self._finish_ids(backend, plan)
         common.record_path(_OP, path)
         return out
 

@@ -25,9 +25,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tileweave.runtime.backend import TileweaveError, _group_size
+from tileweave.ops import common
+from tileweave.ops.workspace import agree
+from tileweave.runtime.agreement import describe
+from tileweave.runtime.backend import _group_size, get_backend
 
-ID_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
+ID_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,9 @@ class MoEPlan:
     """``[T, k]``: the plan row of pair (t, j), the inverse of (row_token, slot)."""
     splits: torch.Tensor
     """``[E]``: rows per expert over all sources."""
+    invalid: torch.Tensor | None = None
+    """``[1]``: how many ids lay outside ``[0, E)`` (counted on the device; such ids were clamped into
+    range, so the plan reads nothing out of bounds). The MoE ops raise when it is not 0. None: 0."""
 
     @property
     def rows(self) -> int:
@@ -76,18 +82,20 @@ class MoEPlan:
         return self.offsets[source * e], self.offsets[(source + 1) * e]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """``(offsets, row_token, row_expert, pair_row, splits)``: the plan as tensors alone (a custom
-        op's arguments); ``from_tensors`` rebuilds it."""
-        return (self.offsets, self.row_token, self.row_expert, self.pair_row, self.splits)
+        """``(offsets, row_token, row_expert, pair_row, splits[, invalid])``: the plan as tensors alone
+        (a custom op's arguments); ``from_tensors`` rebuilds it."""
+        head = (self.offsets, self.row_token, self.row_expert, self.pair_row, self.splits)
+        return head if self.invalid is None else (*head, self.invalid)
 
     @classmethod
     def from_tensors(cls, offsets: torch.Tensor, row_token: torch.Tensor, row_expert: torch.Tensor,
-                     pair_row: torch.Tensor, splits: torch.Tensor) -> "MoEPlan":
+                     pair_row: torch.Tensor, splits: torch.Tensor, invalid: torch.Tensor | None = None) -> "MoEPlan":
         """The plan of ``tensors()`` (W, T, k and E follow from their shapes)."""
         tokens, topk = pair_row.shape
         experts = splits.shape[0]
         return cls(world_size=(offsets.shape[0] - 1) // experts, tokens=tokens, topk=topk, num_experts=experts,
-                   offsets=offsets, row_token=row_token, row_expert=row_expert, pair_row=pair_row, splits=splits)
+                   offsets=offsets, row_token=row_token, row_expert=row_expert, pair_row=pair_row, splits=splits,
+                   invalid=invalid)
 
     def signature(self) -> tuple[int, int, int, int]:
         """(W, T, k, E): what two calls' plans must share to be interchangeable."""
@@ -101,20 +109,26 @@ def check_ids(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids
     if topk_ids.dim() != 2 or topk_ids.shape[1] < 1:
         raise ValueError(f"{name} must be [tokens, k] with k >= 1, got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in ID_DTYPES:
-        raise TypeError(f"{name} has dtype {topk_ids.dtype}; expert ids must be an integer tensor "
-                        f"(int32 or int64)")
+        raise TypeError(f"{name} has dtype {topk_ids.dtype}; expert ids must be int32 or int64 (other "
+                        f"integer types cannot be gathered by every backend): pass {name}.long()")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
 
 
-def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids") -> None:
-    """Raise if any id lies outside ``[0, num_experts)``: one host sync (two scalars)."""
+def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids",
+                    rows_per_rank: int | None = None) -> None:
+    """Raise if any id lies outside ``[0, num_experts)``: one host sync (two scalars). ``rows_per_rank``:
+    the ids are a group's gathered shards of that many rows each; the message names the rank."""
     if topk_ids.numel() == 0:
         return
     lo, hi = torch.stack([topk_ids.min().long(), topk_ids.max().long()]).tolist()
     if lo < 0 or hi >= num_experts:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds expert id {bad}, outside [0, num_experts={num_experts}); "
+        where = ""
+        if rows_per_rank:
+            row = int((topk_ids == bad).any(dim=1).nonzero()[0, 0])
+            where = f" of rank {row // rows_per_rank}"
+        raise ValueError(f"{name}{where} holds expert id {bad}, outside [0, num_experts={num_experts}); "
                          f"ids must index the experts of the weights")
 
 
@@ -125,10 +139,10 @@ def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
     plan's own tensors, no host read of the ids' values except the optional check.
 
     ``validate`` (default True): check that every id lies in ``[0, num_experts)``, the one host sync
-    (skipped while a CUDA graph is being captured). Unchecked, a pair with an out-of-range id is left
-    out of every group: it sorts after the last group, the plan's ``offsets[-1]`` is then below T*k,
-    the kernels compute nothing for that pair and never read out of bounds, and the rows that depend
-    on it are undefined.
+    (skipped while a CUDA graph is being captured). Unchecked, an out-of-range id is clamped into
+    ``[0, num_experts)``, so that nothing reads out of bounds, and counted in the plan's ``invalid``
+    (on the device): the MoE ops raise ``ValueError`` for such a plan, on the CPU and with
+    ``TILEWEAVE_DEBUG=1`` at that call, otherwise at the next.
 
     Errors: ``TypeError``/``ValueError`` naming ``topk_ids`` (not 2-D, not integer, k < 1, values out
     of range), ``num_experts`` (< 1) or ``world_size`` (< 1, or T not divisible by it)."""
@@ -145,40 +159,47 @@ def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
     device = topk_ids.device
     rows = tokens * topk
     groups = world_size * num_experts
-    experts = topk_ids.reshape(-1).long()
+    raw = topk_ids.reshape(-1).long()
+    invalid = ((raw < 0) | (raw >= num_experts)).sum(dtype=torch.int32).reshape(1)
+    experts = raw.clamp(0, num_experts - 1)
     pair = torch.arange(rows, device=device)
     source = pair // (topk * (tokens // world_size)) if tokens else pair
     key = source * num_experts + experts
-    # An id outside [0, E) gets a key past every group, so it sorts after offsets[-1].
-    key = torch.where((experts >= 0) & (experts < num_experts), key, torch.full_like(key, groups))
     sorted_key, order = torch.sort(key, stable=True)
     offsets = torch.searchsorted(sorted_key, torch.arange(groups + 1, device=device), right=False)
     pair_row = torch.empty(rows, dtype=torch.int32, device=device)
     pair_row.scatter_(0, order, pair.to(torch.int32))
     splits = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    valid = key < groups
-    splits.scatter_add_(0, experts.clamp(0, num_experts - 1), valid.long())
+    splits.scatter_add_(0, experts, torch.ones_like(experts))  # not bincount: it reads the max on the host
     return MoEPlan(world_size=world_size, tokens=tokens, topk=topk, num_experts=num_experts,
                    offsets=offsets.to(torch.int32), row_token=(order // topk).to(torch.int32),
-                   row_expert=experts[order].clamp(0, num_experts - 1).to(torch.int32),
-                   pair_row=pair_row.view(tokens, topk), splits=splits.to(torch.int32))
+                   row_expert=experts[order].to(torch.int32), pair_row=pair_row.view(tokens, topk),
+                   splits=splits.to(torch.int32), invalid=invalid)
 
 
 def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
              validate: bool = True) -> MoEPlan:
     """Collective: gather every rank's ``topk_ids_shard [T/W, k]`` (NCCL all-gather on GPUs, gloo on
     the CPU) and build the group's plan (``build_plan``). Every rank of ``group`` must call it with
-    the same T/W, k and ``num_experts`` in the same order; they then hold identical plans.
+    the same T/W, k, dtype and ``num_experts`` in the same order; they then hold identical plans.
 
-    Errors: as ``build_plan``, naming ``topk_ids_shard``; and ``TileweaveError`` if the ranks passed
-    different shapes, dtypes or expert counts (checked by a small all-gather of the shapes before the
-    ids are gathered)."""
-    check_ids(topk_ids_shard, num_experts, name="topk_ids_shard")
+    The ranks first exchange their arguments (shapes, dtypes, expert counts and the outcome of the
+    checks), then judge them, so that a bad argument on one rank raises the same error on every rank;
+    ``validate`` checks the values of the gathered ids, the same on every rank. A rank that does not
+    come within the backend's bound (``TILEWEAVE_TIMEOUT_S``; ``TILEWEAVE_EMULATED_TIMEOUT_S`` on the
+    CPU) makes the others raise ``CollectiveTimeout`` naming it.
+
+    Errors: as ``build_plan``, naming ``topk_ids_shard`` (and the rank whose ids are out of range);
+    ``TileweaveError`` if the ranks passed different shapes, dtypes or expert counts."""
     group, rank, world = _group_size(group)
-    mine = (tuple(topk_ids_shard.shape), str(topk_ids_shard.dtype), num_experts)
-    _agree_shapes(group, rank, world, mine)
-    if validate and not (topk_ids_shard.is_cuda and torch.cuda.is_current_stream_capturing()):
-        check_id_values(topk_ids_shard, num_experts, name="topk_ids_shard")
+    if world == 1 or not isinstance(topk_ids_shard, torch.Tensor):
+        check_ids(topk_ids_shard, num_experts, name="topk_ids_shard")
+    capturing = topk_ids_shard.is_cuda and torch.cuda.is_current_stream_capturing()
+    if world > 1:
+        backend = get_backend(group, topk_ids_shard.device)
+        agree(backend, "moe_plan", {"topk_ids_shard": describe(topk_ids_shard), "num_experts": describe(num_experts)},
+              lambda: check_ids(topk_ids_shard, num_experts, name="topk_ids_shard"),
+              hint="; every rank must route the same number of tokens with the same k over the same experts")
     ids = topk_ids_shard.contiguous()
     gathered = ids.new_empty((ids.shape[0] * world, ids.shape[1]))
     if world == 1:
@@ -187,27 +208,6 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
         dist.all_gather_into_tensor(gathered, ids, group=group)
     else:
         dist.all_gather(list(gathered.chunk(world)), ids, group=group)
+    if (validate or common.debug_mode()) and not capturing:
+        check_id_values(gathered, num_experts, name="topk_ids_shard", rows_per_rank=ids.shape[0])
     return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
-
-
-_agreed_shapes: set[tuple] = set()
-
-
-def _agree_shapes(group: dist.ProcessGroup, rank: int, world: int, mine: tuple) -> None:
-    """Once per (group, shape): every rank's ids have the same shape, dtype and expert count (a
-    mismatch would make the all-gather hang or mix tokens)."""
-    key = (group.group_name, mine)
-    if key in _agreed_shapes:
-        return
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise TileweaveError("moe_plan: the first call of each shape checks it with the other ranks (a "
-                             "collective that a CUDA graph cannot hold): call it once eagerly before capturing")
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    for other, theirs in enumerate(everyone):
-        if theirs != mine:
-            raise TileweaveError(f"moe_plan: rank {rank} passed topk_ids_shard {mine[0]} {mine[1]} with "
-                                 f"num_experts={mine[2]} but rank {other} passed {theirs[0]} {theirs[1]} with "
-                                 f"num_experts={theirs[2]}; every rank must route the same number of tokens "
-                                 "with the same k over the same experts")
-    _agreed_shapes.add(key)

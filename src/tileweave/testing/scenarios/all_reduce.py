@@ -100,8 +100,9 @@ def all_reduce_check(rank: int, world: int, cases: list[DecodeCase], eps: float 
 def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max_spin: int) -> list[dict]:
     """Per ``(policy, graphable)`` in ``kinds``, an op of its own: every rank calls it once (the call that
     agrees on the signature), then rank 0 calls it again and the others do not: rank 0 must raise
-    ``CollectiveTimeout`` (on the CPU at that call; on GPUs at the next, after a synchronize), in about
-    the time ``max_spin`` polls take."""
+    ``CollectiveTimeout`` naming rank 1: at the call's agreement with the peers, within the host's bound
+    (``timeout_s`` of the backend), or, should the peer vanish after it, from the kernel's wait of
+    ``max_spin`` polls (on the CPU at that call; on GPUs at the next, after a synchronize)."""
     device = device_name()
     outcomes = []
     for policy, graphable in kinds:
