@@ -29,7 +29,9 @@ def test_worked_example():
 
 @pytest.mark.parametrize("tokens,topk,experts,world,dtype", [
     (24, 2, 8, 2, torch.int64), (21, 6, 64, 3, torch.int32), (16, 1, 1, 4, torch.int64),
-    (12, 8, 8, 4, torch.int32), (40, 4, 256, 4, torch.int64), (9, 3, 5, 1, torch.int32)])
+    (12, 8, 8, 4, torch.int32), (40, 4, 256, 4, torch.int64), (9, 3, 5, 1, torch.int32),
+    # many blocks of pairs for the counting sort: the groups' counts carried across blocks
+    (600, 2, 3, 2, torch.int64), (1000, 8, 128, 1, torch.int32)])
 def test_plan_matches_reference(tokens, topk, experts, world, dtype):
     g = torch.Generator().manual_seed(tokens * 1000 + topk * 10 + world)
     for trial in range(3):

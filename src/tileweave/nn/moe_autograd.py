@@ -95,8 +95,10 @@ class MoEOps:
 
 def _tileweave_plan(topk_ids_shard: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> MoEPlan:
     # The layer's ids are top-k indices of its router's num_experts logits, in range by construction:
-    # their values are not read on the host (which would synchronise every forward).
-    return moe_plan(topk_ids_shard, num_experts=num_experts, group=group, validate=False)
+    # their values are neither read on the host (which would synchronise every forward) nor tracked by
+    # the ops on the device (a few launches per op call).
+    plan = moe_plan(topk_ids_shard, num_experts=num_experts, group=group, validate=False)
+    return dataclasses.replace(plan, invalid=None)
 
 
 def _tileweave_layer0(x_shard, w, plan, group, return_gathered, **options):

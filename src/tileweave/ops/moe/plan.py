@@ -1,8 +1,8 @@
 """The routing plan of the MoE pair: which rows of the grouped GEMMs come from which (token, slot).
 
-Built on the device from the gathered ``topk_ids [T, k]`` with sorts, scatters, cumulative sums and
-searches of known sizes, so that building it never waits for the GPU (the one host sync is the
-optional value check of ``validate``) and it can be built inside a CUDA graph.
+Built on the device from the gathered ``topk_ids [T, k]`` by a stable counting sort in two kernels and a
+prefix sum (``tileweave.kernels.moe_plan``), so that building it never waits for the GPU (the one host
+sync is the optional value check of ``validate``) and it can be built inside a CUDA graph.
 
 Order. The T*k (token, slot) pairs are grouped by (source rank s, expert e), group ``g = s*E + e``,
 and within a group kept in (token, slot) order. Source s holds tokens ``[s*T/W, (s+1)*T/W)`` of the
@@ -20,11 +20,14 @@ Worked example: W = 2, E = 3, k = 2, T = 4 (two tokens per rank), ``topk_ids = [
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 import torch.distributed as dist
+import triton
 
+from tileweave.kernels.moe_plan import plan_count_kernel, plan_place_kernel
 from tileweave.ops import common
 from tileweave.ops.workspace import agree
 from tileweave.runtime.agreement import describe
@@ -159,22 +162,28 @@ def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
     device = topk_ids.device
     rows = tokens * topk
     groups = world_size * num_experts
-    raw = topk_ids.reshape(-1).long()
-    invalid = ((raw < 0) | (raw >= num_experts)).sum(dtype=torch.int32).reshape(1)
-    experts = raw.clamp(0, num_experts - 1)
-    pair = torch.arange(rows, device=device)
-    source = pair // (topk * (tokens // world_size)) if tokens else pair
-    key = source * num_experts + experts
-    sorted_key, order = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, torch.arange(groups + 1, device=device), right=False)
-    pair_row = torch.empty(rows, dtype=torch.int32, device=device)
-    pair_row.scatter_(0, order, pair.to(torch.int32))
-    splits = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    splits.scatter_add_(0, experts, torch.ones_like(experts))  # not bincount: it reads the max on the host
-    return MoEPlan(world_size=world_size, tokens=tokens, topk=topk, num_experts=num_experts,
-                   offsets=offsets.to(torch.int32), row_token=(order // topk).to(torch.int32),
-                   row_expert=experts[order].to(torch.int32), pair_row=pair_row.view(tokens, topk),
-                   splits=splits.to(torch.int32), invalid=invalid)
+    if device.type == "cpu" and not common.interpreting():
+        raise RuntimeError("build_plan on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    g_block = triton.next_power_of_2(groups)
+    # A block's one-hot matrix is BLOCK x G_BLOCK: about 16k lanes whatever the group count.
+    block = max(16, min(1024, 16384 // g_block))
+    nb = max(1, triton.cdiv(rows, block))
+    ids = topk_ids.contiguous()
+    counts = torch.empty((nb, groups + 1), dtype=torch.int32, device=device)  # column G: ids out of range
+    # One allocation for the plan's tensors.
+    buf = torch.empty(groups + 1 + 3 * rows + num_experts + 1, dtype=torch.int32, device=device)
+    offsets, row_token, row_expert, pair_row, splits, invalid = buf.split(
+        [groups + 1, rows, rows, rows, num_experts, 1])
+    per_source = max(1, rows // world_size)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        plan_count_kernel[(nb,)](ids, counts, rows, num_experts, groups, per_source, BLOCK=block, G_BLOCK=g_block)
+        cum = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        plan_place_kernel[(nb,)](ids, cum, offsets, row_token, row_expert, pair_row, splits, invalid, rows,
+                                 num_experts, groups, nb, per_source, topk, world_size, BLOCK=block,
+                                 G_BLOCK=g_block, E_BLOCK=triton.next_power_of_2(num_experts))
+    return MoEPlan(world_size=world_size, tokens=tokens, topk=topk, num_experts=num_experts, offsets=offsets,
+                   row_token=row_token, row_expert=row_expert, pair_row=pair_row.view(tokens, topk), splits=splits,
+                   invalid=invalid)
 
 
 def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
@@ -201,12 +210,10 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
               lambda: check_ids(topk_ids_shard, num_experts, name="topk_ids_shard"),
               hint="; every rank must route the same number of tokens with the same k over the same experts")
     ids = topk_ids_shard.contiguous()
-    gathered = ids.new_empty((ids.shape[0] * world, ids.shape[1]))
-    if world == 1:
-        gathered.copy_(ids)
-    elif dist.get_backend(group) == "nccl":
+    gathered = ids if world == 1 else ids.new_empty((ids.shape[0] * world, ids.shape[1]))
+    if world > 1 and dist.get_backend(group) == "nccl":
         dist.all_gather_into_tensor(gathered, ids, group=group)
-    else:
+    elif world > 1:
         dist.all_gather(list(gathered.chunk(world)), ids, group=group)
     if (validate or common.debug_mode()) and not capturing:
         check_id_values(gathered, num_experts, name="topk_ids_shard", rows_per_rank=ids.shape[0])
