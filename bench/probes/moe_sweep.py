@@ -1,6 +1,6 @@
 """Config sweep of the MoE layer's fused kernels on one GPU (world size 1, bf16, uniform routing):
-layer 0 with the SwiGLU epilogue (with and without saving the pre-activations) and its gradient's
-epilogue, against the plain grouped GEMM of the same FLOPs; the weight-gradient kernel against
+layer 0 with the SwiGLU epilogue (with and without saving the pre-activations) against the plain grouped
+GEMM of the same FLOPs, the SwiGLU's gradient pass next to the G GEMM; the weight-gradient kernel against
 ``torch._grouped_mm`` on expert-ordered copies. Every config is checked against a torch result first.
 Prints a table; writes sweep.json to argv[1]. ``PYTHONPATH=src python3 bench/probes/moe_sweep.py OUT``."""
 import json
@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe_profile import _time  # noqa: E402  (a probe beside this one; run from this folder's path)
 from tileweave.bench.moe import MODELS, Inputs, Row
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS
-from tileweave.ops.grouped_gemm import SwiGLU, SwiGLUGrad, grouped_gemm
+from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
 from tileweave.ops.grouped_wgrad import grouped_wgrad
+from tileweave.ops.swiglu import swiglu_grad
 from tileweave.testing.emulated import run_ranks
 from tileweave.tune.grouped import GroupedConfig as GC, WgradConfig as WC
 
@@ -22,33 +24,12 @@ SWIGLU = [GC(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8, fl
           GC(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8),
           GC(block_m=128, block_n=128, block_k=64, num_stages=4, num_warps=8, flatten=True),
           GC(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4)]
-DSWIGLU = [GC(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=8),
-           GC(block_m=64, block_n=128, block_k=64, num_stages=3, num_warps=8, flatten=True),
-           GC(block_m=128, block_n=64, block_k=64, num_stages=4, num_warps=8),
-           GC(block_m=128, block_n=64, block_k=64, num_stages=3, num_warps=8, flatten=True),
-           GC(block_m=128, block_n=128, block_k=64, num_stages=3, num_warps=8)]
 WGRAD = [WC(block_n=128, block_k=128, block_r=64, num_stages=3, num_warps=8),
          WC(block_n=128, block_k=128, block_r=64, num_stages=4, num_warps=8),
          WC(block_n=128, block_k=128, block_r=32, num_stages=5, num_warps=8),
          WC(block_n=128, block_k=256, block_r=64, num_stages=3, num_warps=8),
          WC(block_n=128, block_k=128, block_r=64, num_stages=4, num_warps=4),
          WC(block_n=256, block_k=128, block_r=64, num_stages=3, num_warps=8)]
-
-
-def _time(fn, iters=20, reps=5):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return sorted(times)[len(times) // 2]
 
 
 def _err(got, ref):
@@ -101,12 +82,8 @@ def sweep(rank, world, models, tokens):
         dh = g_plain.float() * wrow[:, None]
         sig = torch.sigmoid(gate)
         ref_dy = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], 1)
-        row_dot = torch.empty(plan.rows, device=device)
-        for cfg in DSWIGLU:
-            ep = SwiGLUGrad(pre=pre, row_dot=row_dot)
-            _try(rows, {"model": model, "what": "dswiglu", "config": repr(cfg)},
-                 lambda: grouped_gemm(dout, b1, plan.offsets, a_rows=plan.row_token, experts=e, row_scale=wrow,
-                                      epilogue=ep, config=cfg), ref_dy)
+        # The SwiGLU's gradient as the layer runs it: one pass after the plain G GEMM.
+        _try(rows, {"model": model, "what": "swiglu_grad"}, lambda: swiglu_grad(g_plain, pre, wrow)[0], ref_dy)
         dy = ref_dy.to(dtype)
         order = torch.argsort(plan.row_expert, stable=True)
         ends = torch.cumsum(plan.splits, 0, dtype=torch.int32)
