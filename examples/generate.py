@@ -5,6 +5,8 @@ where the token count divides the ranks), decodes ``--new-tokens`` tokens per se
 activations, each row-parallel GEMM one ``gemm_all_reduce`` with the residual add and RMSNorm fused),
 prints prefill and decode tokens/s, and checks that the tokens equal those of the same model run
 unsharded on one device (``tileweave.testing.decoder_reference``, float64 on the CPU). Exits 1 if not.
+Each rank runs ``generation_rank``, which emulated ranks import by name: run this file, or import it
+as the module ``generate`` with examples/ on ``sys.path``.
 
     python examples/generate.py                       # 2 emulated ranks on the CPU (fp32, interpreter)
     python examples/generate.py --gpus                # one process per visible GPU
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 if "--gpus" not in sys.argv and "LOCAL_RANK" not in os.environ:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # emulated ranks: the kernels run in the interpreter
@@ -26,9 +29,55 @@ import torch
 import torch.distributed as dist
 
 from tileweave.nn.decoder import DecoderConfig, TPDecoder
-from tileweave.testing.decoder_reference import reference_generate
-from tileweave.testing.decoder_scenarios import generation_inputs, generation_rank
+from tileweave.testing.decoder_reference import random_state_dict, reference_generate
 from tileweave.testing.emulated import run_ranks
+
+
+def generation_inputs(config: DecoderConfig, batch: int, prompt_len: int, seed: int
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The unsharded fp32 weights and the prompts ``[batch, prompt_len]`` of the generation example,
+    the same on every rank."""
+    state = random_state_dict(config, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return state, torch.randint(0, config.vocab, (batch, prompt_len), generator=g)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_generate(model: TPDecoder, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, float, float]:
+    """``(tokens [B, steps], prefill seconds, decode seconds)``, starting from a barrier."""
+    device = prompt.device
+    cache = model.new_cache(prompt.shape[0])
+    dist.barrier()
+    t0 = time.perf_counter()
+    nxt = model.prefill(prompt, cache)[:, -1].argmax(-1)
+    _sync(device)
+    t1 = time.perf_counter()
+    out = [nxt]
+    for _ in range(steps - 1):
+        nxt = model.decode(nxt, cache).argmax(-1)
+        out.append(nxt)
+    _sync(device)
+    return torch.stack(out, dim=1), t1 - t0, time.perf_counter() - t1
+
+
+def generation_rank(rank: int, world: int, config: DecoderConfig, batch: int, prompt_len: int,
+                    new_tokens: int, seed: int) -> dict:
+    """One rank of the generation example: the TP model (fp32) from the unsharded weights, greedy
+    generation timed (on a GPU after one untimed run that compiles the kernels); the tokens (lists) and times."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    state, prompt = generation_inputs(config, batch, prompt_len, seed)
+    model = TPDecoder(config, device=device, dtype=torch.float32)
+    model.load_full_state_dict(state)
+    prompt = prompt.to(device)
+    if device.type == "cuda":
+        _timed_generate(model, prompt, new_tokens)
+    tokens, prefill_s, decode_s = _timed_generate(model, prompt, new_tokens)
+    # plain lists: a tensor would travel to the parent through shared memory its rank has freed
+    return {"tokens": tokens.cpu().tolist(), "prefill_s": prefill_s, "decode_s": decode_s}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +108,7 @@ def config_of(args: argparse.Namespace) -> DecoderConfig:
 
 
 def rank_args(args: argparse.Namespace) -> tuple:
-    """What each rank runs with (``tileweave.testing.decoder_scenarios.generation_rank``)."""
+    """What each rank runs with (``generation_rank``)."""
     return config_of(args), args.batch, args.prompt_len, args.new_tokens, args.seed
 
 

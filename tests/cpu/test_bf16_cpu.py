@@ -5,7 +5,7 @@ Never a silent wrong result."""
 import torch
 
 from tileweave.ops.matmul import linear, matmul
-from tileweave.testing import scenarios
+from support import scenarios
 from tileweave.testing.emulated import run_ranks
 
 BF16_TOL = 1e-2  # bf16 inputs rounded (2^-8 relative) and a bf16 output, against float64

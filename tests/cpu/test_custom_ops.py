@@ -5,9 +5,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tileweave  # noqa: F401  (registers torch.ops.tileweave.*)
-from tileweave.testing import moe_scenarios, scenarios
+from support import moe_scenarios, scenarios
 from tileweave.testing.emulated import run_ranks
-from tileweave.testing.scenarios import all_reduce
+from support.scenarios import all_reduce
 
 
 def test_schemas():

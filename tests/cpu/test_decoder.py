@@ -4,7 +4,7 @@ float64 references computed from the unsharded weights (the decoder's in
 
 import pytest
 
-from tileweave.testing import decoder_scenarios as S
+from support import decoder_scenarios as S
 from tileweave.testing.emulated import run_ranks
 
 TOL = {"float32": 1e-5, "float16": 2e-3}

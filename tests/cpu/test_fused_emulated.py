@@ -1,6 +1,6 @@
 """The fused ops on emulated ranks: W CPU processes sharing a symmetric heap, each running the real
 Triton kernels in the interpreter while a producer thread moves data and writes flags concurrently.
-References are float64 products of the full, unsharded inputs (``tileweave.testing.scenarios``)."""
+References are float64 products of the full, unsharded inputs (``support.scenarios``)."""
 
 import dataclasses
 import random
@@ -9,7 +9,7 @@ import pytest
 
 import tileweave
 from tileweave.runtime.emulated import ONE_QUEUE_ENV
-from tileweave.testing import scenarios
+from support import scenarios
 from tileweave.testing.emulated import run_ranks
 
 C = scenarios.Case

@@ -1,4 +1,4 @@
-"""GEMM + AllReduce on emulated ranks against float64 references (tileweave.testing.scenarios.all_reduce):
+"""GEMM + AllReduce on emulated ranks against float64 references (support.scenarios.all_reduce):
 the one-shot and two-shot kernels in the interpreter with the real flag protocols, and the unfused path."""
 
 import dataclasses
@@ -11,8 +11,8 @@ import pytest
 import tileweave
 
 from tileweave.ops.all_reduce import choose_path, rule
-from tileweave.testing.scenarios import all_reduce as scenarios
-from tileweave.testing.scenarios.all_reduce import DecodeCase as C
+from support.scenarios import all_reduce as scenarios
+from support.scenarios.all_reduce import DecodeCase as C
 from tileweave.testing.emulated import run_ranks
 
 EMULATED_SMS = 4  # EmulatedBackend.num_sms
@@ -158,8 +158,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     compile two of the kernels' variants for sm_90 in a process without the interpreter."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     src = os.path.dirname(os.path.dirname(tileweave.__file__))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "tileweave.testing.compile_check", "--quick"], env=env,
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, tests, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "support.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == 2, done.stdout

@@ -1,7 +1,8 @@
 """The package's imports run one way (docs/design.md, "Layout"): no import circle among tileweave's
 modules, none hidden by an import inside a function (the imports inside functions, moved to the top,
 would close no circle: the CLI's are there only to start fast), each layer imports only the layers
-below it, and testing/ uses no private name of bench/. Read from the source with ``ast``; nothing is
+below it, testing/ (and the tests' support/) use no private name of bench/, and nothing in the
+library imports a test helper. Read from the source with ``ast``; nothing is
 imported."""
 
 import ast
@@ -122,16 +123,32 @@ def test_no_circle_hidden_inside_a_function():
     assert _cycles(_graph(with_function_imports=True)) == []
 
 
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
+
 def test_testing_uses_no_private_name_of_bench():
+    support = {".".join(p.relative_to(SUPPORT.parent).with_suffix("").parts): p for p in SUPPORT.rglob("*.py")}
+    assert support, "tests/support not found"
     found = []
-    for module, path in MODULES.items():
-        if module.startswith("tileweave.testing"):
+    for module, path in {**MODULES, **support}.items():
+        if module.startswith(("tileweave.testing", "support")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tileweave.bench"):
                     found += [f"{module} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
                 if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
                     if isinstance(node.value, ast.Name) and node.value.id in _bench_aliases(path):
                         found.append(f"{module} reads {node.value.id}.{node.attr}")
+    assert found == []
+
+
+def test_the_library_imports_no_test_helper():
+    """What only the tests use lives in tests/support (``import support``); nothing under src/ imports it."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{module} imports {n}" for n in names if n.split(".")[0] in ("support", "tests")]
     assert found == []
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tileweave.runtime import emulated
-from tileweave.testing import scenarios
+from support import scenarios
 from tileweave.testing.emulated import run_ranks
 
 

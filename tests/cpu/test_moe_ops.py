@@ -1,10 +1,10 @@
 """The MoE pair ops on emulated ranks (W CPU processes sharing a symmetric heap, the real kernels in
 Triton's interpreter, a concurrent copy-engine thread) against float64 references of the unsharded
-problem (``tileweave.testing.moe_reference``)."""
+problem (``support.moe_reference``)."""
 
 import pytest
 
-from tileweave.testing import moe_scenarios
+from support import moe_scenarios
 from tileweave.testing.emulated import run_ranks
 
 C = moe_scenarios.MoECase

@@ -1,11 +1,11 @@
 """The MoE routing plan (``tileweave.ops.moe.build_plan``) against the reference order written out in
-``tileweave.testing.moe_reference``: a single process, no ranks."""
+``support.moe_reference``: a single process, no ranks."""
 
 import pytest
 import torch
 
 from tileweave.ops.moe import build_plan, choose_path
-from tileweave.testing.moe_reference import reference_plan
+from support.moe_reference import reference_plan
 
 
 def _as_lists(plan):

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tileweave.testing import emulated, rank_faults
+from support import rank_faults
+from tileweave.testing import emulated
 from tileweave.testing.emulated import RankFailed, run_ranks
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+TESTS = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.mark.parametrize(("how", "reason"), [("exit3", "exited with code 3"), ("sigkill", "was killed by SIGKILL")])
@@ -48,11 +50,12 @@ def _alive(pid: int) -> bool:
 def _start_hanging_run(directory: Path) -> subprocess.Popen:
     directory.mkdir()
     script = ("import sys\n"
-              "from tileweave.testing import emulated, rank_faults\n"
+              "from support import rank_faults\n"
+              "from tileweave.testing import emulated\n"
               "if __name__ == '__main__':\n"
               "    emulated.run_ranks(2, rank_faults.record_pid_and_hang, sys.argv[1], timeout_s=600)\n")
     (directory / "hang.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, str(directory / "hang.py"), str(directory)], env=env)
 
 

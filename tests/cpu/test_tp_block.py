@@ -3,7 +3,7 @@ gradient, every parameter gradient; fused and Megatron-style (fallback) paths.""
 
 import pytest
 
-from tileweave.testing import scenarios
+from support import scenarios
 from tileweave.testing.emulated import run_ranks
 
 

@@ -4,7 +4,7 @@ MLP in float64, with the gathered input kept or gathered again, and under autoca
 import pytest
 
 from tileweave.runtime.emulated import ONE_QUEUE_ENV
-from tileweave.testing import scenarios
+from support import scenarios
 from tileweave.testing.emulated import run_ranks
 
 

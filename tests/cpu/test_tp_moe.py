@@ -6,7 +6,7 @@ steps with fresh routing and a straggling rank."""
 import pytest
 
 from tileweave.testing.emulated import run_ranks
-from tileweave.testing.moe_layer_scenarios import LayerCase, tp_moe_check, tp_moe_errors_check
+from support.moe_layer_scenarios import LayerCase, tp_moe_check, tp_moe_errors_check
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 

@@ -5,9 +5,9 @@ without CUDA; TILEWEAVE_GPU_RANKS=2 runs them with both ranks on one GPU."""
 import pytest
 
 from gpus import RANKS, needs_two
-from tileweave.testing import moe_scenarios, scenarios
+from support import moe_scenarios, scenarios
 from tileweave.testing.emulated import run_ranks
-from tileweave.testing.scenarios import all_reduce
+from support.scenarios import all_reduce
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 TOL = 3e-3

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpus import RANKS, needs_two, one_gpu_per_rank
-from tileweave.testing import decoder_scenarios as S
+from support import decoder_scenarios as S
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]

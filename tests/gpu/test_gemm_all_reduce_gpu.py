@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from gpus import RANKS, SHARED, needs_two, one_gpu_per_rank
-from tileweave.testing.scenarios import all_reduce as scenarios
-from tileweave.testing.scenarios.all_reduce import DecodeCase as C
+from support.scenarios import all_reduce as scenarios
+from support.scenarios.all_reduce import DecodeCase as C
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]

@@ -5,7 +5,7 @@ import torch
 
 from gpus import RANKS, SHARED, needs_gpu, needs_two, one_gpu_per_rank
 import tileweave
-from tileweave.testing import repeat_paths, scenarios
+from support import repeat_paths, scenarios
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = pytest.mark.gpu

@@ -4,7 +4,7 @@ with ``TILEWEAVE_GPU_RANKS=2`` on one GPU the ranks share it (``tileweave.testin
 import pytest
 
 from gpus import RANKS, needs_two, one_gpu_per_rank
-from tileweave.testing import moe_scenarios
+from support import moe_scenarios
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]

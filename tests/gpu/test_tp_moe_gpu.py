@@ -8,7 +8,7 @@ import pytest
 
 from gpus import RANKS, needs_two, one_gpu_per_rank
 from tileweave.testing.emulated import run_ranks
-from tileweave.testing.moe_layer_scenarios import LayerCase, tp_moe_check
+from support.moe_layer_scenarios import LayerCase, tp_moe_check
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 needs_own_gpus = one_gpu_per_rank("NCCL")

@@ -1,6 +1,6 @@
 """Start W emulated ranks on the CPU: processes with a gloo group and a shared symmetric heap.
 
-    results = run_ranks(2, scenarios.all_gather_gemm_check, params)
+    results = run_ranks(2, my_tests.check_rank, params)
 
 runs ``fn(rank, world_size, *args)`` in every rank and returns the ranks' return values in rank order.
 Inside a rank, CPU tensors passed to tileweave's fused ops run the real Triton kernels in the

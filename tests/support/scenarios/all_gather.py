@@ -14,7 +14,7 @@ from tileweave.ops.workspace import ONESHOT_HEADER
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 from tileweave.runtime.backend import set_producer_delay
-from tileweave.testing.scenarios.common import Case, device_name, randn, rel_err, weight_b
+from support.scenarios.common import Case, device_name, randn, rel_err, weight_b
 
 
 def all_gather_call(op, case: Case, it: int, rank: int, world: int, device: str) -> dict:

@@ -18,7 +18,7 @@ from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, tileweave_ops
 from tileweave.ops import common
 from tileweave.runtime.backend import set_producer_delay
-from tileweave.testing.moe_layer_reference import reference_moe, routing_gap
+from support.moe_layer_reference import reference_moe, routing_gap
 
 ROUTINGS = ("uniform", "skewed", "empty")
 

@@ -2,7 +2,7 @@
 tests (``tileweave.testing.emulated.run_ranks``). Each returns plain data for the caller to assert.
 
 Inputs are regenerated from seeds on every rank, so each rank rebuilds the whole unsharded problem and
-checks its own outputs against ``tileweave.testing.moe_reference`` with no collective."""
+checks its own outputs against ``support.moe_reference`` with no collective."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import tileweave
 from tileweave.ops import common
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, build_plan, moe_plan
 from tileweave.runtime.backend import TileweaveError, set_producer_delay
-from tileweave.testing import moe_reference
-from tileweave.testing.scenarios.common import compiled
+from support import moe_reference
+from support.scenarios.common import compiled
 
 
 @dataclasses.dataclass(frozen=True)

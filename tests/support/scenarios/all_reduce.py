@@ -18,8 +18,8 @@ from tileweave.ops import common
 from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
 import tileweave
-from tileweave.testing.scenarios.common import GemmCase, compiled, device_name, randn, rel_err
-from tileweave.testing.scenarios.graphs import captured
+from support.scenarios.common import GemmCase, compiled, device_name, randn, rel_err
+from support.scenarios.graphs import captured
 
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import tileweave
 from tileweave.ops import gemm_launch
 from tileweave.nn import ColumnParallelLinear, RowParallelLinear
-from tileweave.testing.scenarios.common import device_name, randn, rel_err, shared_ops_graphable
+from support.scenarios.common import device_name, randn, rel_err, shared_ops_graphable
 
 
 def captured(call, refill):

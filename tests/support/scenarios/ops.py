@@ -14,7 +14,7 @@ from tileweave.ops import common
 from tileweave.tune.autotune import select_config
 from tileweave.runtime.backend import CudaBackend, TileweaveError
 from tileweave.nn import ColumnParallelLinear, RowParallelLinear
-from tileweave.testing.scenarios.common import compiled, device_name, randn, rel_err
+from support.scenarios.common import compiled, device_name, randn, rel_err
 
 
 def shared_gpu_refused_check(rank: int, world: int) -> str:

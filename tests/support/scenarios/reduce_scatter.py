@@ -9,7 +9,7 @@ import torch
 
 import tileweave
 from tileweave.runtime.backend import set_producer_delay
-from tileweave.testing.scenarios.common import Case, device_name, randn, rel_err, weight_b
+from support.scenarios.common import Case, device_name, randn, rel_err, weight_b
 
 
 def gemm_reduce_scatter_check(rank: int, world: int, cases: list[Case]) -> list[dict]:

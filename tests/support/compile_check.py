@@ -1,7 +1,7 @@
 """Compile the GEMM + AllReduce kernels for a GPU target without a GPU (Triton's front end, its CUDA
 backend and ptxas run on the CPU): catches what the interpreter accepts and the compiler does not.
 
-    python -m tileweave.testing.compile_check [--quick]   # one line per variant, exit status 1 on a failure
+    PYTHONPATH=src:tests python -m support.compile_check [--quick]   # one line per variant, exit 1 on a failure
 
 ``--quick``: two variants (the one-shot kernel on constant flags with the epilogue, the two-shot kernel on
 epoch flags without), for the CPU tests.

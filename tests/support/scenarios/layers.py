@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 import tileweave
-from tileweave.testing import references
+from support import references
 from tileweave.nn import ColumnParallelLinear, RowParallelLinear
 from tileweave.nn.block import BlockConfig, TPTransformerBlock
 from tileweave.bench import block as B
 from tileweave.nn.linear import TILEWEAVE_OPS
 from tileweave.bench.runner import enable_torch_symm_mem
-from tileweave.testing.scenarios.common import device_name, randn, rel_err, shared_ops_graphable
+from support.scenarios.common import device_name, randn, rel_err, shared_ops_graphable
 
 
 def tp_mlp_check(rank: int, world: int, tokens: int, hidden: int, ffn: int, save_gathered: bool,

@@ -9,7 +9,6 @@ the check itself, the decoder's by ``tileweave.testing.decoder_reference`` (whic
 from __future__ import annotations
 
 import dataclasses
-import time
 import zlib
 
 import torch
@@ -161,53 +160,6 @@ def decoder_check(rank: int, world: int, batch: int, chunks: list[int], steps: i
 
 def _last_paths(names: tuple[str, ...]) -> str:
     return ", ".join(f"{n}={tileweave.last_path(n)}" for n in names)
-
-
-def generation_inputs(config: DecoderConfig, batch: int, prompt_len: int, seed: int
-                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The unsharded fp32 weights and the prompts ``[batch, prompt_len]`` of the generation example,
-    the same on every rank."""
-    state = random_state_dict(config, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    return state, torch.randint(0, config.vocab, (batch, prompt_len), generator=g)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_generate(model: TPDecoder, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, float, float]:
-    """``(tokens [B, steps], prefill seconds, decode seconds)``, starting from a barrier."""
-    device = prompt.device
-    cache = model.new_cache(prompt.shape[0])
-    dist.barrier()
-    t0 = time.perf_counter()
-    nxt = model.prefill(prompt, cache)[:, -1].argmax(-1)
-    _sync(device)
-    t1 = time.perf_counter()
-    out = [nxt]
-    for _ in range(steps - 1):
-        nxt = model.decode(nxt, cache).argmax(-1)
-        out.append(nxt)
-    _sync(device)
-    return torch.stack(out, dim=1), t1 - t0, time.perf_counter() - t1
-
-
-def generation_rank(rank: int, world: int, config: DecoderConfig, batch: int, prompt_len: int,
-                    new_tokens: int, seed: int) -> dict:
-    """One rank of the generation example: the TP model (fp32) from the unsharded weights, greedy
-    generation timed (on a GPU after one untimed run that compiles the kernels); the tokens (lists) and times."""
-    device = _device()
-    state, prompt = generation_inputs(config, batch, prompt_len, seed)
-    model = TPDecoder(config, device=device, dtype=torch.float32)
-    model.load_full_state_dict(state)
-    prompt = prompt.to(device)
-    if device.type == "cuda":
-        _timed_generate(model, prompt, new_tokens)
-    tokens, prefill_s, decode_s = _timed_generate(model, prompt, new_tokens)
-    # plain lists: a tensor would travel to the parent through shared memory its rank has freed
-    return {"tokens": tokens.cpu().tolist(), "prefill_s": prefill_s, "decode_s": decode_s}
 
 
 def decoder_errors_check(rank: int, world: int) -> dict[str, str]:
