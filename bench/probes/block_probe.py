@@ -96,8 +96,8 @@ def _host_profile(step, steps: int, top: int = 25) -> list:
 
 
 def _fresh_ops() -> None:
-    from tileweave.ops.all_gather_gemm import AllGatherGemm
-    from tileweave.ops.gemm_reduce_scatter import GemmReduceScatter
+    from tileweave.ops.all_gather.op import AllGatherGemm
+    from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 
     AllGatherGemm._shared.clear()
     GemmReduceScatter._shared.clear()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 
 import tileweave  # noqa: E402
-from tileweave.ops.gemm_reduce_scatter import chunk_rows_for  # noqa: E402
+from tileweave.ops.reduce_scatter.blocks import chunk_rows_for  # noqa: E402
 from tileweave.testing.emulated import run_ranks  # noqa: E402
 from tileweave.tune.autotune import time_ms  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Layer 0's transport: every rank's token shard into every peer's symmetric gather buffer, on the
 copy engines, each followed by the peer's ready flag (an epoch).
 
-The mesh push of the dense AllGather+GEMM (``tileweave.ops.all_gather_gemm``), with its flag
+The mesh push of the dense AllGather+GEMM (``tileweave.ops.all_gather``), with its flag
 protocol: rank r's producer writes its shard into rows ``[r*T/W, (r+1)*T/W)`` of peer p's buffer once
 p has released the buffer for this call (p's RELEASED word for r holds the previous epoch), nearest
 consumer first, then sets p's READY word for r to the epoch. The consumer's kernel waits on READY
