@@ -5,7 +5,7 @@ import dataclasses, json, sys, time, traceback
 import torch
 from tileweave.bench import grouped as G
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure
-from tileweave.ops.grouped_gemm import grouped_gemm, grouped_config
+from tileweave.ops.compute.grouped_gemm import grouped_gemm, grouped_config
 from tileweave.tune.grouped import GroupedConfig
 
 C = GroupedConfig

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from tileweave.bench.moe import MODELS, Inputs, Row, _layer_module
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS
-from tileweave.ops.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.testing.emulated import run_ranks
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from moe_profile import _time  # noqa: E402  (a probe beside this one; run from this folder's path)
 from tileweave.bench.moe import MODELS, Inputs, Row
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS
-from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
-from tileweave.ops.grouped_wgrad import grouped_wgrad
-from tileweave.ops.swiglu import swiglu_grad
+from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.swiglu import swiglu_grad
 from tileweave.testing.emulated import run_ranks
 from tileweave.tune.grouped import GroupedConfig as GC, WgradConfig as WC
 

@@ -29,8 +29,8 @@ from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.ops.common import last_path
 from tileweave.ops.functional import (all_gather_gemm, gemm_all_reduce,  # registers torch.ops.tileweave.*
                                       gemm_reduce_scatter, moe_all_gather_gemm, moe_gemm_reduce_scatter)
-from tileweave.ops.grouped_gemm import grouped_gemm
-from tileweave.ops.matmul import linear, matmul
+from tileweave.ops.compute.grouped_gemm import grouped_gemm
+from tileweave.ops.compute.matmul import linear, matmul
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, build_plan, moe_plan
 from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError

@@ -4,7 +4,7 @@ Never a silent wrong result."""
 
 import torch
 
-from tileweave.ops.matmul import linear, matmul
+from tileweave.ops.compute.matmul import linear, matmul
 from support import scenarios
 from tileweave.testing.emulated import run_ranks
 

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from tileweave.ops import fused_op, oneshot_launch
+from tileweave.ops import fused_op
+from tileweave.ops.compute import oneshot_launch
 from tileweave.runtime import triton_launch
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tileweave.bench import grouped as bench
-from tileweave.ops import grouped_gemm as gg_module
-from tileweave.ops.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
+from tileweave.ops.compute import grouped_gemm as gg_module
+from tileweave.ops.compute.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

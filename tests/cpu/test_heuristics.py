@@ -114,7 +114,7 @@ def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():
 
 
 def test_all_gather_stream_k_tail_lies_in_the_last_chunk():
-    from tileweave.ops.gemm_launch import ag_stream_k_tail
+    from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
     from tileweave.tune.configs import GemmConfig
 
     rng = random.Random()

@@ -1,9 +1,9 @@
 """The package's imports run one way (docs/design.md, "Layout"): no import circle among tileweave's
 modules, none hidden by an import inside a function (the imports inside functions, moved to the top,
 would close no circle: the CLI's are there only to start fast), each layer imports only the layers
-below it, testing/ (and the tests' support/) use no private name of bench/, and nothing in the
-library imports a test helper. Read from the source with ``ast``; nothing is
-imported."""
+below it, ops/compute/ imports no op nor the op skeleton, testing/ (and the tests' support/) use no
+private name of bench/, and nothing in the library imports a test helper. Read from the source with
+``ast``; nothing is imported."""
 
 import ast
 from pathlib import Path
@@ -161,6 +161,17 @@ def _bench_aliases(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("tileweave.bench")}
     return names
+
+
+def test_compute_launchers_stand_apart_from_the_op_skeleton():
+    """ops/compute/ (the compute-only launchers) imports of the ops only ``ops.common`` and itself: the
+    skeleton and the ops build on it, never the other way round."""
+    found = []
+    for module, targets in _graph(with_function_imports=True).items():
+        if module.startswith("tileweave.ops.compute"):
+            found += [f"{module} imports {t}" for t in targets if t.startswith("tileweave.ops")
+                      and not t.startswith("tileweave.ops.compute") and t not in ("tileweave.ops", "tileweave.ops.common")]
+    assert found == []
 
 
 def test_each_layer_imports_only_those_below_it():

@@ -4,7 +4,7 @@ its arguments gets its own plan. Runs the real kernel in the interpreter."""
 
 import torch
 
-from tileweave.ops import gemm_launch as _launch
+from tileweave.ops.compute import gemm_launch as _launch
 from tileweave.tune.configs import INTERPRETER_CONFIG
 
 

@@ -59,7 +59,7 @@ def test_two_part_tiles_match_reference(m, n, k, block_n2, layout):
 
 
 def test_two_part_tiles_are_refused_by_the_fused_kernel():
-    from tileweave.ops import gemm_launch
+    from tileweave.ops.compute import gemm_launch
 
     a = torch.randn(32, 32)
     config = GemmConfig(block_m=32, block_n=32, block_n2=16, block_k=32, num_stages=1, num_warps=4, flatten=False)
@@ -105,7 +105,7 @@ def test_strided_bias_and_output_views():
 
 
 def test_cached_launch_plans_stay_correct_when_tensors_change():
-    from tileweave.ops import matmul as matmul_module
+    from tileweave.ops.compute import matmul as matmul_module
 
     matmul_module._plans.clear()
     w = torch.randn(24, 40, dtype=torch.float16)
@@ -140,7 +140,7 @@ def _stream_k_config(programs):
 ])
 @pytest.mark.parametrize("layout", ["kn", "weight"])
 def test_stream_k_matches_reference_and_repeats_bitwise(m, n, k, programs, layout):
-    from tileweave.ops import gemm_launch as _launch
+    from tileweave.ops.compute import gemm_launch as _launch
 
     a = torch.randn(m, k, dtype=torch.float32)
     b = torch.randn(n, k).t() if layout == "weight" else torch.randn(k, n)
@@ -157,7 +157,7 @@ def test_stream_k_matches_reference_and_repeats_bitwise(m, n, k, programs, layou
 
 
 def test_stream_k_workspace_grows_for_a_larger_grid():
-    from tileweave.ops import gemm_launch as _launch
+    from tileweave.ops.compute import gemm_launch as _launch
 
     _launch._stream_k_kept.clear()
     for m, n in [(40, 40), (160, 96), (40, 40)]:

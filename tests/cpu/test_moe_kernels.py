@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
-from tileweave.ops.grouped_wgrad import grouped_wgrad
-from tileweave.ops.swiglu import swiglu_grad
-from tileweave.ops.topk_reduce import topk_reduce
+from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.swiglu import swiglu_grad
+from tileweave.ops.compute.topk_reduce import topk_reduce
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

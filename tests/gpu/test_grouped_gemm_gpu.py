@@ -7,8 +7,8 @@ import torch
 
 from gpus import needs_gpu
 from tileweave.bench import grouped as bench
-from tileweave.ops import grouped_gemm as gg_module
-from tileweave.ops.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
+from tileweave.ops.compute import grouped_gemm as gg_module
+from tileweave.ops.compute.grouped_gemm import expected_tiles, grouped_config, grouped_gemm
 from tileweave.tune.grouped import GroupedConfig
 
 pytestmark = pytest.mark.gpu

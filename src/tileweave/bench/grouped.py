@@ -39,7 +39,7 @@ import torch
 from tileweave.bench.report import collect_metadata, geomean
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
 from tileweave.ops import common
-from tileweave.ops.grouped_gemm import grouped_config, grouped_gemm
+from tileweave.ops.compute.grouped_gemm import grouped_config, grouped_gemm
 from tileweave.tune.grouped import GroupedConfig
 
 

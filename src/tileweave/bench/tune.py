@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from tileweave.bench.suite import gemm_shapes, parse_ints
-from tileweave.ops.matmul import matmul
+from tileweave.ops.compute.matmul import matmul
 from tileweave.tune import autotune
 from tileweave.tune.configs import GemmConfig
 

@@ -41,9 +41,9 @@ whole expert MLP with the SwiGLU fused into layer 0's epilogue, forward and back
   pre-activations ``[P, 2*F_loc]`` (interleaved) for the backward; they are all that is kept of the
   experts' activations (``h`` is not: the backward recomputes it from them, which costs no GEMM);
 * backward: layer 1's input gradient ``G = dO[tok] @ w1[e]`` runs layer 0's form (the plain grouped
-  GEMM), then one pass (``tileweave.ops.swiglu.swiglu_grad``) reads ``G`` and the pre-activations once
+  GEMM), then one pass (``tileweave.ops.compute.swiglu.swiglu_grad``) reads ``G`` and the pre-activations once
   and writes ``dgate | dup`` of ``wt * G``, ``wt * h`` and ``<G[p], h[p]>``; the weight gradients run
-  ``tileweave.ops.grouped_wgrad`` over the plan's rows, gathering rows by index (no permuted copies).
+  ``tileweave.ops.compute.grouped_wgrad`` over the plan's rows, gathering rows by index (no permuted copies).
   The SwiGLU's derivative inside the GEMM's epilogue ran two to two and a half times slower than the
   GEMM and this pass together (its loads stall each tile), so it is a pass of its own.
 
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
-from tileweave.ops.grouped_gemm import SwiGLU
-from tileweave.ops.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.grouped_gemm import SwiGLU
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, MoEPlan, moe_plan
-from tileweave.ops.swiglu import swiglu_grad
+from tileweave.ops.compute.swiglu import swiglu_grad
 
 
 @dataclasses.dataclass(frozen=True)

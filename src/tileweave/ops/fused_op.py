@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.gemm_launch import launch, launch_cached
-from tileweave.ops.oneshot_launch import OneshotPlan
+from tileweave.ops.compute.gemm_launch import launch, launch_cached
+from tileweave.ops.compute.oneshot_launch import OneshotPlan
 from tileweave.ops.workspace import Workspace, agree
 from tileweave.runtime.backend import Backend, HostWord, TileweaveError, get_backend
 from tileweave.tune.autotune import select_config

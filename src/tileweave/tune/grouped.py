@@ -106,7 +106,8 @@ def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.d
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WgradConfig:
-    """Compile-time shape of one launch of the grouped weight gradient (``tileweave.ops.grouped_wgrad``)."""
+    """Compile-time shape of one launch of the grouped weight gradient
+    (``tileweave.ops.compute.grouped_wgrad``)."""
 
     block_n: int = bounded(128, low=16, power_of_two=True)
     """Rows of the ``[N, K]`` output tile (columns of the left operand)."""

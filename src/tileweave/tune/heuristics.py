@@ -84,7 +84,7 @@ AG_STREAM_K_BELOW = 0.98
 def all_gather_stream_k(m_chunk: int, n_local: int, k: int, world: int, block_m: int, block_n: int,
                         programs: int) -> bool:
     """Whether the fused AllGather+GEMM kernel shares its last, partial wave by K steps; the kernel
-    also needs that wave's tiles to lie in its last chunk (``ops.gemm_launch.ag_stream_k_tail``)."""
+    also needs that wave's tiles to lie in its last chunk (``ops.compute.gemm_launch.ag_stream_k_tail``)."""
     tiles = world * math.ceil(m_chunk / block_m) * math.ceil(n_local / block_n)
     if k < AG_STREAM_K_MIN_K or tiles < AG_STREAM_K_MIN_WAVES * programs:
         return False

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tileweave
-from tileweave.ops import gemm_launch
+from tileweave.ops.compute import gemm_launch
 from tileweave.ops.workspace import ONESHOT_HEADER
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import tileweave
-from tileweave.ops import gemm_launch
+from tileweave.ops.compute import gemm_launch
 from tileweave.nn import ColumnParallelLinear, RowParallelLinear
 from support.scenarios.common import device_name, randn, rel_err, shared_ops_graphable
 

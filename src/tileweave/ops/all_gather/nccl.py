@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.matmul import matmul
+from tileweave.ops.compute.matmul import matmul
 
 
 def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.ops.oneshot_launch import launch_gather_rows
+from tileweave.ops.compute.oneshot_launch import launch_gather_rows
 from tileweave.ops.workspace import oneshot_slots
 
 

@@ -43,7 +43,7 @@ from tileweave.ops import common
 from tileweave.ops.all_gather import chunked, fused, nccl, oneshot
 from tileweave.ops.all_gather.push import start
 from tileweave.ops.fused_op import FusedOp, Plan, option
-from tileweave.ops.gemm_launch import ag_stream_k_tail
+from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
 from tileweave.ops.workspace import FlagValues, Workspace, agree, ensure_workspace, released_start
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics

@@ -27,9 +27,9 @@ import triton
 
 from tileweave.kernels.gemm_all_reduce import ERR_PARTIAL, ERR_REDUCED, MAX_BLOCKS, oneshot_kernel, twoshot_kernel
 from tileweave.ops import common
-from tileweave.ops.gemm_launch import wrap_int32
+from tileweave.ops.compute.gemm_launch import wrap_int32
 from tileweave.ops.all_reduce.rule import rows_per_program
-from tileweave.ops.matmul import matmul
+from tileweave.ops.compute.matmul import matmul
 from tileweave.runtime.backend import Backend, CollectiveTimeout, HostWord, SymmetricBuffer, TileweaveError
 
 SLOT_ALIGN = 256

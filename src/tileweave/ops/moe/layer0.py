@@ -18,7 +18,7 @@ gathered ``x``      ``[T, H]``                  ``X = AllGather(x_shard)`` (``re
 
 fp16, bf16 or fp32 in (one dtype for ``x_shard`` and ``w0``), fp32 accumulation, result in that dtype.
 
-``epilogue=SwiGLU(pre=...)`` (``tileweave.ops.grouped_gemm.SwiGLU``) fuses an expert MLP's SwiGLU
+``epilogue=SwiGLU(pre=...)`` (``tileweave.ops.compute.grouped_gemm.SwiGLU``) fuses an expert MLP's SwiGLU
 into the grouped GEMM on every path: ``w0 [E, H, 2*F_loc]`` holds the gate columns, then the up
 columns, and the result is ``silu(gate) * up [T * k, F_loc]`` (``pre`` receives the pre-activations).
 
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.grouped_gemm import SwiGLU, grouped_gemm
+from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
 from tileweave.ops.moe._op import MoEOp, all_gather_rows, check_activation, check_plan, check_weight, plan_signature
 from tileweave.ops.moe.gather import ShardGather
 from tileweave.ops.moe.plan import MoEPlan

@@ -30,7 +30,7 @@ own block comes last, in fp32, and then the W partials are summed in rank order.
 grouped GEMM over every group, the top-k sum, NCCL reduce-scatter. ``policy="auto"`` chooses per shape
 (``tileweave.ops.moe.paths.choose_path``); a group of one communicates nothing (``"local"``).
 ``Z [T*k, H]`` is materialised on both paths and read once by the top-k reduce
-(``tileweave.ops.topk_reduce``), which sums each token's k rows in fp32 in slot order.
+(``tileweave.ops.compute.topk_reduce``), which sums each token's k rows in fp32 in slot order.
 
 Agreement with the other ranks, bad routing ids, synchronisation and concurrency: as
 ``moe_all_gather_gemm``.
@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.grouped_gemm import grouped_gemm
+from tileweave.ops.compute.grouped_gemm import grouped_gemm
 from tileweave.ops.moe._op import (MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl,
                                    plan_signature)
 from tileweave.ops.moe.plan import MoEPlan
-from tileweave.ops.topk_reduce import topk_reduce
+from tileweave.ops.compute.topk_reduce import topk_reduce
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
 from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.ops import common
-from tileweave.ops.matmul import matmul
+from tileweave.ops.compute.matmul import matmul
 
 
 def run(op, plan, a, b, bias, out) -> None:

@@ -13,7 +13,7 @@ import triton
 
 from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
 from tileweave.ops import common
-from tileweave.ops.gemm_launch import layout, wrap_int32
+from tileweave.ops.compute.gemm_launch import layout, wrap_int32
 from tileweave.runtime import triton_launch
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
 

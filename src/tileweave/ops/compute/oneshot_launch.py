@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from tileweave.kernels.oneshot import gather_rows_kernel, reduce_rows_kernel
-from tileweave.ops.gemm_launch import wrap_int32
+from tileweave.ops.compute.gemm_launch import wrap_int32
 from tileweave.runtime import triton_launch
 
 ONESHOT_BLOCK = (32, 256, 4)

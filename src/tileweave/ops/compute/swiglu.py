@@ -22,7 +22,7 @@ def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
     * ``row_dot[p] = <g[p], h[p]>`` (float32: the routing weight's gradient), summed in a fixed order.
 
     ``g [P, N]`` is the gradient of the scaled projection's input before the scale; ``pre [P, 2N]`` the
-    pre-activations interleaved as ``tileweave.ops.grouped_gemm.SwiGLU`` stores them (gate j in
+    pre-activations interleaved as ``tileweave.ops.compute.grouped_gemm.SwiGLU`` stores them (gate j in
     column 2j, up j in 2j + 1); both of one dtype (fp16, bf16, fp32) with unit column stride;
     ``row_scale`` float32 ``[P]``. Math in fp32; ``dy`` and ``h_scaled`` in ``g``'s dtype. No host
     synchronisation. On the CPU this runs in Triton's interpreter (bfloat16 read through float32).

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from tileweave.ops import common, gemm_launch
+from tileweave.ops import common
+from tileweave.ops.compute import gemm_launch
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
