@@ -151,8 +151,8 @@ def grouped_gemm_kernel(
     pid = tl.program_id(0)
     if B_TMA:
         if SWIGLU:
-            b_src = tl.make_tensor_descriptor(b_ptr, shape=[E, N, 2, K], strides=[stride_be, stride_bn, N * stride_bn, 1],
-                                              block_shape=[1, BN, 2, BK])
+            b_src = tl.make_tensor_descriptor(b_ptr, shape=[E, N, 2, K], block_shape=[1, BN, 2, BK],
+                                              strides=[stride_be, stride_bn, N * stride_bn, 1])
         else:
             b_src = _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn, BN, BK, B_NK)
     else:

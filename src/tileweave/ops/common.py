@@ -61,6 +61,24 @@ def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None
         raise ValueError(f"{name} is on {t.device} but the other operands are on {device}")
 
 
+def describe(t: object) -> str:
+    """A tensor's dtype, shape and device for an error message, or the type's name of anything else."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def check_index(name: str, t: torch.Tensor, device: torch.device,
+                dtypes: tuple = (torch.int32, torch.int64)) -> None:
+    """Raise unless ``t`` is a contiguous 1-D tensor of one of ``dtypes`` on ``device`` (row indices,
+    offsets)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in dtypes or t.device != device:
+        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be a 1-D {kinds} tensor on {device}, got {describe(t)}")
+    if t.stride(0) != 1 and t.numel() > 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+
+
 def check_runs_dtype(op: str, name: str, t: torch.Tensor) -> None:
     """Refuse bfloat16 where Triton runs in its interpreter (the CPU): the interpreter computes
     bfloat16 loads and dot products wrongly, so a fused op would return garbage silently."""

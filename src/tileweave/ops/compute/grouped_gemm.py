@@ -218,7 +218,7 @@ def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: tor
 def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue) -> _Plan:
     common.check_matrix("a", a)
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
-        raise ValueError(f"b must be a 3-D tensor [E, K, N], got {_describe(b)}")
+        raise ValueError(f"b must be a 3-D tensor [E, K, N], got {common.describe(b)}")
     common.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
     num_b, k, n = b.shape
     if a.shape[1] != k:
@@ -226,12 +226,12 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     experts = num_b if experts is None else experts
     if not isinstance(experts, int) or not 1 <= experts <= num_b:
         raise ValueError(f"experts must be an int from 1 to b.shape[0] = {num_b}, got {experts!r}")
-    _check_index("offsets", offsets, a.device, (torch.int32,))
+    common.check_index("offsets", offsets, a.device, (torch.int32,))
     if offsets.numel() < 1:
         raise ValueError("offsets must have G + 1 >= 1 entries, got none")
     groups = offsets.numel() - 1
     if a_rows is not None:
-        _check_index("a_rows", a_rows, a.device, (torch.int32, torch.int64))
+        common.check_index("a_rows", a_rows, a.device, (torch.int32, torch.int64))
         rows = a_rows.numel()
     else:
         rows = a.shape[0]
@@ -239,7 +239,7 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
         if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (rows,) or row_scale.dtype != torch.float32 \
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
-                             f"got {_describe(row_scale)}")
+                             f"got {common.describe(row_scale)}")
     out_n = _check_epilogue(epilogue, rows, n, a.dtype, a.device, row_scale)
     common.check_out(out, (rows, out_n), a.dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)
@@ -338,18 +338,6 @@ def expected_tiles(offsets: torch.Tensor, *, experts: int, n: int, config: Group
     return padded.view(sources, experts).sum(1).to(torch.int32)
 
 
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
-
-
-def _check_index(name: str, t, device: torch.device, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in dtypes or t.device != device:
-        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must be a 1-D {kinds} tensor on {device}, got {_describe(t)}")
-    if t.stride(0) != 1 and t.numel() > 1:
-        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
 
 
 def _check_range(group_range, groups: int) -> tuple[int, int]:
@@ -370,12 +358,12 @@ def _check_gate(gate, sources: int, device: torch.device) -> Gate | None:
     if not isinstance(gate, tuple) or len(gate) != 5:
         raise ValueError("gate must be a tuple (ready_flags, epoch, rank, err, max_spin)")
     ready, epoch, rank, err, max_spin = gate
-    _check_index("gate ready_flags", ready, device, (torch.int32,))
+    common.check_index("gate ready_flags", ready, device, (torch.int32,))
     if ready.numel() < sources:
         raise ValueError(f"gate ready_flags needs one word per source rank ({sources}), got {ready.numel()}")
     if not isinstance(rank, int) or not 0 <= rank < sources:
         raise ValueError(f"gate rank must be an int in [0, {sources}), got {rank!r}")
-    _check_index("gate err", err, device, (torch.int32,))
+    common.check_index("gate err", err, device, (torch.int32,))
     if err.numel() != 1:
         raise ValueError(f"gate err must have one element, got {err.numel()}")
     for name, value in (("epoch", epoch), ("max_spin", max_spin)):
@@ -392,7 +380,7 @@ def _check_signal(signal, sources: int, device: torch.device) -> torch.Tensor | 
     if not isinstance(signal, tuple) or len(signal) != 1:
         raise ValueError("signal must be a tuple (counters,)")
     counters = signal[0]
-    _check_index("signal counters", counters, device, (torch.int32,))
+    common.check_index("signal counters", counters, device, (torch.int32,))
     if counters.numel() < sources:
         raise ValueError(f"signal counters needs one word per source rank ({sources}), got {counters.numel()}")
     return counters

@@ -36,7 +36,7 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
             raise ValueError(f"{name} must have unit stride along its last dimension, got strides {t.stride()}")
     if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise ValueError(f"experts must be a positive int, got {experts!r}")
-    _check_index("offsets", offsets, lhs.device)
+    common.check_index("offsets", offsets, lhs.device)
     groups = offsets.numel() - 1
     if groups < experts or groups % experts:
         raise ValueError(f"offsets must have S*E + 1 entries for E = {experts} experts, got {offsets.numel()}")
@@ -44,7 +44,7 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
     rows = None
     for name, idx, base in (("lhs_rows", lhs_rows, lhs), ("rhs_rows", rhs_rows, rhs)):
         if idx is not None:
-            _check_index(name, idx, lhs.device)
+            common.check_index(name, idx, lhs.device)
             rows = idx.numel() if rows is None else rows
             if idx.numel() != rows:
                 raise ValueError(f"lhs_rows and rhs_rows must have the same length P, got {rows} and {idx.numel()}")
@@ -55,14 +55,15 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
             rows = base.shape[0] if rows is None else rows
     if scale is not None and (not isinstance(scale, torch.Tensor) or scale.shape != (rows,)
                               or scale.dtype != torch.float32 or scale.device != lhs.device):
-        raise ValueError(f"scale must be a float32 tensor of shape ({rows},) on {lhs.device}, got {_describe(scale)}")
+        raise ValueError(f"scale must be a float32 tensor of shape ({rows},) on {lhs.device}, "
+                         f"got {common.describe(scale)}")
     n, k = lhs.shape[1], rhs.shape[1]
     if out is None:
         out = torch.empty((experts, n, k), dtype=lhs.dtype, device=lhs.device)
     elif tuple(out.shape) != (experts, n, k) or out.dtype != lhs.dtype or out.device != lhs.device \
             or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {lhs.dtype} tensor [E, N, K] = [{experts}, {n}, {k}] on "
-                         f"{lhs.device}, got {_describe(out)}")
+                         f"{lhs.device}, got {common.describe(out)}")
     if n == 0 or k == 0:
         return out
     interp = common.interpreting()
@@ -85,20 +86,9 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
             lhs, offsets if lhs_rows is None else lhs_rows, rhs, offsets if rhs_rows is None else rhs_rows,
             target if scale is None else scale, offsets, target, experts, sources, n, k,
             lhs.stride(0), rhs.stride(0), target.stride(0), target.stride(1),
-            BN=bn, BK=bk, BR=br, S_BLOCK=triton.next_power_of_2(sources), L_GATHER=lhs_rows is not None, R_GATHER=rhs_rows is not None,
-            HAS_SCALE=scale is not None, PRECISION=precision, num_warps=warps, num_stages=stages)
+            BN=bn, BK=bk, BR=br, S_BLOCK=triton.next_power_of_2(sources), L_GATHER=lhs_rows is not None,
+            R_GATHER=rhs_rows is not None, HAS_SCALE=scale is not None, PRECISION=precision, num_warps=warps,
+            num_stages=stages)
     if target is not out:
         out.copy_(target)
     return out
-
-
-def _check_index(name: str, t, device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in (torch.int32, torch.int64) \
-            or t.device != device or (t.numel() > 1 and t.stride(0) != 1):
-        raise ValueError(f"{name} must be a contiguous 1-D int32/int64 tensor on {device}, got {_describe(t)}")
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}"

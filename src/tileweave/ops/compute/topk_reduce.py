@@ -26,10 +26,11 @@ def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor |
     common.check_matrix("z", z)
     if z.stride(1) != 1:
         raise ValueError(f"z must have unit stride along its last dimension, got strides {z.stride()}")
-    if not isinstance(pair_row, torch.Tensor) or pair_row.dim() != 2 or pair_row.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"pair_row must be an int32/int64 tensor [n, k], got {_describe(pair_row)}")
+    if not isinstance(pair_row, torch.Tensor) or pair_row.dim() != 2 \
+            or pair_row.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pair_row must be an int32/int64 tensor [n, k], got {common.describe(pair_row)}")
     if pair_row.device != z.device or (pair_row.shape[1] > 1 and pair_row.stride(1) != 1):
-        raise ValueError(f"pair_row must be on {z.device} with unit stride along k, got {_describe(pair_row)} "
+        raise ValueError(f"pair_row must be on {z.device} with unit stride along k, got {common.describe(pair_row)} "
                          f"with strides {pair_row.stride()}")
     n, k = pair_row.shape
     if weights is not None:
@@ -37,7 +38,7 @@ def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor |
                 or weights.dtype not in common.SUPPORTED_DTYPES or weights.device != z.device \
                 or (k > 1 and weights.stride(1) != 1):
             raise ValueError(f"weights must be a float tensor [n, k] = [{n}, {k}] on {z.device} with unit stride "
-                             f"along k, got {_describe(weights)}")
+                             f"along k, got {common.describe(weights)}")
     hidden = z.shape[1]
     out = common.out_or_new(out, (n, hidden), out.dtype if out is not None else out_dtype, z.device)
     if n == 0 or hidden == 0:
@@ -61,9 +62,3 @@ def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor |
     if target is not out:
         out.copy_(target)
     return out
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
