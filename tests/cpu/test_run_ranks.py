@@ -115,3 +115,20 @@ def _a_dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
+
+
+def _return_or_raise_at_once(rank, world, raising):
+    if rank == raising:
+        raise ValueError(f"rank {rank} refuses")
+    return rank
+
+
+def test_ranks_that_finish_at_once_do_not_fail_their_peers_start():
+    # A rank function that returns (or raises) before any collective: every run reports the functions'
+    # own outcome, never a peer's failed start-up.
+    for attempt in range(8):
+        assert run_ranks(2, _return_or_raise_at_once, -1) == [0, 1]
+        with pytest.raises(RankFailed) as info:
+            run_ranks(3, _return_or_raise_at_once, attempt % 3)
+        assert f"rank {attempt % 3} refuses" in str(info.value)
+        assert "connectFullMesh" not in str(info.value)

@@ -62,6 +62,10 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, fn: Callable, args: 
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if gpus and not shared else "gloo", init_method=f"file://{rendezvous}",
                                 rank=rank, world_size=world_size, device_id=None if shared else device)
+        # No rank starts (and so none can finish and close its sockets) before every rank has joined: a
+        # rank whose function returned at once used to exit while a peer was still connecting to it,
+        # which failed the peer's start-up with gloo's "Connection closed by peer".
+        dist.barrier()
         if shared:
             from tileweave.testing import shared_gpu
 
