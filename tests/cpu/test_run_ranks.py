@@ -31,7 +31,14 @@ def test_a_dead_rank_is_reported_at_once(how, reason):
 
 
 def _heaps_of(pid: int) -> list[str]:
-    return sorted(name for name in os.listdir(emulated._heap_dir()) if name.startswith(f"tileweave-heap-{pid}-"))
+    """The heap files of the run in process ``pid`` (its rendezvous files: ``_rendezvous_of``)."""
+    return sorted(name for name in os.listdir(emulated._heap_dir())
+                  if name.startswith(f"tileweave-heap-{pid}-") and not name.endswith(emulated.RENDEZVOUS_SUFFIX))
+
+
+def _rendezvous_of(pid: int) -> list[str]:
+    return sorted(name for name in os.listdir(emulated._heap_dir())
+                  if name.startswith(f"tileweave-heap-{pid}-") and name.endswith(emulated.RENDEZVOUS_SUFFIX))
 
 
 def _alive(pid: int) -> bool:
@@ -78,16 +85,21 @@ def test_a_killed_run_leaves_no_heap_file_or_rank_behind(tmp_path):
         for sig, proc in procs.items():
             ranks += _rank_pids(tmp_path / sig.name, proc)
             assert len(_heaps_of(proc.pid)) == 1, "a run's heap file is named after its process"
+            assert len(_rendezvous_of(proc.pid)) == 1, "a run's rendezvous file is named after its heap"
         for sig, proc in procs.items():
             proc.send_signal(sig)
             proc.wait(timeout=30)
         assert _heaps_of(procs[signal.SIGTERM].pid) == [], "a run ended by SIGTERM left its heap file behind"
+        assert _rendezvous_of(procs[signal.SIGTERM].pid) == [], "a run ended by SIGTERM left its rendezvous file"
         # Nothing runs in a process killed outright: its file is stale, and the next run removes it.
         killed = procs[signal.SIGKILL].pid
         stale = _heaps_of(killed)
         assert len(stale) == 1
+        stale_rendezvous = _rendezvous_of(killed)
+        assert len(stale_rendezvous) == 1
         removed = [os.path.basename(path) for path in emulated.remove_stale_heaps()]
         assert stale[0] in removed and _heaps_of(killed) == []
+        assert stale_rendezvous[0] in removed and _rendezvous_of(killed) == [], "a killed run's rendezvous file stayed"
         deadline = time.monotonic() + 15
         while any(map(_alive, ranks)) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -24,15 +24,6 @@ from typing import Any, Callable
 from tileweave.runtime.emulated import HEAP_BYTES_ENV, HEAP_PATH_ENV
 
 
-def _rendezvous_file() -> str:
-    """A fresh path for the ranks' file rendezvous: a TCP port picked free and released could be taken by
-    a concurrent run (pytest-xdist workers) before rank 0 listens on it."""
-    handle, path = tempfile.mkstemp(prefix="tileweave-rendezvous-")
-    os.close(handle)
-    os.unlink(path)  # the store creates it
-    return path
-
-
 def _context(gpus: bool) -> mp.context.BaseContext:
     """Emulated ranks fork from a server process that has imported torch once (most of a rank's start:
     ~2.5 s of ~3, which on two cores made a four-rank test's start ~7 s); the server imports nothing
@@ -103,6 +94,8 @@ an exclusive ``flock`` on the file while it runs (the kernel drops it when that 
 it dies)."""
 
 _HEAP_NAME = re.compile(re.escape(HEAP_PREFIX) + r"(\d+)-[^/]+")
+RENDEZVOUS_SUFFIX = ".rendezvous"
+"""A run's rendezvous file is its heap file's name with this suffix (stale with it)."""
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 << 20,
@@ -118,8 +111,8 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
 
     Cleanup: the heap file goes when the call returns or raises, also on SIGTERM (turned into
     ``KeyboardInterrupt`` while the call runs in the main thread) and Ctrl-C; ranks exit by themselves
-    when the calling process is gone. A caller killed outright (SIGKILL) leaves its heap file behind:
-    the next call removes it (``remove_stale_heaps``).
+    when the calling process is gone. A caller killed outright (SIGKILL) leaves its heap and rendezvous
+    files behind: the next call removes them (``remove_stale_heaps``).
     """
     ctx = _context(gpus)
     heap_path, heap_lock = _make_heap()
@@ -127,7 +120,10 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
     saved: dict[str, str | None] = {}
     previous_sigterm = _raise_on_sigterm()
     ok = False
-    rendezvous = _rendezvous_file()
+    # The ranks' file rendezvous, named after the heap: fresh for every run (a TCP port picked free and
+    # released could be taken by a concurrent run first), created by the store, and removed with the heap
+    # by remove_stale_heaps when this process is killed before it can remove it.
+    rendezvous = heap_path + RENDEZVOUS_SUFFIX
     try:
         if gpus:
             overrides = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -255,8 +251,8 @@ def _remove_heap(path: str, fd: int) -> None:
 
 
 def remove_stale_heaps(directory: str | None = None) -> list[str]:
-    """Delete the heap files of processes that are gone (killed before they could clean up); return
-    their paths. A file counts as stale only when the process its name gives is not running and nobody
+    """Delete the heap files (and rendezvous files) of processes that are gone (killed before they could
+    clean up); return their paths. A file counts as stale only when the process its name gives is not running and nobody
     holds its lock; files named otherwise are left alone."""
     directory = directory or _heap_dir()
     removed = []
