@@ -45,7 +45,8 @@ def plan_place_kernel(ids_ptr, cum_ptr, offsets_ptr, row_token_ptr, row_expert_p
                       BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     lanes = tl.arange(0, G_BLOCK)
-    last = cum_ptr + (NB - 1).to(tl.int64) * (G + 1)
+    # NB, like any integer argument, arrives as a plain int when it is 1 (Triton specializes it).
+    last = cum_ptr + (b * 0 + NB - 1).to(tl.int64) * (G + 1)
     totals = tl.load(last + lanes, mask=lanes < G, other=0)
     starts = tl.cumsum(totals, 0) - totals
     earlier = tl.load(cum_ptr + (b - 1).to(tl.int64) * (G + 1) + lanes, mask=(lanes < G) & (b > 0), other=0)
