@@ -9,25 +9,25 @@ import types
 import pytest
 import torch
 
-from tileweave.ops import fused_op
+from tileweave.ops import dense, skeleton
 from tileweave.ops.compute import oneshot_launch
 from tileweave.runtime import triton_launch
 
 
 def _record(monkeypatch):
     calls = []
-    monkeypatch.setattr(fused_op, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
-    monkeypatch.setattr(fused_op, "launch_cached", lambda **kw: calls.append(("launch", False)))
-    monkeypatch.setattr(fused_op.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
+    monkeypatch.setattr(dense, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
+    monkeypatch.setattr(dense, "launch_cached", lambda **kw: calls.append(("launch", False)))
+    monkeypatch.setattr(skeleton.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     return calls
 
 
 def _launch_twice(backend) -> None:
     """A plan's first launch, then its second."""
-    op = fused_op.FusedOp.__new__(fused_op.FusedOp)  # launch_kernel reads the plan only
-    plan = fused_op.Plan("fused", None, backend)
-    op.launch_kernel(plan, a=None)
-    op.launch_kernel(plan, a=None)
+    plan = dense.Plan("fused", None, backend)
+    call = skeleton.Call("all_gather_gemm", backend, plan, None, None, False, 1)
+    dense.launch_fused(call, a=None)
+    dense.launch_fused(call, a=None)
 
 
 def test_first_call_compiles_then_meets_then_launches(monkeypatch):
@@ -44,9 +44,9 @@ def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
         if kw.get("compile_only"):
             raise RuntimeError("compile failed")
 
-    monkeypatch.setattr(fused_op, "launch", launch)
-    monkeypatch.setattr(fused_op, "launch_cached", launch)
-    monkeypatch.setattr(fused_op.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
+    monkeypatch.setattr(dense, "launch", launch)
+    monkeypatch.setattr(dense, "launch_cached", launch)
+    monkeypatch.setattr(skeleton.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     _launch_twice(types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 0)))
     assert calls == [("launch", True), ("barrier", [0]), ("launch", False), ("launch", False)]
 

@@ -1,5 +1,5 @@
-"""What every op shares on the host: argument checks, the record of the path each call took, the
-environment switches, CUDA-graph capture rules, and the error raised for an expired wait."""
+"""What every op shares on the host: argument checks, the record of the path each call took, CUDA-graph
+capture rules, and the errors raised from an error word (an expired wait, out-of-range routing ids)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tileweave.runtime import settings
 from tileweave.runtime.backend import Backend, CollectiveTimeout, TileweaveError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -15,14 +16,16 @@ _last_path: dict[str, str] = {}
 
 
 def last_path(op: str) -> str | None:
-    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "matmul") took:
-    "fused" (the fused kernel), "chunked" (cuBLAS per chunk with the copy-engine transport),
-    "oneshot" (cuBLAS and one of ``tileweave.kernels.oneshot``'s kernels), "fallback" (NCCL collective
-    and GEMM), "local" (a group of one) or "triton" (matmul)."""
+    """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "gemm_all_reduce",
+    "moe_all_gather_gemm", "moe_gemm_reduce_scatter", "matmul") took: one of the names that every op
+    shares (``tileweave.ops.skeleton.PATHS``: "local", "fused", "chunked", "oneshot", "twoshot",
+    "fallback"), or "triton" for ``matmul``."""
     return _last_path.get(op)
 
 
 def record_path(op: str, path: str) -> None:
+    """Record the path a call of ``op`` took (one of ``tileweave.ops.skeleton.PATHS``, or "triton" for
+    ``matmul``)."""
     _last_path[op] = path
 
 
@@ -35,15 +38,10 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
-def env_flag(name: str) -> bool:
-    """Whether the environment variable ``name`` is set to something other than empty or 0."""
-    return os.environ.get(name, "0") not in ("", "0")
-
-
 def debug_mode() -> bool:
-    """``TILEWEAVE_DEBUG=1``: every call waits for its GPU work (bounded) and reports an expired wait at
-    once instead of at the next call."""
-    return env_flag("TILEWEAVE_DEBUG")
+    """``TILEWEAVE_DEBUG=1`` (``tileweave.runtime.settings``): every call waits for its GPU work (bounded) and
+    reports an expired wait at once instead of at the next call."""
+    return settings.debug()
 
 
 def check_matrix(name: str, t: torch.Tensor, *, dtype: torch.dtype | None = None,
@@ -137,23 +135,32 @@ BAD_IDS = 1 << 24
 (above every rank code of an expired wait)."""
 
 
-def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
-    """Raise if the error word ``err`` (int32, one element) is set, clearing it: ``CollectiveTimeout``
-    for an expired wait (codes ``1 + src`` for the shard of rank ``src``, ``100 + src`` for rank
-    ``src``'s partials), ``ValueError`` for out-of-range routing ids (``BAD_IDS + count``)."""
-    code = int(err.item())
-    if code == 0:
-        return
-    err.zero_()
+def raise_code(code: int, op: str, rank: int) -> None:
+    """Raise for a nonzero error-word ``code``: ``CollectiveTimeout`` for an expired wait (``1 + src``:
+    the shard of rank ``src``; ``100 + src``: rank ``src``'s partials; ``300 + src``: rank ``src``'s
+    reduced rows), ``ValueError`` for out-of-range routing ids (``BAD_IDS + count``)."""
     if code >= BAD_IDS:
         raise ValueError(f"{op}: the routing plan was built from {code - BAD_IDS} expert id(s) outside "
                          "[0, num_experts) (moe_plan(..., validate=False) does not check them on the host; they "
                          "were clamped into range, so the results of the call that used the plan are wrong): fix "
                          "the router's ids, or build the plan with validate=True to find the rank that holds them")
-    what = f"the partial tiles from rank {code - 100}" if code >= 100 else f"the shard of rank {code - 1}"
+    if code >= 300:
+        what = f"the reduced rows of rank {code - 300}"
+    elif code >= 100:
+        what = f"the partials of rank {code - 100}"
+    else:
+        what = f"the shard of rank {code - 1}"
     raise CollectiveTimeout(f"{op} on rank {rank}: a bounded wait for {what} expired; a peer is missing, "
-                            "far behind, or calling the ops in a different order (raise TILEWEAVE_MAX_SPIN "
-                            "if a rank is legitimately that slow)")
+                            "far behind, or calling the ops in a different order (raise max_spin or "
+                            "TILEWEAVE_MAX_SPIN if a rank is legitimately that slow)")
+
+
+def raise_on_timeout(err: torch.Tensor, op: str, rank: int) -> None:
+    """Raise if the error word ``err`` (int32, one element) is set, clearing it (``raise_code``)."""
+    code = int(err.item())
+    if code:
+        err.zero_()
+        raise_code(code, op, rank)
 
 
 def surface_timeout(err: torch.Tensor, op: str, backend: Backend, mirror):

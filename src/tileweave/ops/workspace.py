@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime.agreement import exchange, judge
-from tileweave.runtime.backend import Backend, SymmetricBuffer, TileweaveError
+from tileweave.runtime.backend import Backend, HostWord, SymmetricBuffer, TileweaveError
 
 # Flag array layout, in int32 words, for a group of W ranks:
 #   [0, W)      READY:    ready[src] = epoch at which src's data for this rank is complete (all-gather)
@@ -166,6 +166,44 @@ class FlagValues:
                 backend.main_write(address, 0)
         for address in releases:
             backend.main_write(address, self.ready)
+
+
+class Memory:
+    """An op's symmetric memory: its workspace, made and grown on demand (collectively: every rank at
+    the same call), and the gather buffer that a call lends to its caller until the op's next call.
+    Held by the op, handed to its transports in each call's ``Call``."""
+
+    def __init__(self, graphable: bool = False) -> None:
+        self.ws: Workspace | None = None
+        self.graphable = graphable
+        self._lent: tuple | None = None
+        self.host_err: HostWord | None = None
+        """The one-shot kernels' error word in pinned host memory (``HostWord``), made at first use."""
+
+    def workspace(self, backend: Backend, nbytes: int) -> Workspace:
+        """The workspace, grown to ``nbytes`` of symmetric data (collective when it grows). A gathered
+        view lent by the last call is released first (and before a new workspace frees the flags it
+        names). A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0."""
+        self.return_lent()
+        self.ws = ensure_workspace(self.ws, backend, nbytes, released=released_start(self.graphable))
+        return self.ws
+
+    def lend(self, backend: Backend, values: "FlagValues", arrivals: tuple, releases: tuple) -> None:
+        """Keep the gather buffer from the peers until this op's next call: the caller reads it."""
+        self._lent = (backend, values, arrivals, releases)
+
+    def return_lent(self) -> None:
+        """Release a gather buffer lent to the caller by the last call."""
+        lent = self._lent
+        if lent is not None:
+            self._lent = None
+            backend, values, arrivals, releases = lent
+            values.release(backend, arrivals, releases)
+
+    def host_word(self, device: torch.device) -> HostWord:
+        if self.host_err is None:
+            self.host_err = HostWord(device)
+        return self.host_err
 
 
 def oneshot_slots(ws: Workspace, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,6 @@ import abc
 import ctypes
 import dataclasses
 import math
-import os
 import socket
 import time
 from typing import Callable
@@ -25,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime import settings
 from tileweave.runtime import driver
 
 
@@ -209,8 +209,8 @@ class CudaBackend(Backend):
         # program's waits on one missing peer expire one after another (once per chunk of that peer
         # it takes: at most a few). Stream waits are not bounded on the GPU; the host bounds them in
         # synchronize (timeout_s).
-        self.default_max_spin = int(os.environ.get("TILEWEAVE_MAX_SPIN", 1 << 26))
-        self.timeout_s = float(os.environ.get("TILEWEAVE_TIMEOUT_S", 120))
+        self.default_max_spin = settings.max_spin(1 << 26)
+        self.timeout_s = settings.number(settings.TIMEOUT_S, 120)
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comm_handle = self.comm_stream.cuda_stream
         with torch.cuda.device(device):

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime import settings
 from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuffer, TileweaveError, _group_size,
                                        producer_delay, register_backend)
 
@@ -76,9 +77,8 @@ class EmulatedBackend(Backend):
         self.interpreter = True
         self.launch_blocks = True
         self.num_sms = 4
-        self.timeout_s = float(os.environ.get("TILEWEAVE_EMULATED_TIMEOUT_S", 60))
-        spin = os.environ.get("TILEWEAVE_MAX_SPIN")
-        self.default_max_spin = int(spin) if spin else default_max_spin(self.timeout_s)
+        self.timeout_s = settings.number(settings.EMULATED_TIMEOUT_S, 60)
+        self.default_max_spin = settings.max_spin(default_max_spin(self.timeout_s))
         self.region = int(os.environ[HEAP_BYTES_ENV])
         self.heap = torch.from_file(path, shared=True, size=self.region * self.world_size,
                                     dtype=torch.uint8)

@@ -9,11 +9,11 @@ or with ``TILEWEAVE_FAST_LAUNCH=0``, every launch goes through Triton's public `
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.runtime import _allocation
+
+from tileweave.runtime import settings
 
 KNOWN_VERSIONS = ("3.6",)
 """Triton versions (major.minor) whose compiled-kernel launcher layout this module was written for."""
@@ -23,7 +23,7 @@ def _known_version() -> bool:
     return ".".join(triton.__version__.split(".")[:2]) in KNOWN_VERSIONS
 
 
-FAST = os.environ.get("TILEWEAVE_FAST_LAUNCH", "1") != "0" and _known_version()
+FAST = settings.flag(settings.FAST_LAUNCH, default=True) and _known_version()
 """Whether launches of kept kernels bypass Triton's public launch path."""
 
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
+from tileweave.runtime import settings
 from tileweave.tune.configs import BIG_TILE, GemmConfig, choose_gemm_config
 
-CACHE_DIR_ENV = "TILEWEAVE_CACHE_DIR"
+CACHE_DIR_ENV = settings.CACHE_DIR
 
 CANDIDATES: tuple[GemmConfig, ...] = (
     BIG_TILE,
@@ -52,7 +53,7 @@ def shape_key(m: int, n: int, k: int, dtype: torch.dtype) -> str:
 
 
 def cache_path(gpu_name: str) -> Path:
-    root = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "tileweave")
+    root = Path(settings.text(CACHE_DIR_ENV) or Path.home() / ".cache" / "tileweave")
     return root / f"gemm-{re.sub(r'[^A-Za-z0-9]+', '-', gpu_name).strip('-').lower()}.json"
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 
 from tileweave.ops.all_gather.push import run_pushed
+from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import READY
 
 
-def _gemms(op, plan, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
-    backend = plan.backend
+def _gemms(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
+    backend = call.backend
     w, rank = backend.world_size, backend.rank
     mc = a_shard.shape[0]
     for step in range(w):
@@ -26,5 +27,5 @@ def _gemms(op, plan, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
             torch.mm(lhs, b, out=out[rows])
 
 
-def run(op, plan, a_shard, b, bias, out, return_gathered, gathered_out):
-    return run_pushed(op, plan, _gemms, a_shard, b, bias, out, return_gathered, gathered_out)
+def run(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+    return run_pushed(call, _gemms, a_shard, b, bias, out, return_gathered, gathered_out)

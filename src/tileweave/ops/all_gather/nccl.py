@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tileweave.ops import common
 from tileweave.ops.compute.matmul import matmul
+from tileweave.ops.skeleton import Call
 
 
-def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
-    backend = plan.backend
+def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+    backend = call.backend
     gathered = gathered_out
     if gathered is None:
         gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]), dtype=a_shard.dtype,
@@ -29,14 +29,14 @@ def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
     else:
         dist.all_gather(list(gathered.chunk(backend.world_size)), a_shard, group=backend.group)
         out = matmul(gathered, b, bias=bias, out=out)
-    common.record_path(op.op_name, "fallback")
+    call.record("fallback")
     return (out, gathered) if return_gathered else out
 
 
-def run_local(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+def run_local(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out):
     """A group of one: the GEMM alone."""
     out = matmul(a_shard, b, bias=bias, out=out)
-    common.record_path(op.op_name, "local")
+    call.record("local")
     if gathered_out is not None:
         return out, gathered_out.copy_(a_shard)
     return (out, a_shard) if return_gathered else out

@@ -10,24 +10,23 @@ from __future__ import annotations
 import torch
 
 from tileweave.ops.compute.oneshot_launch import launch_gather_rows
+from tileweave.ops.dense import oneshot_finish, oneshot_launch_plan, oneshot_start
+from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import oneshot_slots
 
 
-def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
-    backend = plan.backend
-    op.return_lent()
+def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+    backend = call.backend
+    call.memory.return_lent()
     mc, k = a_shard.shape
     rank, w = backend.rank, backend.world_size
     m = mc * w
 
-    def make() -> tuple:
-        ws = op.workspace_for(backend, 0)
-        entry = ws.plans[("oneshot", m, k, a_shard.dtype)] = (oneshot_slots(ws, (m, k), a_shard.dtype),
-                                                              op.oneshot_launch_plan(backend, ws, a_shard.dtype,
-                                                                                     rows=mc, cols=k, parts=w - 1))
-        return entry
+    def make(ws) -> tuple:
+        return (oneshot_slots(ws, (m, k), a_shard.dtype),
+                oneshot_launch_plan(call, ws, a_shard.dtype, rows=mc, cols=k, parts=w - 1))
 
-    ws, gathered, gather_plan, epoch = op.oneshot_start(backend, m, k, a_shard.dtype, make)
+    ws, gathered, gather_plan, epoch = oneshot_start(call, m, k, a_shard.dtype, make)
     gathered[rank * mc:(rank + 1) * mc].copy_(a_shard)
     launch_gather_rows(gather_plan, gathered, epoch)
     if out is None:  # cuBLAS allocating its output costs the host less than writing into one
@@ -36,7 +35,7 @@ def run(op, plan, a_shard, b, bias, out, return_gathered: bool, gathered_out):
         torch.mm(gathered, b, out=out)
     else:
         torch.addmm(bias, gathered, b, out=out)
-    op.oneshot_finish(backend, ws)
+    oneshot_finish(call)
     if gathered_out is not None:
         return out, gathered_out.copy_(gathered)
     return (out, gathered) if return_gathered else out

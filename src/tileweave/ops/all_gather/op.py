@@ -39,12 +39,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime import settings
 from tileweave.ops import common
 from tileweave.ops.all_gather import chunked, fused, nccl, oneshot
 from tileweave.ops.all_gather.push import start
-from tileweave.ops.fused_op import FusedOp, Plan, option
+from tileweave.ops.dense import DenseOp, Plan, programs
+from tileweave.ops.skeleton import option
 from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
-from tileweave.ops.workspace import FlagValues, Workspace, agree, ensure_workspace, released_start
+from tileweave.ops.workspace import FlagValues, agree
 from tileweave.runtime.backend import Backend
 from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
@@ -72,7 +74,7 @@ def fused_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype
     return transport
 
 
-class AllGatherGemm(FusedOp):
+class AllGatherGemm(DenseOp):
     """A reusable fused AllGather+GEMM bound to one group; keeps its gather buffer between calls.
 
     ``policy``: ``"auto"`` picks the fused or the unfused path (NCCL all-gather, then GEMM) per shape,
@@ -84,17 +86,14 @@ class AllGatherGemm(FusedOp):
     shared op): whether the fused kernel shares the tiles of its last, partial wave out by K steps over
     every program instead of leaving the programs without a whole tile idle; None (default): where
     ``heuristics.all_gather_stream_k`` says so (with a ``config`` given, as that config says). Only
-    where the partial wave's tiles all lie in the last chunk. Other arguments: :class:`FusedOp`.
+    where the partial wave's tiles all lie in the last chunk. Other arguments: :class:`tileweave.ops.dense.DenseOp`.
     """
 
     op_name = OP
     transports = TRANSPORTS
-    transport_env = "TILEWEAVE_AG_TRANSPORT"
+    transport_env = settings.AG_TRANSPORT
     default_transport = "auto"
-    option_envs = {"stream_k": "TILEWEAVE_AG_STREAM_K"}
-    _lent: tuple | None = None
-    """``(backend, flag values, arrivals, releases)`` of a call whose gathered view the caller holds:
-    released by this rank's next call."""
+    option_envs = {"stream_k": settings.AG_STREAM_K}
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, stream_k: bool | None = None, **kwargs) -> None:
         super().__init__(group, **kwargs)
@@ -120,13 +119,14 @@ class AllGatherGemm(FusedOp):
         ``TILEWEAVE_DEBUG=1`` or on the CPU)."""
         if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
             # Before the plan: a bad argument must raise on every rank before any collective.
-            _check_gathered_out(gathered_out, a_shard, self._get_backend(a_shard.device).world_size)
+            _check_gathered_out(gathered_out, a_shard, self.backend_for(a_shard.device).world_size)
         plan, bias, out = self._plan_call(a_shard, b, bias, out)
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
             gathered_out = gathered_like(a_shard, plan.backend.world_size)
-        return plan.run(self, plan, a_shard, b, bias, out, return_gathered, gathered_out)
+        call = self._call(plan, common.capturing(a_shard))
+        return plan.run(call, a_shard, b, bias, out, return_gathered, gathered_out)
 
     def _check(self, a_shard, b, bias, out) -> tuple:
         w = self._check_operands(a_shard, b, "a_shard", "M/W", "K", "N_loc")
@@ -153,42 +153,22 @@ class AllGatherGemm(FusedOp):
     def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
         """The ``stream_k`` option, where the kernel can take the tail at all."""
         w = backend.world_size
-        programs = self.programs(config, backend)
-        if not ag_stream_k_tail(m // w, n, config, w, programs):
+        count = programs(config, backend)
+        if not ag_stream_k_tail(m // w, n, config, w, count):
             return False
         if self.stream_k is not None:
             return self.stream_k
         if self.config is not None:
             return self.config.stream_k
-        return heuristics.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, programs)
+        return heuristics.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, count)
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
         ``[r*M/W, (r+1)*M/W)`` of it and passes that view as ``a_shard`` saves the copy that
         ``return_gathered`` otherwise makes."""
-        backend = self._get_backend(device)
+        backend = self.backend_for(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.workspace_for(backend, m * k * itemsize).data.view(backend.rank, dtype, (m, k))
-
-    def workspace_for(self, backend: Backend, nbytes: int) -> Workspace:
-        """The workspace, grown to ``nbytes`` of symmetric data (collective when it grows)."""
-        # The caller is done with a gathered view lent by the last call: release it first (and before a
-        # growing workspace frees the flags it names).
-        self.return_lent()
-        # A graphable op's RELEASED words start at 1 ("free"), an epoch op's at epoch 0.
-        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
-        return self._ws
-
-    def lend(self, backend: Backend, values: FlagValues, arrivals: tuple, releases: tuple) -> None:
-        """Keep the gather buffer from the peers until this rank's next call: the caller reads it."""
-        self._lent = (backend, values, arrivals, releases)
-
-    def return_lent(self) -> None:
-        lent = self._lent
-        if lent is not None:
-            self._lent = None
-            backend, values, arrivals, releases = lent
-            values.release(backend, arrivals, releases)
+        return self.memory.workspace(backend, m * k * itemsize).data.view(backend.rank, dtype, (m, k))
 
     def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
@@ -199,7 +179,7 @@ class AllGatherGemm(FusedOp):
         between the start and ``release()``."""
         common.check_matrix("a_shard", a_shard)
         common.check_runs_dtype(OP, "a_shard", a_shard)
-        backend = self._get_backend(a_shard.device)
+        backend = self.backend_for(a_shard.device)
         w = backend.world_size
         mc, k = a_shard.shape
         if w == 1:
@@ -213,7 +193,8 @@ class AllGatherGemm(FusedOp):
         key = ("all_gather", mc, k, a_shard.dtype)
         if key not in self._plans:
             self._decide_gather(backend, key)
-        ws, plan, a_shard, values = start(self, backend, a_shard, self.transport == "ring")
+        self.errors.raise_pending(backend, common.capturing(a_shard))
+        ws, plan, a_shard, values = start(self.memory, backend, a_shard, self.transport == "ring", self.graphable)
         if plan.own_slot.data_ptr() != a_shard.data_ptr():
             backend.comm_copy(plan.own_slot, a_shard)
         return PendingGather(backend, plan.gathered, plan.releases, values=values, arrivals=plan.arrivals)

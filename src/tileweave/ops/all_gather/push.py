@@ -11,8 +11,9 @@ from typing import Callable
 
 import torch
 
-from tileweave.ops import common
-from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace
+from tileweave.ops.dense import finish_kernel, finish_streams
+from tileweave.ops.skeleton import Call
+from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspace
 from tileweave.runtime.backend import Backend
 
 
@@ -66,15 +67,16 @@ def push_plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dty
     return plan
 
 
-def start(op, backend: Backend, a_shard: torch.Tensor, ring: bool) -> tuple:
-    """``(workspace, plan, a_shard, flag values)`` of a new call, its copies queued."""
-    op.check_previous(common.capturing(a_shard))
+def start(memory: Memory, backend: Backend, a_shard: torch.Tensor, ring: bool, constant: bool) -> tuple:
+    """``(workspace, plan, a_shard, flag values)`` of a new call, its copies queued on the copy stream:
+    ``a_shard`` into every peer's gather buffer (``memory``'s workspace, grown to hold ``[M, K]``), or
+    forwarded along the ring. ``constant``: the graphable protocol's flag values."""
     mc, k = a_shard.shape
-    ws = op.workspace_for(backend, mc * backend.world_size * k * a_shard.element_size())
+    ws = memory.workspace(backend, mc * backend.world_size * k * a_shard.element_size())
     a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
     plan = push_plan(ws, backend, mc, k, a_shard.dtype, ring)
     ws.epoch += 1
-    values = FlagValues(ws.epoch, op.graphable)
+    values = FlagValues(ws.epoch, constant)
     # Each copy waits until its destination was released for this call (``FlagValues.claim``), and is
     # followed by the destination's ready flag; a ring forwards a chunk once it has it.
     backend.comm_begin()
@@ -102,35 +104,35 @@ def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_
         backend.comm_copy(gathered_out[rows], plan.gathered[rows])
 
 
-def run_pushed(op, plan, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
+def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
                ring: bool = False):
-    """One call on the push transport: the pushes, ``consume(op, plan, ws, push_plan, a_shard, b, bias,
-    out, ready)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer
-    (or its loan to the caller, for ``return_gathered``)."""
-    backend = plan.backend
+    """One call on the push transport: the pushes, ``consume(call, ws, push_plan, a_shard, b, bias, out,
+    ready)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer (or its
+    loan to the caller, for ``return_gathered``)."""
+    backend = call.backend
     mc, k = a_shard.shape
     w = backend.world_size
     if out is None:
         out = torch.empty((mc * w, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    ws, pushes, a_shard, values = start(op, backend, a_shard, ring)
+    ws, pushes, a_shard, values = start(call.memory, backend, a_shard, ring, call.graphable)
     if gathered_out is not None:
         copy_out(backend, ws, pushes, a_shard, gathered_out, values.ready)
     elif return_gathered and pushes.own_slot.data_ptr() != a_shard.data_ptr():
         backend.comm_copy(pushes.own_slot, a_shard)
-    consume(op, plan, ws, pushes, a_shard, b, bias, out, values.ready)
+    consume(call, ws, pushes, a_shard, b, bias, out, values.ready)
     # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and a
     # peer must not refill it while a forward still reads it. A gathered view returned to the caller is
     # released by this rank's next call instead.
     backend.comm_end()
     if return_gathered and gathered_out is None:
-        op.lend(backend, values, pushes.arrivals, pushes.releases)
+        call.memory.lend(backend, values, pushes.arrivals, pushes.releases)
     else:
         values.release(backend, pushes.arrivals, pushes.releases)
-    if plan.path == "fused":
-        op.finish_kernel(backend, ws)
+    if call.plan.path == "fused":
+        finish_kernel(call, ws)
     else:
-        op.finish_streams(backend)
-    common.record_path(op.op_name, plan.path)
+        finish_streams(call)
+    call.record(call.plan.path)
     if gathered_out is not None:
         return out, gathered_out
     return (out, pushes.gathered) if return_gathered else out

@@ -25,8 +25,8 @@ the unfused path in fp32, since the interpreter's bfloat16 arithmetic is wrong.
 
 Paths (``last_path("gemm_all_reduce")``): ``"oneshot"`` and ``"twoshot"`` (``transports``), ``"fallback"``
 (the GEMM, NCCL's all-reduce, torch's epilogue: ``nccl``), ``"local"`` (a group of one). ``policy="auto"``
-picks per shape by ``rule.choose_path``, decided at the first call of a signature; rank 0's pick is
-taken by every rank.
+picks per shape by ``rule.choose_path``, ``"fused"`` the faster of the two fused transports by the same
+estimates, decided at the first call of a signature; rank 0's pick is taken by every rank.
 
 Every call first exchanges with the other ranks (on the host, through shared memory, bounded by
 ``TILEWEAVE_TIMEOUT_S``) the shapes, dtypes and optional arguments and the outcome of each rank's checks,
@@ -43,59 +43,55 @@ the same M, N, dtype and optional arguments; no two calls of one op may run conc
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime import settings
 from tileweave.ops import common
 from tileweave.ops.all_reduce import nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
+from tileweave.ops.skeleton import TPOp
 from tileweave.ops.workspace import agree
 from tileweave.runtime.agreement import describe
-from tileweave.runtime.backend import Backend, TileweaveError, get_backend
+from tileweave.runtime.backend import Backend, TileweaveError
 
 OP = "gemm_all_reduce"
-POLICIES = ("auto", "oneshot", "twoshot", "fallback")
+POLICIES = ("auto", "fused", "oneshot", "twoshot", "fallback")
 
 
-class GemmAllReduce:
+class GemmAllReduce(TPOp):
     """A reusable GEMM + AllReduce bound to one group; keeps its symmetric buffers (module docstring).
 
-    ``policy``: ``"auto"`` (per shape, ``rule.choose_path``), or one path for every call: ``"oneshot"``,
-    ``"twoshot"``, ``"fallback"``. ``graphable``: run the fused transports on flags whose values are the
-    same in every call (reset by their readers), so that calls can be captured in a CUDA graph and
-    replayed with new inputs; the first call of a signature must be eager (it agrees on the signature with
+    ``policy``: ``"auto"`` (per shape, ``rule.choose_path``), ``"fused"`` (the faster fused transport per
+    shape), or one path for every call: ``"oneshot"``, ``"twoshot"``, ``"fallback"``. ``graphable``: run
+    the fused transports on flags whose values are the same in every call (reset by their readers), so
+    that calls can be captured in a CUDA graph and replayed with new inputs; the first call of a signature must be eager (it agrees on the signature with
     the other ranks and sizes the buffers). A non-graphable op runs the unfused path under capture.
     ``max_spin``: polls a flag wait may take before it reports a lost peer (None: the backend's default).
     Every rank must construct the op with the same settings; they are fixed once the op has been called
     (each signature's path is decided at its first call and kept)."""
 
+    op_name = OP
+    policies = POLICIES
+
+    @classmethod
+    def shared_options(cls) -> dict:
+        """``TILEWEAVE_GRAPHABLE=1`` makes the shared op graphable (``tileweave.runtime.settings``)."""
+        return {"graphable": settings.flag(settings.GRAPHABLE)}
+
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto", graphable: bool = False,
                  max_spin: int | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"GemmAllReduce: policy must be one of {POLICIES}, got {policy!r}")
-        if not isinstance(graphable, bool):
-            raise TypeError(f"GemmAllReduce: graphable must be a bool, got {graphable!r}")
-        if max_spin is not None and (isinstance(max_spin, bool) or not isinstance(max_spin, int)
-                                     or not 0 < max_spin < 1 << 31):
-            raise ValueError("GemmAllReduce: max_spin is the polls a flag wait may take before it reports a lost "
-                             f"peer: None (the backend's default) or an int in [1, 2**31), got {max_spin!r}")
-        self.group = group if group is not None else dist.group.WORLD
-        self.policy = policy
-        self.graphable = graphable
-        self.max_spin = max_spin
-        self._backend: Backend | None = None
         self._fused: FusedTransport | None = None
         self._plans: dict[tuple, str] = {}
         """Per call signature: the path, decided once and agreed by every rank (the op's one cache)."""
+        super().__init__(group, policy=policy, max_spin=max_spin, graphable=graphable)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, out: torch.Tensor | None = None):
         if not isinstance(a, torch.Tensor):  # its device says which backend to agree on
             raise TypeError(f"a must be a torch.Tensor [M, K_loc], got {type(a).__name__}")
-        backend = self._get_backend(a.device)
+        backend = self.backend_for(a.device)
         path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out)
         bias = common.check_bias(bias, b.shape[1], a.dtype, a.device)
         m, n = a.shape[0], b.shape[1]
@@ -111,15 +107,16 @@ class GemmAllReduce:
         common.record_path(OP, path)
         return y if norm_weight is None else (y, resid)
 
-    def _get_backend(self, device: torch.device) -> Backend:
-        if self._backend is None or self._backend.device != device:
-            self._backend = get_backend(self.group, device)
-            self._fused = None
-        return self._backend
+    def backend_for(self, device: torch.device) -> Backend:
+        backend = self._backend
+        if backend is None or backend.device != device:
+            self._fused = None  # its buffers belong to the old device's backend
+        return super().backend_for(device)
 
     def _fused_transport(self, backend: Backend) -> FusedTransport:
         if self._fused is None:
-            self._fused = FusedTransport(backend, graphable=self.graphable, max_spin=self.max_spin)
+            self._fused = FusedTransport(backend, self.errors, graphable=self.graphable,
+                                         max_spin=self.spin_bound(backend))
         return self._fused
 
     def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out) -> str:
@@ -138,9 +135,7 @@ class GemmAllReduce:
             return self._plans.get(key) or self._propose(backend, a, m, n, norm_weight is not None)
 
         if key not in self._plans and common.capturing(a):
-            raise TileweaveError(f"{OP}: the first call of each signature sizes the buffers with the other ranks "
-                                 "(collective allocations that a CUDA graph cannot hold): call it once eagerly with "
-                                 "these shapes before capturing")
+            self.require_eager("sizes the buffers with the other ranks")
         w = backend.world_size
         if w == 1:
             path = propose()
@@ -163,6 +158,8 @@ class GemmAllReduce:
         slot_bytes = m * n * a.element_size() * (2 if norm else 1)
         if w == 1:
             proposal = "local"
+        elif self.policy == "fused":
+            proposal = rule.fused_path(m, n, w, a.element_size(), programs=backend.num_sms)
         elif self.policy != "auto":
             proposal = self.policy
         else:
@@ -224,16 +221,7 @@ def _check_like(name: str, t, shape: tuple, a: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
 
-_shared: dict[tuple, GemmAllReduce] = {}
-
-
 def shared_op(group: dist.ProcessGroup, device: torch.device) -> GemmAllReduce:
-    """The op shared by every functional call on ``group`` and ``device`` (and so by the TP layers);
-    ``TILEWEAVE_GRAPHABLE=1`` makes it graphable, ``TILEWEAVE_AR_POLICY`` sets its policy."""
-    key = (id(group), device)  # the op holds the group, so its id is not reused while cached
-    op = _shared.get(key)
-    if op is None:
-        op = _shared[key] = GemmAllReduce(group, policy=os.environ.get("TILEWEAVE_AR_POLICY", "auto"),
-                                          graphable=common.env_flag("TILEWEAVE_GRAPHABLE"))
-    return op
-
+    """The op shared by every functional call on ``group`` and ``device`` (and so by the TP layers):
+    ``GemmAllReduce.shared``."""
+    return GemmAllReduce.shared(group, device)

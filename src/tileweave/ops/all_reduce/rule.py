@@ -88,3 +88,9 @@ def choose_path(m: int, n: int, world: int, itemsize: int, *, programs: int, slo
         return "fallback"
     times = estimates(m, n, world, itemsize, programs)
     return min(("oneshot", "twoshot", "fallback"), key=lambda path: times[path])
+
+
+def fused_path(m: int, n: int, world: int, itemsize: int, *, programs: int) -> str:
+    """The fused transport of least estimated time (``policy="fused"``: never NCCL)."""
+    times = estimates(m, n, world, itemsize, programs)
+    return min(("oneshot", "twoshot"), key=lambda path: times[path])

@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 import triton
 
-from tileweave.kernels.gemm_all_reduce import ERR_PARTIAL, ERR_REDUCED, MAX_BLOCKS, oneshot_kernel, twoshot_kernel
+from tileweave.kernels.gemm_all_reduce import MAX_BLOCKS, oneshot_kernel, twoshot_kernel
 from tileweave.ops import common
 from tileweave.ops.compute.gemm_launch import wrap_int32
 from tileweave.ops.all_reduce.rule import rows_per_program
 from tileweave.ops.compute.matmul import matmul
-from tileweave.runtime.backend import Backend, CollectiveTimeout, HostWord, SymmetricBuffer, TileweaveError
+from tileweave.ops.skeleton import ErrorWords, first_launch
+from tileweave.runtime.backend import Backend, HostWord, SymmetricBuffer, TileweaveError
 
 SLOT_ALIGN = 256
 """Bytes: alignment of the two slots."""
@@ -52,10 +53,12 @@ class FusedTransport:
     """One op's symmetric buffers and the two fused transports on them. Created collectively, at the
     first call that takes a fused path (every rank takes it at the same call)."""
 
-    def __init__(self, backend: Backend, *, graphable: bool, max_spin: int | None) -> None:
+    def __init__(self, backend: Backend, errors: ErrorWords, *, graphable: bool, max_spin: int) -> None:
+        """``errors``: the op's error words, where this transport's pinned word is read before each call."""
         self.backend = backend
         self.graphable = graphable
-        self.max_spin = max_spin or backend.default_max_spin
+        self.max_spin = max_spin
+        self.errors = errors
         w, rank = backend.world_size, backend.rank
         ready, free, sync, err, done, total = _words(w)
         self.flags = backend.allocate(4 * total)
@@ -76,6 +79,7 @@ class FusedTransport:
         self._offsets: dict[int, torch.Tensor] = {}
         self.epoch = 0
         self.host_err = HostWord(device)
+        errors.host(lambda: self.host_err, lambda: self.err)
         self._meet = False
 
     def prepare(self, path: str, m: int, n: int, dtype: torch.dtype, norm: bool) -> None:
@@ -122,7 +126,7 @@ class FusedTransport:
     def run(self, path: str, a, b, bias, residual, norm_weight, eps: float, y: torch.Tensor,
             resid: torch.Tensor | None) -> None:
         """One call: its GEMM into this call's slot, then the path's kernel; ``y`` (and ``resid``)."""
-        self.check_previous()
+        self.errors.raise_pending(self.backend)
         backend = self.backend
         m, n = a.shape[0], b.shape[1]
         norm = norm_weight is not None
@@ -160,7 +164,7 @@ class FusedTransport:
                          dict(constexprs, MAX_BLOCKS=MAX_BLOCKS))
         if backend.interpreter or common.debug_mode():
             backend.synchronize()
-            self.check_previous()
+            self.errors.raise_pending(backend)
 
     def _grid(self, path: str, m: int) -> tuple[int, int]:
         """(programs, rows per block) of a call of ``m`` rows: blocks of all rows (one-shot) or of this
@@ -179,32 +183,10 @@ class FusedTransport:
 
     def _launch(self, kernel, programs: int, tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         device = self.backend.device
-        if self._meet:
-            # A signature's first launch: every rank compiles first, then meets the others, so that no
-            # kernel spends its bounded wait on a peer that is still compiling (seconds with a cold cache).
-            self._meet = False
-            if device.type == "cuda":
-                try:
-                    with torch.cuda.device(device):
-                        kernel.warmup(*tensors, *scalars, grid=(programs,), num_warps=WARPS, **constexprs)
-                except Exception:  # noqa: BLE001 - the launch below compiles again and raises the error itself
-                    pass
-                dist.barrier(group=self.backend.group, device_ids=[device.index])
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            if self._meet:
+                # A signature's first launch: compile, then meet the peers (``skeleton.first_launch``).
+                self._meet = False
+                first_launch(self.backend, lambda: kernel.warmup(*tensors, *scalars, grid=(programs,),
+                                                                 num_warps=WARPS, **constexprs))
             kernel[(programs,)](*tensors, *scalars, num_warps=WARPS, **constexprs)
-
-    def check_previous(self) -> None:
-        """Raise if an earlier call's wait expired (its code in pinned host memory: no driver call)."""
-        code = self.host_err.read()
-        if not code:
-            return
-        self.host_err.clear()
-        self.err.zero_()
-        reduced = code >= ERR_REDUCED.value
-        src = code - (ERR_REDUCED.value if reduced else ERR_PARTIAL.value)
-        what = "reduced rows" if reduced else "partial"
-        raise CollectiveTimeout(f"gemm_all_reduce on rank {self.backend.rank}: a bounded wait for the {what} of "
-                                f"rank {src} expired; a peer is missing, far behind, or calling the op in a "
-                                "different order (raise max_spin or TILEWEAVE_MAX_SPIN if a rank is legitimately "
-                                "that slow)")
-

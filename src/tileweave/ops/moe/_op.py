@@ -12,75 +12,24 @@ import torch.distributed as dist
 from tileweave.ops import common
 from tileweave.ops.moe.paths import choose_path
 from tileweave.ops.moe.plan import MoEPlan
-from tileweave.ops.workspace import Workspace, agree
-from tileweave.runtime.backend import Backend, get_backend
+from tileweave.ops.skeleton import TPOp
+from tileweave.ops.workspace import Memory, agree
+from tileweave.runtime.backend import Backend
 
-POLICIES = ("auto", "fused", "fallback")
 
-
-class MoEOp:
+class MoEOp(TPOp):
     """Base of ``MoEAllGatherGemm`` and ``MoEGemmReduceScatter``: one group, one workspace, reused.
 
     ``policy``: ``"auto"`` takes the fused path or the fallback per shape (``paths.choose_path``),
     ``"fused"`` and ``"fallback"`` force one (every rank alike). ``max_spin``: the polls a flag wait
     may take before it reports a lost peer (None: the backend's default)."""
 
-    op_name = ""
-    fused_path = "fused"
-    """What ``last_path`` records for this op's overlapped path."""
-
     def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
                  max_spin: int | None = None) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self._backend: Backend | None = None
-        self._ws: Workspace | None = None
-        self._err_mirror = None
+        super().__init__(group, policy=policy, max_spin=max_spin)
+        self.memory = Memory()
         self._ids_err: torch.Tensor | None = None
         """Device word: nonzero once a call's plan held ids outside [0, E) (``common.BAD_IDS`` + count)."""
-        self._ids_mirror = None
-        self.policy = policy
-        self.max_spin = max_spin
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._shared = {}
-
-    @classmethod
-    def shared(cls, group: dist.ProcessGroup, device: torch.device) -> "MoEOp":
-        """The op shared by every functional call on ``group`` and ``device``."""
-        key = (id(group), device)
-        op = cls._shared.get(key)
-        if op is None:
-            op = cls._shared[key] = cls(group)
-        return op
-
-    @property
-    def policy(self) -> str:
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: str) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"{type(self).__name__}: policy must be one of {POLICIES}, got {policy!r}")
-        self._policy = policy
-
-    @property
-    def max_spin(self) -> int | None:
-        return self._max_spin
-
-    @max_spin.setter
-    def max_spin(self, max_spin: int | None) -> None:
-        if max_spin is not None and (isinstance(max_spin, bool) or not isinstance(max_spin, int)
-                                     or not 0 < max_spin < 1 << 31):
-            raise ValueError(f"{type(self).__name__}: max_spin is the polls a flag wait may take before it "
-                             f"reports a lost peer: None (the backend's default) or an int in [1, 2**31), "
-                             f"got {max_spin!r}")
-        self._max_spin = max_spin
-
-    def _get_backend(self, device: torch.device) -> Backend:
-        if self._backend is None or self._backend.device != device:
-            self._backend = get_backend(self.group, device)
-        return self._backend
 
     def _agree(self, device: torch.device, signature: dict, check: Callable[[Backend], dict]) -> tuple[Backend, str]:
         """``(backend, path)`` of a call, every rank together: this rank's pending error (an earlier
@@ -88,10 +37,10 @@ class MoEOp:
         return ``choose_path``'s shape keywords) run, then every rank's outcome and ``signature`` (what
         the ranks must share) are exchanged and judged (``agree``), so that a bad argument on one rank
         raises the same error on every rank. The path is rank 0's choice under this op's policy."""
-        backend = self._get_backend(device)
+        backend = self.backend_for(device)
 
         def propose() -> str:
-            self._raise_pending(backend, device)
+            self.errors.raise_pending(backend, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
             shape = check(backend)
             if backend.world_size == 1:
                 return "local"
@@ -102,22 +51,6 @@ class MoEOp:
         if backend.world_size == 1:
             return backend, propose()
         return backend, agree(backend, self.op_name, {**signature, "policy": self.policy}, propose)
-
-    def _spin(self, backend: Backend) -> int:
-        return self.max_spin or backend.default_max_spin
-
-    def _raise_pending(self, backend: Backend, device: torch.device) -> None:
-        """Raise an error that an earlier call left in an error word (on GPUs, read from its host copy
-        without waiting; none while a CUDA graph is being captured, where a query could break it)."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        for mirror, word in ((self._err_mirror, self._ws.err if self._ws is not None else None),
-                             (self._ids_mirror, self._ids_err)):
-            code = mirror.read() if mirror is not None else 0
-            if code:
-                mirror.clear()
-                word.zero_()
-                common.raise_on_timeout(torch.tensor([code], dtype=torch.int32), self.op_name, backend.rank)
 
     def _mark_ids(self, plan: MoEPlan, device: torch.device) -> None:
         """Record on the device, without a host sync, whether ``plan`` was built from ids outside
@@ -132,13 +65,8 @@ class MoEOp:
     def _finish_ids(self, backend: Backend, plan: MoEPlan) -> None:
         """After the call's work: raise for out-of-range ids, as an expired wait is reported (at once on
         the CPU and with ``TILEWEAVE_DEBUG=1``, else at the next call, on every rank alike)."""
-        if plan.invalid is not None and not common.capturing(self._ids_err):
-            self._ids_mirror = common.surface_timeout(self._ids_err, self.op_name, backend, self._ids_mirror)
-
-    def _finish(self, backend: Backend, ws: Workspace) -> None:
-        """After a gated kernel: surface an expired wait. On the CPU (and in debug mode) at once; on GPUs
-        from a copy of the error word read at the next call, so no call synchronises."""
-        self._err_mirror = common.surface_timeout(ws.err, self.op_name, backend, self._err_mirror)
+        if plan.invalid is not None:
+            self.errors.watch("ids", self._ids_err, backend)
 
     @staticmethod
     def _finish_without_kernel(backend: Backend) -> None:

@@ -43,7 +43,6 @@ one op object concurrently on different streams.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
@@ -106,15 +105,15 @@ class MoEAllGatherGemm(MoEOp):
 
     def _fused(self, backend: Backend, x_shard, w0, plan: MoEPlan, out, return_gathered: bool, extra: dict):
         """The fused path: the pushes, one gated grouped GEMM, the release (module docstring)."""
-        gather = ShardGather.start(backend, self._ws, x_shard)
-        self._ws = gather.ws
+        gather = ShardGather.start(backend, self.memory, x_shard)
+        ws = gather.ws
         grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
-                     gate=(gather.ready_flags, gather.epoch, backend.rank, self._ws.err, self._spin(backend)), **extra)
+                     gate=(gather.ready_flags, gather.epoch, backend.rank, ws.err, self.spin_bound(backend)), **extra)
         # A copy for the caller before the release lets the peers refill the buffer (the kernel has
         # waited for every shard, so the copy reads them all).
         gathered = gather.gathered.clone() if return_gathered else None
         gather.release(backend)
-        self._finish(backend, self._ws)
+        self.errors.watch("kernel", ws.err, backend)
         return gathered
 
 

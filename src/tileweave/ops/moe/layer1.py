@@ -49,7 +49,7 @@ from tileweave.ops.moe._op import (MoEOp, all_gather_rows, check_activation, che
                                    plan_signature)
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.compute.topk_reduce import topk_reduce
-from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace, ensure_workspace
+from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace
 from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend
 
@@ -137,8 +137,7 @@ class MoEGemmReduceScatter(MoEOp):
         w, rank, e = backend.world_size, backend.rank, plan.num_experts
         tc, hidden = out.shape
         nbytes = (w - 1) * tc * hidden * h.element_size()
-        self._ws = ensure_workspace(self._ws, backend, nbytes)
-        ws = self._ws
+        ws = self.memory.workspace(backend, nbytes)
         ws.ensure_local(nbytes)
         cplan = _chunk_plan(ws, backend, tc, hidden, h.dtype)
         ws.epoch += 1

@@ -3,6 +3,11 @@ rank, from the agreed shape alone."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+from tileweave.ops.skeleton import Call
+from tileweave.ops.workspace import Workspace
+
 BLOCK_FLAGS = 256
 """Arrival words per (source) in the workspace's block flags: row blocks per owner at most."""
 
@@ -40,3 +45,23 @@ def block_rows(mc: int, blocks: int) -> tuple[slice, ...]:
     """The rows of each of ``blocks`` blocks of ``mc`` rows, as even as integers allow."""
     bounds = [mc * j // blocks for j in range(blocks + 1)]
     return tuple(slice(bounds[j], bounds[j + 1]) for j in range(blocks))
+
+
+def block_plan(call: Call, a, m: int, n: int, nbytes: int, kind: str, build: Callable, *, send_bytes: int = 0,
+               blocks: int = 0) -> tuple[Workspace, tuple]:
+    """The workspace (``nbytes`` of symmetric data, the block flags and ``send_bytes`` of private send
+    buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
+    ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``. ``blocks``: 0 for
+    :func:`blocks_for`'s, with the op's ``chunk_rows`` (``call.options``)."""
+    backend = call.backend
+    ws = call.memory.workspace(backend, nbytes)
+    ws.ensure_block_flags(BLOCK_FLAGS)
+    if send_bytes:
+        ws.ensure_local(send_bytes)  # before the plans: growing it drops them
+    mc = m // backend.world_size
+    blocks = blocks or blocks_for(mc, a.shape[1], n, chunk_rows=call.options.get("chunk_rows", 0))
+    key = (kind, m, n, a.dtype, blocks)
+    entry = ws.plans.get(key)
+    if entry is None:
+        entry = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
+    return ws, entry

@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.ops import common
-from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_rows
+from tileweave.ops.dense import finish_streams
+from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows
+from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import BLOCK_ARRIVAL, RELEASED, FlagValues, Workspace
 from tileweave.runtime.backend import Backend
 
 
-def run(op, plan, a, b, bias, out) -> None:
-    backend = plan.backend
+def run(call: Call, a, b, bias, out) -> None:
+    backend = call.backend
     w, rank = backend.world_size, backend.rank
     m, n = a.shape[0], b.shape[1]
     mc = m // w
     nbytes = (w - 1) * mc * n * a.element_size()
-    ws, (sends, owns, arrivals, releases) = op.block_plan(backend, a, m, n, nbytes, "rs-chunked", _plan,
-                                                          send_bytes=nbytes)
+    ws, (sends, owns, arrivals, releases) = block_plan(call, a, m, n, nbytes, "rs-chunked", _plan, send_bytes=nbytes)
     ws.epoch += 1
-    values = FlagValues(ws.epoch, op.graphable)
+    values = FlagValues(ws.epoch, call.graphable)
     for released, per_block in sends:
         for j, (a_rows, part, dst, arrival) in enumerate(per_block):
             torch.mm(a[a_rows], b, out=part)
@@ -51,8 +51,8 @@ def run(op, plan, a, b, bias, out) -> None:
         torch.addmm(partials, own[rows], b, out=out[rows])
     values.release(backend, arrivals, releases)
     backend.comm_end()
-    op.finish_streams(backend)
-    common.record_path(op.op_name, "chunked")
+    finish_streams(call)
+    call.record("chunked")
 
 
 def _plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tileweave.ops import common
 from tileweave.ops.compute.matmul import matmul
+from tileweave.ops.skeleton import Call
 
 
-def run(op, plan, a, b, bias, out) -> None:
-    backend = plan.backend
+def run(call: Call, a, b, bias, out) -> None:
+    backend = call.backend
     if a.is_cuda:
         dist.reduce_scatter_tensor(out, torch.matmul(a, b), group=backend.group)
     else:
@@ -20,10 +20,10 @@ def run(op, plan, a, b, bias, out) -> None:
         out.copy_(partial.chunk(backend.world_size)[backend.rank])
     if bias is not None:
         out += bias
-    common.record_path(op.op_name, "fallback")
+    call.record("fallback")
 
 
-def run_local(op, plan, a, b, bias, out) -> None:
+def run_local(call: Call, a, b, bias, out) -> None:
     """A group of one: the GEMM alone."""
     matmul(a, b, bias=bias, out=out)
-    common.record_path(op.op_name, "local")
+    call.record("local")

@@ -11,22 +11,21 @@ from __future__ import annotations
 import torch
 
 from tileweave.ops.compute.oneshot_launch import launch_reduce_rows
+from tileweave.ops.dense import oneshot_finish, oneshot_launch_plan, oneshot_start
+from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import oneshot_slots
 
 
-def run(op, plan, a, b, bias, out) -> None:
-    backend = plan.backend
+def run(call: Call, a, b, bias, out) -> None:
+    backend = call.backend
     m, n = a.shape[0], b.shape[1]
     w, rank = backend.world_size, backend.rank
 
-    def make() -> tuple:
-        ws = op.workspace_for(backend, 0)
-        entry = ws.plans[("oneshot", m, n, a.dtype)] = (oneshot_slots(ws, (m, n), a.dtype),
-                                                        op.oneshot_launch_plan(backend, ws, a.dtype, rows=m // w,
-                                                                               cols=n, row0=rank * (m // w)))
-        return entry
+    def make(ws) -> tuple:
+        return (oneshot_slots(ws, (m, n), a.dtype),
+                oneshot_launch_plan(call, ws, a.dtype, rows=m // w, cols=n, row0=rank * (m // w)))
 
-    ws, part, reduce_plan, epoch = op.oneshot_start(backend, m, n, a.dtype, make)
+    ws, part, reduce_plan, epoch = oneshot_start(call, m, n, a.dtype, make)
     torch.mm(a, b, out=part)
     launch_reduce_rows(reduce_plan, part, out, bias, epoch)
-    op.oneshot_finish(backend, ws)
+    oneshot_finish(call)

@@ -31,11 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tileweave.runtime import settings
 from tileweave.ops import common
-from tileweave.ops.fused_op import FusedOp, Plan, option
+from tileweave.ops.dense import DenseOp, Plan
 from tileweave.ops.reduce_scatter import chunked, nccl, oneshot, pull
-from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, blocks_for
-from tileweave.ops.workspace import Workspace, ensure_workspace, released_start
+from tileweave.ops.skeleton import option
 from tileweave.runtime.backend import Backend, TileweaveError
 from tileweave.tune import heuristics
 
@@ -54,7 +54,7 @@ def auto_route(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *, 
     return "pull" if pulls else "chunked"
 
 
-class GemmReduceScatter(FusedOp):
+class GemmReduceScatter(DenseOp):
     """A reusable fused GEMM+ReduceScatter bound to one group; keeps its receive buffer.
 
     ``policy``: ``"auto"`` picks the chunked transport or the unfused path (GEMM, then NCCL
@@ -64,14 +64,14 @@ class GemmReduceScatter(FusedOp):
     and a send buffer). ``pull`` (every rank alike; ``TILEWEAVE_RS_PULL`` for the shared op): whether
     the chunked transport in a group of two pulls instead of pushing; None (the default): wherever it
     applies, which is not in a graphable op (its flags carry epochs; True there raises); other group
-    sizes, and an ``out`` with padded rows, push. Other arguments: :class:`FusedOp`.
+    sizes, and an ``out`` with padded rows, push. Other arguments: :class:`tileweave.ops.dense.DenseOp`.
     """
 
     op_name = OP
     transports = TRANSPORTS
-    transport_env = "TILEWEAVE_RS_TRANSPORT"
+    transport_env = settings.RS_TRANSPORT
     default_transport = "chunked"
-    option_envs = {"pull": "TILEWEAVE_RS_PULL"}
+    option_envs = {"pull": settings.RS_PULL}
     chunk_rows = 0
     """Rows per block of the chunked transport, 0 for ``blocks.chunk_rows_for`` (every rank must use the
     same)."""
@@ -100,7 +100,7 @@ class GemmReduceScatter(FusedOp):
         run = plan.run
         if run is pull.run and not out.is_contiguous():
             run = chunked.run  # the pulls land in out's rows: an out with padded rows takes the pushes
-        run(self, plan, a, b, bias, out)
+        run(self._call(plan, common.capturing(a), chunk_rows=self.chunk_rows), a, b, bias, out)
         return out
 
     def _check(self, a, b, bias, out) -> tuple:
@@ -125,29 +125,3 @@ class GemmReduceScatter(FusedOp):
     def _fused_plan(self, backend: Backend, config, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
         pulls = self.pull and backend.world_size == 2
         return Plan("chunked", pull.run if pulls else chunked.run, backend, config, epochs=True)
-
-    def workspace_for(self, backend: Backend, nbytes: int) -> Workspace:
-        """The workspace, grown to ``nbytes`` of symmetric data (collective when it grows)."""
-        self._ws = ensure_workspace(self._ws, backend, nbytes, released=released_start(self.graphable))
-        return self._ws
-
-    def blocks(self, mc: int, k: int, n: int, *, pull: bool = False) -> int:
-        """Row blocks per owner of a chunked call (``blocks_for``, with this op's ``chunk_rows``)."""
-        return blocks_for(mc, k, n, pull=pull, chunk_rows=self.chunk_rows)
-
-    def block_plan(self, backend: Backend, a, m: int, n: int, nbytes: int, kind: str, build, *,
-                   send_bytes: int = 0, blocks: int = 0) -> tuple[Workspace, tuple]:
-        """The workspace (``nbytes`` of symmetric data, the block flags and ``send_bytes`` of private send
-        buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
-        ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``."""
-        ws = self.workspace_for(backend, nbytes)
-        ws.ensure_block_flags(BLOCK_FLAGS)
-        if send_bytes:
-            ws.ensure_local(send_bytes)  # before the plans: growing it drops them
-        mc = m // backend.world_size
-        blocks = blocks or self.blocks(mc, a.shape[1], n)
-        key = (kind, m, n, a.dtype, blocks)
-        entry = ws.plans.get(key)
-        if entry is None:
-            entry = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
-        return ws, entry

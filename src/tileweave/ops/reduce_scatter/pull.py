@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.ops import common
-from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_rows
+from tileweave.ops.dense import finish_streams
+from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows, blocks_for
+from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import BLOCK_ARRIVAL, BLOCK_LANDED, RELEASED, Workspace
 from tileweave.runtime.backend import Backend
 
 
-def run(op, plan, a, b, bias, out) -> None:
-    backend = plan.backend
+def run(call: Call, a, b, bias, out) -> None:
+    backend = call.backend
     rank = backend.rank
     m, n = a.shape[0], b.shape[1]
     mc = m // 2
     nbytes = mc * n * a.element_size()
-    blocks = op.blocks(mc, a.shape[1], n, pull=True)
-    ws, entry = op.block_plan(backend, a, m, n, nbytes, "rs-pull", _plan, send_bytes=nbytes if blocks == 1 else 0,
-                              blocks=blocks)
+    blocks = blocks_for(mc, a.shape[1], n, pull=True, chunk_rows=call.options.get("chunk_rows", 0))
+    ws, entry = block_plan(call, a, m, n, nbytes, "rs-pull", _plan, send_bytes=nbytes if blocks == 1 else 0,
+                           blocks=blocks)
     rows_of, send, peer_send, announce, arrivals, landed, release_peer, released, recv = entry
     ws.epoch += 1
     epoch = ws.epoch
@@ -71,8 +72,8 @@ def run(op, plan, a, b, bias, out) -> None:
     # every pulled block by its landed word, the copy stream's last write (the peer's release) orders
     # nothing here, and the next call's copies queue behind this call's work on both streams. This path
     # never runs under CUDA-graph capture, which would need the join.
-    op.finish_streams(backend)
-    common.record_path(op.op_name, "chunked")
+    finish_streams(call)
+    call.record("chunked")
 
 
 def _plan(ws: Workspace, backend: Backend, mc: int, n: int, dtype: torch.dtype, blocks: int) -> tuple:

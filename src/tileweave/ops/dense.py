@@ -1,0 +1,318 @@
+"""The dense pair's part of the skeleton (``AllGatherGemm``, ``GemmReduceScatter``): a plan per call
+signature (shapes, dtypes, devices, whether there is a bias), decided at its first call, agreed by every
+rank and kept, with the kernel config every rank uses; and what their transports share: the fused
+kernel's first launch, the one-shot paths' slots and error word, the end of a call without a kernel.
+
+The dense ops agree at a signature's first call (``_decide``), not at every call as the MoE ops and
+``GemmAllReduce`` do: their small shapes are bound by host time, and a repeat call's checks run on this
+rank alone (shape, dtype and device are the plan's key, so only values such as a bias or ``out`` are
+checked again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tileweave.runtime import settings
+from tileweave.ops import common
+from tileweave.ops.compute.gemm_launch import launch, launch_cached
+from tileweave.ops.compute.oneshot_launch import OneshotPlan
+from tileweave.ops.skeleton import Call, TPOp, first_launch, meeting, option
+from tileweave.ops.workspace import Memory, Workspace, agree
+from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.tune.autotune import select_config
+from tileweave.tune.configs import GemmConfig
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every call of one signature runs, decided at its first call and agreed by every rank."""
+
+    path: str
+    """What ``tileweave.last_path`` reports (``skeleton.PATHS``)."""
+    run: Callable
+    """The transport's entry point, ``run(call, *args)``."""
+    backend: Backend
+    config: GemmConfig | None = None
+    """The kernel config every rank agreed on (None for paths without a kernel of ours)."""
+    epochs: bool = False
+    """Whether the transport's flags carry epochs, which a CUDA-graph replay would not advance."""
+    first: bool = True
+    """The first launch is still to come: every rank compiles, then meets (``launch_fused``)."""
+
+
+def _check_transport(op: "DenseOp", transport) -> None:
+    if transport not in op.transports:
+        raise ValueError(f"{type(op).__name__}: transport must be one of {op.transports}, got {transport!r}")
+
+
+def _check_config(op: "DenseOp", config) -> None:
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"{type(op).__name__}: config must be a tileweave GemmConfig or None (chosen per shape), "
+                        f"got {type(config).__name__}")
+
+
+class DenseOp(TPOp):
+    """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, one plan cache."""
+
+    policies = ("auto", "fused", "oneshot", "fallback")
+    transports: tuple[str, ...] = ()
+    transport_env = ""
+    """The ``tileweave.runtime.settings`` variable that picks the shared op's transport."""
+    default_transport = ""
+    option_envs: dict[str, str] = {}
+    """The subclass's boolean options that the shared op takes from ``tileweave.runtime.settings`` variables
+    (option name: variable name)."""
+
+    @classmethod
+    def shared_options(cls) -> dict:
+        """The shared op's transport, graphability and options from the environment
+        (``tileweave.runtime.settings``)."""
+        options = {name: settings.optional_flag(env) for name, env in cls.option_envs.items()}
+        return dict(transport=settings.text(cls.transport_env) or cls.default_transport,
+                    graphable=settings.flag(settings.GRAPHABLE),
+                    **{name: value for name, value in options.items() if value is not None})
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, policy: str = "auto",
+                 transport: str | None = None, config: GemmConfig | None = None,
+                 max_spin: int | None = None, graphable: bool = False) -> None:
+        """``policy``: one of the class's ``policies`` ("auto" picks per shape; ``TILEWEAVE_POLICY``
+        overrides "auto" process-wide). ``transport``: one of the class's ``transports``, None for its
+        ``default_transport``. ``config``: the kernel config of every shape (None: chosen per shape).
+        ``max_spin``: polls a flag wait may take before it reports a lost peer (None: the backend's
+        default). ``graphable``: run the fused paths on flags whose values are the same in every call, so
+        that the calls can be captured in a CUDA graph and replayed (see the subclass). Every rank must
+        construct its op with the same arguments."""
+        self._plans: dict[tuple, Plan] = {}
+        self.memory = Memory(graphable)
+        super().__init__(group, policy=policy, max_spin=max_spin, graphable=graphable)
+        memory = self.memory
+        # The one-shot kernels write an expired wait into the pinned word and the workspace's word.
+        self.errors.host(lambda: memory.host_err, lambda: memory.ws.err if memory.ws is not None else None)
+        self.transport = transport or self.default_transport
+        self.config = config
+
+    transport = option("transport", _check_transport)
+    config = option("config", _check_config)
+
+    def _settings_changed(self, name: str) -> None:
+        if name == "max_spin":
+            # The spin bound decides no path, so setting it keeps the plans (and needs no other rank); it
+            # reaches the one-shot launch plans, which hold it; the other paths read it per call.
+            ws = self.memory.ws
+            if ws is not None:
+                for key, entry in ws.plans.items():
+                    if key[0] == "oneshot":
+                        entry[1].max_spin = self.max_spin or ws.backend.default_max_spin
+        else:
+            self._plans.clear()
+
+    @property
+    def plans(self) -> types.MappingProxyType:
+        """The plan cache, read-only: call signature -> ``Plan``."""
+        return types.MappingProxyType(self._plans)
+
+    @property
+    def workspace(self) -> Workspace | None:
+        """This rank's workspace (None before the first call that needs one)."""
+        return self.memory.ws
+
+    def _call(self, plan: Plan, capturing: bool, **options) -> Call:
+        """The context a transport receives for one call, after any error an earlier call left."""
+        self.errors.raise_pending(plan.backend, capturing)
+        return Call(self.op_name, plan.backend, plan, self.memory, self.errors, self.graphable,
+                    self.spin_bound(plan.backend), options)
+
+    # -- the skeleton ------------------------------------------------------------------------------
+
+    local_run: Callable = staticmethod(lambda call, *args: None)
+    """The transport of a group of one (the GEMM alone)."""
+    nccl_run: Callable = staticmethod(lambda call, *args: None)
+    """The unfused transport: NCCL and cuBLAS (captures in a CUDA graph)."""
+    oneshot_run: Callable = staticmethod(lambda call, *args: None)
+    """The one-shot transport (``policy="oneshot"``)."""
+
+    def _plan_call(self, a, b, bias, out) -> tuple[Plan, torch.Tensor | None, torch.Tensor | None]:
+        """``(plan, bias, out)`` of a call: its signature's plan, decided now if it is the first call
+        (collectively); the arguments checked unless a plan exists and the call has neither bias nor
+        ``out`` (the signature's first call checked them)."""
+        common.check_no_grad(self.op_name, a, b, bias, names=("a", "b", "bias"))
+        key = self.signature(a, b, bias)
+        plan = self._planned(key, common.capturing(a)) if key is not None else None
+        if plan is None or bias is not None or out is not None:
+            bias, out = self._check(a, b, bias, out)
+        if plan is None:
+            plan = self._plans[key] = self._make_plan(a, b, bias)
+        return plan, bias, out
+
+    def _make_plan(self, a, b, bias) -> Plan:
+        """The plan of a new signature: the GEMM alone in a group of one, else the path ``_decide``
+        agrees on and its transport."""
+        backend = self.backend_for(a.device)
+        if backend.world_size == 1:
+            return Plan("local", self.local_run, backend)
+        m, n, k, shape = self._gemm_shape(a, b, backend.world_size)
+
+        def auto() -> str:
+            return "fallback" if self._auto_route(m, n, k, a.dtype, backend) == "fallback" else "fused"
+
+        path, config = self._decide(backend, m, n, k, a.dtype, shape, bias is not None, auto)
+        if path == "oneshot":
+            return Plan("oneshot", self.oneshot_run, backend, epochs=True)
+        if path == "fallback":
+            return self._nccl_plan(backend)
+        return self._fused_plan(backend, config, m, n, k, a.dtype)
+
+    def _nccl_plan(self, backend: Backend) -> Plan:
+        return Plan("fallback", self.nccl_run, backend)
+
+    def _check(self, a, b, bias, out) -> tuple:
+        """``(bias, out)`` as the transports take them, after checking every argument."""
+        raise NotImplementedError
+
+    def _check_operands(self, a, b, a_name: str, rows: str, depth: str, cols: str) -> int:
+        """Check the GEMM's operands ``a [rows, depth]`` (called ``a_name``) and ``b [depth, cols]``, and
+        return the group size."""
+        common.check_matrix(a_name, a)
+        common.check_matrix("b", b, dtype=a.dtype, device=a.device)
+        common.check_runs_dtype(self.op_name, a_name, a)
+        if b.shape[0] != a.shape[1]:
+            raise ValueError(f"{a_name} is [{rows}={a.shape[0]}, {depth}={a.shape[1]}] but b is {list(b.shape)}: "
+                             f"b must be [{depth}={a.shape[1]}, {cols}]")
+        return self.backend_for(a.device).world_size
+
+    def _gemm_shape(self, a, b, world: int) -> tuple[int, int, int, tuple]:
+        """``(m, n, k, shape)``: the local GEMM's dims and what every rank must have alike."""
+        raise NotImplementedError
+
+    def _auto_route(self, m: int, n: int, k: int, dtype: torch.dtype, backend: Backend) -> str:
+        """The route under ``policy="auto"``: "fallback" or a fused transport's name."""
+        raise NotImplementedError
+
+    def _fused_plan(self, backend: Backend, config: GemmConfig, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
+        """The plan of the fused path."""
+        raise NotImplementedError
+
+    @staticmethod
+    def signature(a, b, bias) -> tuple | None:
+        """The plan cache's key of a call: shapes, dtypes, devices and whether it has a bias; None for
+        arguments that are not tensors (they take the checks, which name what is wrong)."""
+        if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
+            return None
+        return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, bias is not None)
+
+    def _planned(self, key: tuple | None, capturing: bool) -> Plan | None:
+        """The plan of ``key`` if one was decided, checked against CUDA-graph capture: the first call of
+        a signature must be eager (its agreement is a collective of Python objects), and a path whose
+        flags carry epochs cannot be captured unless the op is graphable."""
+        plan = self._plans.get(key) if key is not None else None
+        if capturing:
+            if plan is None and self.policy == "fused" and not self.graphable:
+                raise TileweaveError(f"{self.op_name}: {common.CAPTURE_FUSED}")
+            if plan is None:
+                self.require_eager("checks it with the other ranks")
+            if plan.epochs and not self.graphable:
+                if plan.path != "oneshot":
+                    raise TileweaveError(f"{self.op_name}: {common.CAPTURE_FUSED}")
+                return self._nccl_plan(plan.backend)  # the one-shot path's epochs: NCCL, as every rank does
+        return plan
+
+    def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, shape: tuple,
+                has_bias: bool, auto: Callable[[], str]) -> tuple[str, GemmConfig]:
+        """``(path, config)`` of a new signature: the policy's path, or under "auto" ``auto()``'s, with
+        rank 0's config, after checking with every rank that it was called with the same ``shape``
+        (collective: every rank decides the same signature at the same call). ``m, n, k``: the local
+        GEMM's."""
+        proposal = self.config or select_config(m, n, k, dtype, backend.device, num_sms=backend.num_sms,
+                                                interpreter=backend.interpreter, stream_k=False)
+        # The fused kernel deals out whole tiles (a tile's flags assume one producer), but for a
+        # consumer's partial last wave (``_stream_k_tail``).
+        proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0)
+        proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
+        path = auto() if self.policy == "auto" else self.policy
+        config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), proposal)
+        if not (m > 0 and n > 0 and k > 0):
+            path = "fallback"
+        return path, config
+
+    def _stream_k_tail(self, config: GemmConfig, m: int, n: int, k: int, backend: Backend) -> bool:
+        """Whether the fused kernel shares its partial last wave of tiles by K steps (a subclass's
+        choice; none by default)."""
+        return False
+
+
+# -- what the dense transports share ------------------------------------------------------------------
+
+def programs(config: GemmConfig, backend: Backend) -> int:
+    """Persistent programs of a fused launch: the config's count, or one per SM, within what every
+    program resident at once allows (``Backend.max_programs``)."""
+    return min(config.programs or backend.num_sms, backend.max_programs(False))
+
+
+def launch_fused(call: Call, **launch_args) -> None:
+    """Launch the fused GEMM kernel; a plan's first launch compiles and meets the other ranks first
+    (``skeleton.first_launch``)."""
+    plan = call.plan
+    if plan.first:
+        first_launch(call.backend, lambda: launch(**launch_args, compile_only=True))
+        plan.first = False
+    launch_cached(**launch_args)
+
+
+def finish_kernel(call: Call, ws: Workspace) -> None:
+    """After a fused launch: watch the workspace's error word (``ErrorWords.watch``), so that an expired
+    in-kernel wait is reported, at once on the CPU and in debug mode, else by the next call (the outputs
+    of a call whose wait expired are wrong, never silently)."""
+    call.errors.watch("kernel", ws.err, call.backend)
+
+
+def finish_streams(call: Call) -> None:
+    """After a call that launched no kernel of ours (the chunked transports): its stream waits are
+    bounded on the host, in debug mode (and on the CPU); not under CUDA-graph capture, where the host
+    cannot wait."""
+    backend = call.backend
+    if backend.interpreter or (common.debug_mode() and not torch.cuda.is_current_stream_capturing()):
+        backend.synchronize()
+
+
+# -- the one-shot paths' shared part ---------------------------------------------------------------------
+
+def oneshot_start(call: Call, rows: int, cols: int, dtype: torch.dtype, make: Callable[[Workspace], tuple]) -> tuple:
+    """``(workspace, this call's slot, launch plan, epoch)`` of a one-shot call whose slots are
+    ``[rows, cols]``: ``make(ws)`` makes the slots and launch plan of the op's workspace the first
+    time (kept in its plans)."""
+    memory = call.memory
+    ws = memory.ws
+    key = ("oneshot", rows, cols, dtype)
+    entry = ws.plans.get(key) if ws is not None else None
+    if entry is None:
+        ws = memory.workspace(call.backend, 0)
+        entry = ws.plans[key] = make(ws)
+    ws.oneshot_epoch += 1
+    slots, launch_plan = entry
+    return ws, slots[ws.oneshot_epoch & 1], launch_plan, ws.oneshot_epoch
+
+
+def oneshot_launch_plan(call: Call, ws: Workspace, dtype: torch.dtype, **shape) -> OneshotPlan:
+    """The launch plan of a one-shot kernel on ``ws``'s one-shot buffer (which must hold the call's
+    slots); ``shape``: ``OneshotPlan``'s rows, cols, row0, parts."""
+    backend = call.backend
+    return OneshotPlan(peer_offsets=ws.oneshot_offsets(dtype.itemsize), signals=ws.oneshot_signals(),
+                       ready=ws.oneshot_flags(), err=ws.err, host_err=call.memory.host_word(backend.device).tensor,
+                       rank=backend.rank, world=backend.world_size, max_spin=call.spin,
+                       programs=backend.num_sms, meet=meeting(backend), **shape)
+
+
+def oneshot_finish(call: Call) -> None:
+    """After a one-shot launch: in debug mode (and on the CPU) wait for it, bounded as its waits are,
+    and raise at once if one expired; otherwise the next call reports it (from the pinned host word)."""
+    backend = call.backend
+    if backend.interpreter or common.debug_mode():
+        backend.synchronize()
+        call.errors.raise_pending(backend)
+    call.record("oneshot")

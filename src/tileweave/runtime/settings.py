@@ -1,0 +1,94 @@
+"""Every environment variable that changes what tileweave does, read here and nowhere else.
+
+==================================  =========  ==============================================================
+variable                            default    what it sets
+==================================  =========  ==============================================================
+``TILEWEAVE_POLICY``                ``auto``   the policy of every op built with ``policy="auto"`` (the ops'
+                                               common names: ``fused``, ``oneshot``, ``fallback``; an op
+                                               without that policy refuses it, naming this variable)
+``TILEWEAVE_AG_TRANSPORT``          op's       the transport of the shared ``AllGatherGemm`` (``mesh``,
+                                               ``ring``, ``chunked``, ``auto``)
+``TILEWEAVE_RS_TRANSPORT``          op's       the transport of the shared ``GemmReduceScatter``
+``TILEWEAVE_AG_STREAM_K``           unset      1/0: the shared ``AllGatherGemm``'s ``stream_k``
+``TILEWEAVE_RS_PULL``               unset      1/0: the shared ``GemmReduceScatter``'s ``pull``
+``TILEWEAVE_GRAPHABLE``             0          1: the shared ops (functional API, TP layers) are graphable
+``TILEWEAVE_DEBUG``                 0          1: every call waits for its GPU work (bounded) and reports an
+                                               expired wait at once instead of at the next call
+``TILEWEAVE_MAX_SPIN``              backend's  polls an in-kernel flag wait may take before it reports a
+                                               lost peer
+``TILEWEAVE_TIMEOUT_S``             120        seconds a host-side wait for a peer may take (GPUs)
+``TILEWEAVE_EMULATED_TIMEOUT_S``    60         the same for emulated CPU ranks
+``TILEWEAVE_FAST_LAUNCH``           1          0: every launch through Triton's public ``kernel[grid]``
+``TILEWEAVE_CACHE_DIR``             ``~/.cache/tileweave``  where tuned kernel configs are kept
+==================================  =========  ==============================================================
+
+The shared ops (one per group and device, used by the functional API and the TP layers) read their
+settings when they are made; ops built by the caller take their arguments, but for
+``TILEWEAVE_POLICY``, which replaces ``"auto"`` everywhere. ``TILEWEAVE_DEBUG`` is read at every call.
+"""
+
+from __future__ import annotations
+
+import os
+
+POLICY = "TILEWEAVE_POLICY"
+AG_TRANSPORT = "TILEWEAVE_AG_TRANSPORT"
+RS_TRANSPORT = "TILEWEAVE_RS_TRANSPORT"
+AG_STREAM_K = "TILEWEAVE_AG_STREAM_K"
+RS_PULL = "TILEWEAVE_RS_PULL"
+GRAPHABLE = "TILEWEAVE_GRAPHABLE"
+DEBUG = "TILEWEAVE_DEBUG"
+MAX_SPIN = "TILEWEAVE_MAX_SPIN"
+TIMEOUT_S = "TILEWEAVE_TIMEOUT_S"
+EMULATED_TIMEOUT_S = "TILEWEAVE_EMULATED_TIMEOUT_S"
+FAST_LAUNCH = "TILEWEAVE_FAST_LAUNCH"
+CACHE_DIR = "TILEWEAVE_CACHE_DIR"
+
+
+def text(name: str) -> str | None:
+    """The variable's value, None when it is unset or empty."""
+    return os.environ.get(name) or None
+
+
+def flag(name: str, default: bool = False) -> bool:
+    """Whether the variable is set to something other than 0 (``default`` when unset or empty)."""
+    value = text(name)
+    return default if value is None else value != "0"
+
+
+def optional_flag(name: str) -> bool | None:
+    """The variable as a flag, None when it is unset or empty (the option keeps its own default)."""
+    value = text(name)
+    return None if value is None else value != "0"
+
+
+def number(name: str, default: float) -> float:
+    """The variable as a number (``default`` when unset or empty); a value that is not one raises,
+    naming the variable."""
+    value = text(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def max_spin(default: int) -> int:
+    """``TILEWEAVE_MAX_SPIN`` as a positive int, ``default`` when unset."""
+    value = number(MAX_SPIN, default)
+    if value < 1 or value != int(value):
+        raise ValueError(f"{MAX_SPIN}={text(MAX_SPIN)!r} must be a positive integer")
+    return int(value)
+
+
+def policy() -> str:
+    """The policy that replaces ``"auto"``: ``TILEWEAVE_POLICY``, or ``"auto"`` when it is unset (the
+    op checks it against its policies and names this variable if it has no such policy)."""
+    return text(POLICY) or "auto"
+
+
+def debug() -> bool:
+    """``TILEWEAVE_DEBUG=1``: every call waits for its GPU work (bounded) and reports an expired wait at
+    once instead of at the next call."""
+    return flag(DEBUG)
