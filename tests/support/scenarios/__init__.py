@@ -23,3 +23,4 @@ from support.scenarios.graphs import (  # noqa: F401
 )
 from support.scenarios.groups import two_groups_check  # noqa: F401
 from support.scenarios.styles import styles_mlp_check, styles_llama_check, styles_refusals_check  # noqa: F401
+from support.scenarios.train_2d import train_2d_check, load_2d_check  # noqa: F401
