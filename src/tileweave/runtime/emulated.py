@@ -29,6 +29,10 @@ from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuff
 
 HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
 HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
+HOSTS_ENV = "TILEWEAVE_EMULATED_HOSTS"
+"""Set to n > 1, the world's ranks are taken to sit on n hosts (global rank g on host ``g * n // world``):
+a group across them has no peer access and no shared memory, as on real nodes, so its ops take their NCCL
+paths and agree through a collective."""
 ONE_QUEUE_ENV = "TILEWEAVE_EMULATED_ONE_QUEUE"
 """Set to 1, the copy stream's work runs in the caller's thread in issue order (``EmulatedBackend.one_queue``),
 for protocols without a fused kernel (the chunked transports): a wait issued before the work a peer needs
@@ -99,6 +103,11 @@ class EmulatedBackend(Backend):
         self.heap = _heap(path, self.region * dist.get_world_size())
         # Global ranks of the group's members, in group-rank order: whose regions the group's buffers use.
         self.members = tuple(dist.get_process_group_ranks(self.group))
+        hosts = int(os.environ.get(HOSTS_ENV) or 1)
+        spanned = len({g * hosts // dist.get_world_size() for g in self.members})
+        if spanned > 1:
+            self.one_host = self.peer_access = False
+            self.no_peer_access = f"the TP group spans {spanned} hosts (emulated)"
         # One hardware queue for every stream (as under CUDA_DEVICE_MAX_CONNECTIONS=1, and as two
         # streams may share one on a GPU): the copy stream's work runs on the host in issue order, so a
         # stream wait on a peer's flag holds up everything issued after it.

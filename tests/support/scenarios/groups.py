@@ -3,6 +3,8 @@ other groups run theirs at the same time."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -39,4 +41,26 @@ def two_groups_check(rank: int, world: int, m_chunk: int, k: int, n: int, iters:
     result = {"pair": _check_group(mine, f"pair{rank // 2}", m_chunk, k, n, iters)}
     result["world"] = _check_group(dist.group.WORLD, "world", m_chunk, k, n, iters)
     result["pair_again"] = _check_group(mine, f"pair{rank // 2}-again", m_chunk, k, n, iters)
+    return result
+
+
+def across_hosts_check(rank: int, world: int, m_chunk: int, k: int, n: int) -> dict:
+    """With the world on two emulated hosts: the pairs within a host take the fused paths; the world
+    group, across hosts, runs every op on its NCCL path, correctly, with one warning (rank 0, at the
+    group's first call only)."""
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    result = {"pair": _check_group(pairs[rank // 2], "host-pair", m_chunk, k, n, 1)}
+    result["pair_paths"] = f"{tileweave.last_path('all_gather_gemm')} {tileweave.last_path('gemm_reduce_scatter')}"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result["world"] = _check_group(dist.group.WORLD, "hosts", m_chunk, k, n, 2)
+        result["world_paths"] = (f"{tileweave.last_path('all_gather_gemm')} "
+                                 f"{tileweave.last_path('gemm_reduce_scatter')}")
+        a = randn((m_chunk * world, k * world), torch.float32, "ar-a")
+        b = randn((k * world, n), torch.float32, "ar-b")
+        rows = slice(rank * k, (rank + 1) * k)
+        y = tileweave.gemm_all_reduce(a[:, rows].contiguous(), b[rows].contiguous(), dist.group.WORLD)
+        result["all_reduce"] = {"ar": rel_err(y, a.double() @ b.double())}
+        result["all_reduce_path"] = tileweave.last_path("gemm_all_reduce")
+    result["warnings"] = [str(w.message) for w in caught if "tileweave" in str(w.message)]
     return result

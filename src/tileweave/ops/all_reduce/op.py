@@ -163,6 +163,8 @@ class GemmAllReduce:
         slot_bytes = m * n * a.element_size() * (2 if norm else 1)
         if w == 1:
             proposal = "local"
+        elif not backend.peer_access:
+            proposal = "fallback"
         elif self.policy != "auto":
             proposal = self.policy
         else:
