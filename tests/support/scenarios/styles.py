@@ -28,12 +28,19 @@ def _seeded(module: nn.Module, tag: str) -> nn.Module:
 
 
 def _param_errors(model: nn.Module, ref: nn.Module) -> dict:
-    """Each parameter's gradient, gathered whole, against the reference's."""
+    """Each parameter's gradient against the reference's: a DTensor's local shard against the slice its
+    placement on the 1-D mesh names (no gather: ranks sharing a GPU over gloo run it; a partial sum is all-reduced)."""
     refs = dict(ref.named_parameters())
     errors = {}
     for name, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
-        errors[f"d_{name}"] = rel_err(grad, refs[name].grad)
+        want, grad = refs[name].grad, param.grad
+        if isinstance(grad, DTensor):
+            (placement,), mesh = grad.placements, grad.device_mesh
+            if isinstance(placement, Shard):
+                want, grad = want.chunk(mesh.size(), dim=placement.dim)[mesh.get_local_rank()], grad.to_local()
+            else:  # a replicated parameter's gradient may still be a partial sum (the norms'): reduce it
+                grad = grad.full_tensor()
+        errors[f"d_{name}"] = rel_err(grad, want)
     return errors
 
 
@@ -48,10 +55,10 @@ def styles_mlp_check(rank: int, world: int, batch: int, seq: int, layout: str, i
     default layouts: a replicated input, ``gemm_all_reduce`` for the output). ``iters`` calls with fresh
     inputs; the errors of the last."""
     torch.manual_seed(0)
-    hidden, ffn = 16, 24
-    full = _seeded(nn.Sequential(nn.Linear(hidden, ffn), nn.SiLU(), nn.Linear(ffn, hidden)), "mlp")
+    hidden, ffn, device = 16, 24, device_name()
+    full = _seeded(nn.Sequential(nn.Linear(hidden, ffn), nn.SiLU(), nn.Linear(ffn, hidden)), "mlp").to(device)
     ref = copy.deepcopy(full).double()
-    mesh = init_device_mesh(device_name().split(":")[0], (world,))
+    mesh = init_device_mesh(device.split(":")[0], (world,))
     sequence = layout != "replicate"
     plan = {"0": ColwiseParallel(input_layouts=Shard(1), use_local_output=layout != "dtensor"),
             "2": RowwiseParallel(output_layouts=Shard(1), use_local_output=layout != "dtensor")}
@@ -60,8 +67,8 @@ def styles_mlp_check(rank: int, world: int, batch: int, seq: int, layout: str, i
     for it in range(iters):
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-        x_full = randn((batch, seq, hidden), torch.float32, "mlp-x", it)
-        g_full = randn((batch, seq, hidden), torch.float32, "mlp-g", it)
+        x_full = randn((batch, seq, hidden), torch.float32, "mlp-x", it, device=device)
+        g_full = randn((batch, seq, hidden), torch.float32, "mlp-g", it, device=device)
         x = x_full[:, rows].clone().requires_grad_(True)
         given = DTensor.from_local(x, mesh, [Shard(1)], run_check=False) if layout == "dtensor" else x
         y = model(given)
@@ -87,14 +94,14 @@ def styles_llama_check(rank: int, world: int, batch: int, seq: int) -> dict:
     """A two-block Llama (embedding, norms, attention, SwiGLU MLP, output) sharded by ``llama_tp_plan``
     with tileweave's styles: the logits and every parameter's gradient against the unsharded model in
     float64."""
-    c = LlamaConfig(vocab=32, dim=16, layers=2, heads=4, kv_heads=2, ffn=24)
+    c, device = LlamaConfig(vocab=32, dim=16, layers=2, heads=4, kv_heads=2, ffn=24), device_name()
     torch.manual_seed(0)
-    full = _seeded(Llama(c), "llama")
+    full = _seeded(Llama(c), "llama").to(device)
     ref = copy.deepcopy(full).double()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.split(":")[0], (world,))
     model = parallelize_module(full, mesh, llama_tp_plan(full))
-    tokens = _llama_data(c, batch, seq, "tokens")
-    g = randn((batch, seq, c.vocab), torch.float32, "llama-g")
+    tokens = _llama_data(c, batch, seq, "tokens").to(device)
+    g = randn((batch, seq, c.vocab), torch.float32, "llama-g", device=device)
     logits = model(tokens)
     (logits * g).sum().backward()
     ref_logits = ref(tokens)
