@@ -16,6 +16,8 @@ Public API (shapes per rank; W ranks in the group):
 * ``tileweave.nn``: ``ColumnParallelLinear``, ``RowParallelLinear`` (sequence-parallel, or replicated with
   ``sequence_parallel=False``), ``TPTransformerBlock``, ``TPMoE``, ``TPDecoder`` (inference: prefill
   sequence-parallel, decode on ``gemm_all_reduce``).
+* ``tileweave.parallel``: ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` for torch's
+  ``parallelize_module`` (DTensor parameters, linears on the fused ops; 2-D meshes with FSDP2).
 * ``torch.ops.tileweave.*``: the fused ops as custom ops (what ``torch.compile`` sees).
 
 Environment: ``TILEWEAVE_DEBUG=1`` checks every call for expired waits (synchronising);

@@ -163,6 +163,26 @@ def _start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
     return _Gathered(gathered)
 
 
+def all_gather_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      group: dist.ProcessGroup | None = None, *, save_gathered: bool = True,
+                      ops: TPOps | None = None) -> torch.Tensor:
+    """``ColumnParallelLinear``'s computation on given shards, differentiable: ``y [M, N/W] =
+    AG_M(x_shard_m [M/W, K]) @ weight.T + bias``, with ``weight`` this rank's rows ``[N/W, K]`` and
+    ``bias [N/W]`` (forward and backward in the module docstring). ``ops``: the communication GEMMs
+    (None: tileweave's). Collective over ``group``, like the layer."""
+    group = group if group is not None else dist.group.WORLD
+    return _run(_ColumnParallel.apply, x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS)
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          group: dist.ProcessGroup | None = None, *, ops: TPOps | None = None) -> torch.Tensor:
+    """``RowParallelLinear``'s computation on given shards, differentiable: ``y_shard_m [M/W, N] =
+    RS_M(x [M, K/W] @ weight.T) + bias``, with ``weight`` this rank's columns ``[N, K/W]`` and the whole
+    ``bias [N]``, added once (module docstring). Collective over ``group``, like the layer."""
+    group = group if group is not None else dist.group.WORLD
+    return _run(_RowParallel.apply, x, weight, bias, group, ops or TILEWEAVE_OPS)
+
+
 class _TPLinear(nn.Module):
     """What both TP linears hold: the group, the ops, and this rank's shard of an ``nn.Linear``'s
     ``weight [out, in]`` (split along ``split_dim``: 0 by output features, 1 by input features;

@@ -159,6 +159,8 @@ class DenseOp(TPOp):
         m, n, k, shape = self._gemm_shape(a, b, backend.world_size)
 
         def auto() -> str:
+            if not backend.peer_access:
+                return "fallback"
             return "fallback" if self._auto_route(m, n, k, a.dtype, backend) == "fallback" else "fused"
 
         path, config = self._decide(backend, m, n, k, a.dtype, shape, bias is not None, auto)
@@ -234,7 +236,7 @@ class DenseOp(TPOp):
         # consumer's partial last wave (``_stream_k_tail``).
         proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0)
         proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
-        path = auto() if self.policy == "auto" else self.policy
+        path = auto() if self.policy == "auto" or not backend.peer_access else self.policy
         config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), proposal)
         if not (m > 0 and n > 0 and k > 0):
             path = "fallback"

@@ -61,7 +61,7 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup |
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
     """Functional form of :class:`GemmAllReduce` (``tileweave.ops.all_reduce.op``: shapes, semantics,
     synchronisation) on the op shared per group and device, which ``TILEWEAVE_GRAPHABLE=1`` makes
-    graphable and ``TILEWEAVE_AR_POLICY`` gives its policy. Returns ``[M, N]``, or ``(normed, resid)``
+    graphable and ``TILEWEAVE_POLICY`` gives its policy. Returns ``[M, N]``, or ``(normed, resid)``
     with ``norm_weight``. Under ``torch.compile`` this is ``torch.ops.tileweave.gemm_all_reduce`` (or
     ``gemm_all_reduce_norm``)."""
     group = group if group is not None else dist.group.WORLD

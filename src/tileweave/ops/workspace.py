@@ -278,6 +278,6 @@ def agree(backend: Backend, op: str, signature: object, proposal: object, *, hin
         except (TypeError, ValueError, TileweaveError) as exc:
             failure, proposal = (type(exc).__name__, str(exc)), None
     everyone = exchange(backend.group, backend.rank, backend.world_size, op, (signature, failure, proposal),
-                        timeout_s=backend.timeout_s)
+                        timeout_s=backend.timeout_s, one_host=backend.one_host)
     judge(op, everyone, hint=hint)
     return everyone[0][2]

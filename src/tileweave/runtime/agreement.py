@@ -117,17 +117,18 @@ def _segment(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) 
 
 
 def exchange(group: dist.ProcessGroup, rank: int, world: int, op: str, record: object, *,
-             timeout_s: float) -> list:
+             timeout_s: float, one_host: bool = True) -> list:
     """Every rank's ``record`` (any picklable value), in rank order. Every rank of ``group`` must call
     this the same number of times, in the same order (for whichever op: the exchanges of a group are
     numbered together, and ``judge`` finds ranks that are in different ops).
 
     Raises ``CollectiveTimeout`` naming the ranks that did not post within ``timeout_s`` seconds; this
     rank's post is then withdrawn and the exchange does not count, so the next call of every rank
-    exchanges again at the same place."""
+    exchanges again at the same place. ``one_host=False`` (a group across hosts, which share no memory):
+    a collective, not bounded."""
     if world == 1:
         return [record]
-    segment = _segment(group, rank, world, timeout_s)
+    segment = _segment(group, rank, world, timeout_s) if one_host else None
     if segment is None:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (op, record), group=group)

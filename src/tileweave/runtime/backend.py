@@ -19,6 +19,7 @@ import dataclasses
 import math
 import socket
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -89,6 +90,14 @@ class Backend(abc.ABC):
     default_max_spin: int
     timeout_s: float
     """Seconds a host-side wait for a peer may take before it raises ``CollectiveTimeout``."""
+    peer_access: bool = True
+    """Every rank of the group can address every other's memory, so the fused paths can run. Without it
+    (a group across nodes, or GPUs without peer-to-peer) every op takes its NCCL path."""
+    one_host: bool = True
+    """The group's ranks share a host, so their agreement before each call goes through its shared
+    memory (``tileweave.runtime.agreement``); otherwise through a collective."""
+    no_peer_access: str = ""
+    """Why ``peer_access`` is False (for the warning that says so)."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> SymmetricBuffer:
@@ -188,6 +197,32 @@ def _group_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int
     return group, rank, dist.get_world_size(group)
 
 
+def judge_topology(everyone: list[tuple[str, int, str, str]], rank: int, *, shares_gpus: bool,
+                   can_access: Callable[[int], bool]) -> str:
+    """Why the group cannot run the fused paths, seen from ``rank`` ("" if it can). ``everyone``: each
+    rank's ``(host, device index, GPU uuid, GPU name)``; ``can_access(device index)``: whether this
+    rank's GPU reaches that GPU of its host. A group across hosts, or a GPU without peer access to a
+    peer's, runs on NCCL (the reason says so). Raises ``TileweaveError`` for what no path serves: ranks
+    sharing a GPU (unless ``shares_gpus``), GPU models mixed within a host."""
+    hosts = sorted({entry[0] for entry in everyone})
+    gpus = [entry[:3:2] for entry in everyone]  # (host, uuid)
+    if len(set(gpus)) < len(gpus) and not shares_gpus:
+        shared = sorted(r for r, gpu in enumerate(gpus) if gpus.count(gpu) > 1)
+        raise TileweaveError(f"ranks {shared} of the TP group use the same GPU ({everyone[shared[0]][3]}, "
+                             f"device {everyone[shared[0]][1]}); tileweave needs one GPU per rank "
+                             "(set the device with torch.cuda.set_device(local_rank) before the first call)")
+    if len(hosts) > 1:
+        return f"the TP group spans {len(hosts)} hosts ({', '.join(hosts)})"
+    names = sorted({entry[3] for entry in everyone})
+    if len(names) > 1:
+        raise TileweaveError(f"the TP group mixes GPU models {names}; use one model per group")
+    me = everyone[rank][1]
+    for entry in everyone:
+        if entry[1] != me and not can_access(entry[1]):
+            return f"GPU {me} has no peer access to GPU {entry[1]}"
+    return ""
+
+
 class CudaBackend(Backend):
     """PyTorch symmetric memory, a priority -1 copy-engine stream, driver stream memory ops."""
 
@@ -224,26 +259,16 @@ class CudaBackend(Backend):
               props.name)
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, me, group=self.group)
-        hosts = sorted({entry[0] for entry in everyone})
-        if len(hosts) > 1:
-            raise TileweaveError(f"the TP group spans {len(hosts)} hosts ({', '.join(hosts)}); tileweave "
-                                 "needs every rank of a TP group on one node with peer access")
-        gpus = [entry[:3:2] for entry in everyone]  # (host, uuid)
-        if len(set(gpus)) < len(gpus) and not self.shares_gpus:
-            shared = sorted(r for r, gpu in enumerate(gpus) if gpus.count(gpu) > 1)
-            raise TileweaveError(f"ranks {shared} of the TP group use the same GPU ({everyone[shared[0]][3]}, "
-                                 f"device {everyone[shared[0]][1]}); tileweave needs one GPU per rank "
-                                 "(set the device with torch.cuda.set_device(local_rank) before the first call)")
-        names = sorted({entry[3] for entry in everyone})
-        if len(names) > 1:
-            raise TileweaveError(f"the TP group mixes GPU models {names}; use one model per group")
         visible = torch.cuda.device_count()
-        for entry in everyone:
-            peer = entry[1]
-            if peer != self.device.index and peer < visible:
-                if not torch.cuda.can_device_access_peer(self.device.index, peer):
-                    raise TileweaveError(f"GPU {self.device.index} has no peer access to GPU {peer}; "
-                                         "tileweave needs NVLink or PCIe peer-to-peer between all ranks")
+        # Every rank judges its own peers; the group takes the fused paths only if every rank can.
+        mine = judge_topology(everyone, self.rank, shares_gpus=self.shares_gpus,
+                              can_access=lambda peer: peer >= visible or torch.cuda.can_device_access_peer(
+                                  self.device.index, peer))
+        reasons: list = [None] * self.world_size
+        dist.all_gather_object(reasons, mine, group=self.group)
+        self.one_host = len({entry[0] for entry in everyone}) == 1
+        self.no_peer_access = next((reason for reason in reasons if reason), "")
+        self.peer_access = not self.no_peer_access
 
     def allocate(self, nbytes: int) -> SymmetricBuffer:
         from torch.distributed import _symmetric_memory as symm_mem
@@ -341,5 +366,9 @@ def get_backend(group: dist.ProcessGroup | None, device: torch.device) -> Backen
         else:
             raise TileweaveError(f"unsupported device {device}; tileweave runs on CUDA GPUs "
                                  "(or on the CPU with emulated ranks for testing)")
+        if not backend.peer_access and backend.rank == 0:
+            warnings.warn(f"tileweave: {backend.no_peer_access}: this TP group of {backend.world_size} ranks runs "
+                          "every op on its NCCL path (no fused communication). Keep TP groups within a node with "
+                          "peer access (e.g. mesh['tp'] of a (dp, tp) mesh) to fuse them.", stacklevel=2)
         _BACKENDS[key] = backend
     return backend

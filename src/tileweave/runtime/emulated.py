@@ -2,8 +2,11 @@
 interpreter and the real flag protocol without GPUs.
 
 Each rank is a process (``tileweave.testing.emulated.run_ranks`` starts them with a gloo group). The
-heap is one shared file mapped by every rank: rank ``p``'s symmetric allocations live in its own region
-at the same offsets on every rank, like symmetric memory, and every rank can address every region.
+heap is one shared file mapped by every rank: the process of global rank ``g`` owns region ``g``, every
+rank can address every region, and a group's symmetric allocation lies at the same offset of each of
+its members' regions, like symmetric memory. The offset is the highest free offset among the members
+(one cursor per process, shared by all its groups), so the groups of a world split into several (data
+parallel x tensor parallel) never share bytes, and a process in two groups keeps their buffers apart.
 The copy engine is a producer thread that executes the comm queue in order while the kernel runs, so a
 kernel's wait really blocks on a concurrent producer (or, with ``ONE_QUEUE_ENV`` set, the caller's thread
 runs it in issue order, as one hardware queue would). Flags are read and written with aligned 32-bit
@@ -27,6 +30,10 @@ from tileweave.runtime.backend import (Backend, CollectiveTimeout, SymmetricBuff
 
 HEAP_PATH_ENV = "TILEWEAVE_EMULATED_HEAP"
 HEAP_BYTES_ENV = "TILEWEAVE_EMULATED_HEAP_BYTES"
+HOSTS_ENV = "TILEWEAVE_EMULATED_HOSTS"
+"""Set to n > 1, the world's ranks are taken to sit on n hosts (global rank g on host ``g * n // world``):
+a group across them has no peer access and no shared memory, as on real nodes, so its ops take their NCCL
+paths and agree through a collective."""
 ONE_QUEUE_ENV = "TILEWEAVE_EMULATED_ONE_QUEUE"
 """Set to 1, the copy stream's work runs in the caller's thread in issue order (``EmulatedBackend.one_queue``),
 for protocols without a fused kernel (the chunked transports): a wait issued before the work a peer needs
@@ -63,6 +70,19 @@ def _reached(current: int, target: int) -> bool:
     return diff < 0x80000000
 
 
+_cursor = 0
+"""The first free byte of this process's region of the heap, after the buffers of all its groups."""
+_heaps: dict[str, torch.Tensor] = {}
+
+
+def _heap(path: str, nbytes: int) -> torch.Tensor:
+    """The shared heap file mapped once per process, for every group's backend."""
+    heap = _heaps.get(path)
+    if heap is None:
+        heap = _heaps[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return heap
+
+
 class EmulatedBackend(Backend):
     def __init__(self, group: dist.ProcessGroup) -> None:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -80,13 +100,18 @@ class EmulatedBackend(Backend):
         self.timeout_s = settings.number(settings.EMULATED_TIMEOUT_S, 60)
         self.default_max_spin = settings.max_spin(default_max_spin(self.timeout_s))
         self.region = int(os.environ[HEAP_BYTES_ENV])
-        self.heap = torch.from_file(path, shared=True, size=self.region * self.world_size,
-                                    dtype=torch.uint8)
+        self.heap = _heap(path, self.region * dist.get_world_size())
+        # Global ranks of the group's members, in group-rank order: whose regions the group's buffers use.
+        self.members = tuple(dist.get_process_group_ranks(self.group))
+        hosts = int(os.environ.get(HOSTS_ENV) or 1)
+        spanned = len({g * hosts // dist.get_world_size() for g in self.members})
+        if spanned > 1:
+            self.one_host = self.peer_access = False
+            self.no_peer_access = f"the TP group spans {spanned} hosts (emulated)"
         # One hardware queue for every stream (as under CUDA_DEVICE_MAX_CONNECTIONS=1, and as two
         # streams may share one on a GPU): the copy stream's work runs on the host in issue order, so a
         # stream wait on a peer's flag holds up everything issued after it.
         self.one_queue = os.environ.get(ONE_QUEUE_ENV, "0") not in ("", "0")
-        self._next = 0
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._run, name=f"producer-rank{self.rank}", daemon=True)
@@ -99,17 +124,18 @@ class EmulatedBackend(Backend):
         return 1 if reducing else self.num_sms
 
     def allocate(self, nbytes: int) -> SymmetricBuffer:
-        offset = self._next
-        self._next = offset + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        if self._next > self.region:
-            raise TileweaveError(f"emulated heap exhausted: {self._next} > {self.region} bytes per rank; "
-                                 f"raise {HEAP_BYTES_ENV}")
+        global _cursor
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, (offset, nbytes), group=self.group)
-        if len(set(everyone)) != 1:
+        dist.all_gather_object(everyone, (_cursor, nbytes), group=self.group)
+        if len({size for _, size in everyone}) != 1:
             raise TileweaveError(f"ranks allocated symmetric buffers out of step: {everyone}")
-        views = tuple(self.heap[p * self.region + offset:p * self.region + offset + nbytes]
-                      for p in range(self.world_size))
+        offset = max(cursor for cursor, _ in everyone)
+        end = offset + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        if end > self.region:
+            raise TileweaveError(f"emulated heap exhausted: {end} > {self.region} bytes per rank; "
+                                 f"raise {HEAP_BYTES_ENV}")
+        _cursor = end
+        views = tuple(self.heap[g * self.region + offset:g * self.region + offset + nbytes] for g in self.members)
         views[self.rank].zero_()
         dist.barrier(group=self.group)
         return SymmetricBuffer(nbytes=nbytes, addresses=tuple(v.data_ptr() for v in views), views=views)

@@ -21,3 +21,6 @@ from support.scenarios.layers import (  # noqa: F401
 from support.scenarios.graphs import (  # noqa: F401
     captured, cuda_graph_unfused_gpu_check, cuda_graph_fused_gpu_check, tp_mlp_graph_gpu_check,
 )
+from support.scenarios.groups import two_groups_check, across_hosts_check  # noqa: F401
+from support.scenarios.styles import styles_mlp_check, styles_llama_check, styles_refusals_check  # noqa: F401
+from support.scenarios.train_2d import train_2d_check, load_2d_check  # noqa: F401

@@ -184,7 +184,7 @@ class AllGatherGemm(DenseOp):
         mc, k = a_shard.shape
         if w == 1:
             return PendingGather(backend, a_shard, ())
-        if self.policy == "fallback":
+        if self.policy == "fallback" or not backend.peer_access:
             gathered = a_shard.new_empty((mc * w, k))
             dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
             return PendingGather(backend, gathered, ())

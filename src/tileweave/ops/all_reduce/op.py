@@ -158,6 +158,8 @@ class GemmAllReduce(TPOp):
         slot_bytes = m * n * a.element_size() * (2 if norm else 1)
         if w == 1:
             proposal = "local"
+        elif not backend.peer_access:
+            proposal = "fallback"
         elif self.policy == "fused":
             proposal = rule.fused_path(m, n, w, a.element_size(), programs=backend.num_sms)
         elif self.policy != "auto":

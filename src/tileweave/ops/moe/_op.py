@@ -44,6 +44,8 @@ class MoEOp(TPOp):
             shape = check(backend)
             if backend.world_size == 1:
                 return "local"
+            if not backend.peer_access:
+                return "fallback"
             if self.policy != "auto":
                 return self.policy
             return choose_path(world=backend.world_size, interpreter=backend.interpreter, **shape)
