@@ -25,6 +25,8 @@ variable                            default    what it sets
 The shared ops (one per group and device, used by the functional API and the TP layers) read their
 settings when they are made; ops built by the caller take their arguments, but for
 ``TILEWEAVE_POLICY``, which replaces ``"auto"`` everywhere. ``TILEWEAVE_DEBUG`` is read at every call.
+The emulated ranks' own variables (``TILEWEAVE_EMULATED_HEAP``, ``..._HEAP_BYTES``, ``..._ONE_QUEUE``,
+``..._HOSTS``) are set by ``tileweave.testing.run_ranks`` for its ranks, not by users.
 """
 
 from __future__ import annotations
