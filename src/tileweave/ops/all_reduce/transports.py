@@ -41,6 +41,21 @@ BN_INTERPRETED = 64
 WARPS = 4
 
 
+def tiles(path: str, m: int, world: int, sms: int, *, interpreter: bool) -> tuple[int, int, int]:
+    """(programs, rows per block, columns per step) of a fused call of ``m`` rows on ``world`` ranks:
+    blocks of all rows (one-shot) or of this rank's share (two-shot), at most one program per SM."""
+    rows = m if path == "oneshot" else -(-m // world)
+    if interpreter:
+        # The interpreter runs programs one after another and pays ~10 ms per helper call, not per
+        # element: two programs (the protocol's first-signal and last-reader roles still fall to
+        # different ones) of up to 64 rows (a few hundred rows still loop over several blocks).
+        sms = 2
+        bm = min(64, max(2, triton.next_power_of_2(-(-rows // sms))))
+    else:
+        bm = rows_per_program(rows, sms)
+    return max(1, min(sms, -(-rows // bm))), bm, BN_INTERPRETED if interpreter else BN
+
+
 def _words(world: int) -> tuple[int, int, int, int, int, int]:
     """Offsets in int32 words of READY, FREE, SYNC, ERR, DONE, and the total."""
     ready, free, sync = 0, world, 2 * world
@@ -146,9 +161,9 @@ class FusedTransport:
             torch.mm(a, b, out=part)
         else:
             matmul(a, b, out=part)
-        programs, bm = self._grid(path, m)
+        programs, bm, bn = tiles(path, m, backend.world_size, backend.num_sms, interpreter=backend.interpreter)
         dummy = y
-        constexprs = dict(WORLD=backend.world_size, BM=bm, BN=BN_INTERPRETED if backend.interpreter else BN, P=programs,
+        constexprs = dict(WORLD=backend.world_size, BM=bm, BN=bn, P=programs,
                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_NORM=norm,
                           CONSTANT=self.graphable)
         head = (part, self._peer_offsets(a.element_size()), self.ready_sig, self.ready, self.sync, self.free_sig)
@@ -165,21 +180,6 @@ class FusedTransport:
         if backend.interpreter or common.debug_mode():
             backend.synchronize()
             self.errors.raise_pending(backend)
-
-    def _grid(self, path: str, m: int) -> tuple[int, int]:
-        """(programs, rows per block) of a call of ``m`` rows: blocks of all rows (one-shot) or of this
-        rank's share (two-shot), at most one program per SM."""
-        rows = m if path == "oneshot" else -(-m // self.backend.world_size)
-        if self.backend.interpreter:
-            # The interpreter runs programs one after another and pays ~10 ms per helper call, not per
-            # element: two programs (the protocol's first-signal and last-reader roles still fall to
-            # different ones) of up to 64 rows (a few hundred rows still loop over several blocks).
-            sms = 2
-            bm = min(64, max(2, triton.next_power_of_2(-(-rows // sms))))
-        else:
-            sms = self.backend.num_sms
-            bm = rows_per_program(rows, sms)
-        return max(1, min(sms, -(-rows // bm))), bm
 
     def _launch(self, kernel, programs: int, tensors: tuple, scalars: tuple, constexprs: dict) -> None:
         device = self.backend.device

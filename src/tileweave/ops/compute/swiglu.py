@@ -10,6 +10,11 @@ import triton
 from tileweave.kernels.swiglu import swiglu_grad_kernel
 from tileweave.ops import common
 
+TILES = (8, 256, 4)
+"""Rows of a program, columns per step, and its warps, on GPUs."""
+INTERPRETER_TILES = (16, 32, 4)
+"""The same in Triton's interpreter (the CPU tests)."""
+
 
 def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +56,7 @@ def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
     if interp and g.dtype == torch.bfloat16:
         g, pre = g.float(), pre.float()
         outs = (torch.empty(dy.shape), torch.empty(h_scaled.shape))
-    br, bc, warps = (16, 32, 4) if interp else (8, 256, 4)
+    br, bc, warps = INTERPRETER_TILES if interp else TILES
     with torch.cuda.device(g.device) if g.is_cuda else contextlib.nullcontext():
         swiglu_grad_kernel[(triton.cdiv(rows, br),)](
             g, pre, row_scale, outs[0], outs[1], row_dot, rows, n,

@@ -10,6 +10,11 @@ import triton
 from tileweave.kernels.topk_reduce import topk_reduce_kernel
 from tileweave.ops import common
 
+TILES = (16, 512, 4)
+"""Tokens and columns of a program, and its warps, on GPUs."""
+INTERPRETER_TILES = (16, 128, 4)
+"""The same in Triton's interpreter (the CPU tests)."""
+
 
 def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor | None = None, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -53,7 +58,7 @@ def topk_reduce(z: torch.Tensor, pair_row: torch.Tensor, weights: torch.Tensor |
         z = z.float()
         weights = None if weights is None else weights.float()
         target = torch.empty((n, hidden), dtype=torch.float32)
-    bt, bh, warps = (16, 128, 4) if interp else (16, 512, 4)
+    bt, bh, warps = INTERPRETER_TILES if interp else TILES
     grid = (triton.cdiv(n, bt), triton.cdiv(hidden, bh))
     with torch.cuda.device(z.device) if z.is_cuda else contextlib.nullcontext():
         topk_reduce_kernel[grid](z, pair_row, target if weights is None else weights, target, n, hidden, k,

@@ -1,0 +1,335 @@
+"""The kernel launches that tileweave's ops make, recorded in Triton's interpreter as plain data, so
+that another process can compile exactly those launches for a GPU (``support.gpu_compile``).
+
+A launch is recorded as the kernel's name and its arguments as the launcher passed them: a tensor as
+its dtype and whether its address is 16-byte aligned (what Triton specialises a pointer on), every
+other value (ints, floats, bools, strings, None) as itself, the launch options (``num_warps``,
+``num_stages``) among the keyword arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import pkgutil
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import KernelInterface
+
+import tileweave
+import tileweave.kernels
+from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, build_plan,
+                       grouped_gemm, moe_plan)
+from tileweave.nn import TPMoE
+from tileweave.ops.all_reduce.transports import tiles as all_reduce_tiles
+from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.swiglu import TILES as SWIGLU_TILES
+from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
+from tileweave.tune.autotune import CANDIDATES
+from tileweave.tune.configs import choose_gemm_config
+from tileweave.tune.grouped import INTERPRETER_CONFIG as GROUPED_INTERPRETER_CONFIG
+from tileweave.tune.grouped import choose_grouped_config, choose_wgrad_config
+
+TRITON_VERSIONS = ("3.6",)
+"""Triton versions (major.minor) whose internals this module (``InterpretedFunction.run``) and
+``support.gpu_compile`` (the JIT's binder and ``_pack_args``) were written for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A tensor argument: what a kernel's compilation depends on."""
+
+    dtype: str
+    """``torch.float16`` as ``"float16"``."""
+    aligned: bool
+    """Its address is a multiple of 16 bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One launch: ``kernel`` is ``module:name``; ``args`` the positional arguments, ``kwargs`` the
+    keyword ones (constexprs and launch options) as ``(name, value)`` pairs; ``origin`` the call that
+    made it."""
+
+    kernel: str
+    args: tuple
+    kwargs: tuple
+    origin: str = ""
+    h200: bool = False
+    """Its tiles and launch options are those the launcher picks on an H200 (not the interpreter's), and
+    its fp16 tensors stand for the bf16 of the GPU call (the interpreter refuses bf16)."""
+
+    def dtypes(self) -> set[str]:
+        """The dtypes of its tensors."""
+        return {v.dtype for v in self.args + tuple(v for _, v in self.kwargs) if isinstance(v, Tensor)}
+
+    def retyped(self, old: str, new: str) -> "Launch":
+        """The same launch with every ``old`` tensor (a dtype name) of dtype ``new``."""
+        if old not in self.dtypes():
+            return self
+        swap = lambda v: Tensor(new, v.aligned) if isinstance(v, Tensor) and v.dtype == old else v
+        return dataclasses.replace(self, args=tuple(map(swap, self.args)),
+                                   kwargs=tuple((k, swap(v)) for k, v in self.kwargs), origin=f"{self.origin}, {new}")
+
+    def to_json(self) -> dict:
+        encode = lambda v: {"tensor": v.dtype, "aligned": v.aligned} if isinstance(v, Tensor) else v
+        return {"kernel": self.kernel, "origin": self.origin, "h200": self.h200,
+                "args": [encode(v) for v in self.args], "kwargs": {name: encode(v) for name, v in self.kwargs}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Launch":
+        decode = lambda v: Tensor(v["tensor"], v["aligned"]) if isinstance(v, dict) else v
+        return cls(data["kernel"], tuple(decode(v) for v in data["args"]),
+                   tuple((name, decode(v)) for name, v in data["kwargs"].items()), data["origin"], data["h200"])
+
+
+def _value(value):
+    if isinstance(value, torch.Tensor):
+        return Tensor(str(value.dtype).removeprefix("torch."), value.data_ptr() % 16 == 0)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a kernel argument of type {type(value).__name__} cannot be recorded: teach "
+                    f"support.launches._value (and support.gpu_compile) about it")
+
+
+@contextlib.contextmanager
+def recording():
+    """Record every kernel launch of the block (in Triton's interpreter) into the list it yields.
+
+    Wraps ``InterpretedFunction.run``, the entry of ``kernel[grid](...)`` in the interpreter (Triton
+    3.6); calls of one ``@triton.jit`` function from another do not go through it."""
+    if ".".join(triton.__version__.split(".")[:2]) not in TRITON_VERSIONS:
+        raise RuntimeError(f"support.launches records launches at InterpretedFunction.run of Triton "
+                           f"{TRITON_VERSIONS}, this is {triton.__version__}: check that it still does")
+    launches: list[Launch] = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not warmup:
+            launches.append(Launch(f"{self.fn.__module__}:{self.fn.__name__}", tuple(map(_value, args)),
+                                   tuple((name, _value(v)) for name, v in kwargs.items())))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = original
+
+
+def library_kernels() -> list[str]:
+    """Every kernel of ``tileweave.kernels`` (``module:name``): the module-level ``@triton.jit``
+    functions whose names end in ``_kernel``."""
+    found = []
+    for info in pkgutil.iter_modules(tileweave.kernels.__path__, "tileweave.kernels."):
+        module = importlib.import_module(info.name)
+        found += [f"{info.name}:{name}" for name, obj in vars(module).items()
+                  if name.endswith("_kernel") and isinstance(obj, KernelInterface)
+                  and getattr(obj, "fn", None) is not None and obj.fn.__module__ == info.name]
+    return sorted(found)
+
+
+def record(calls: dict[str, Callable[[], object]], *, h200: bool = False) -> list[Launch]:
+    """The launches of each call, in order, each with the call's name as its ``origin``; ``h200``: the
+    calls pass the configs that the library picks on an H200."""
+    launches = []
+    for origin, call in calls.items():
+        with recording() as found:
+            call()
+        launches += [dataclasses.replace(launch, origin=origin, h200=h200) for launch in found]
+    return launches
+
+
+def h200_variant(launch: Launch) -> Launch | None:
+    """The launch an H200 makes in place of ``launch``, for the launchers that pick other tiles in the
+    interpreter and take no config (the others take the H200's configs in the calls below, or use the
+    same tiles everywhere); None for the rest."""
+    kernel = launch.kernel.split(":")[1]
+    kwargs = dict(launch.kwargs)
+    if kernel == "topk_reduce_kernel":
+        kwargs.update(zip(("BT", "BH", "num_warps"), TOPK_REDUCE_TILES))
+    elif kernel == "swiglu_grad_kernel":
+        kwargs.update(zip(("BR", "BC", "num_warps"), SWIGLU_TILES))
+    elif kernel in ("oneshot_kernel", "twoshot_kernel"):
+        fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
+        rows = launch.args[fn.arg_names.index("rows")]
+        path = kernel.removesuffix("_kernel")
+        kwargs["P"], kwargs["BM"], kwargs["BN"] = all_reduce_tiles(path, rows, kwargs["WORLD"], H200_SMS,
+                                                                   interpreter=False)
+    else:
+        return None
+    return dataclasses.replace(launch, kwargs=tuple(kwargs.items()), origin=f"{launch.origin}, H200 tiles",
+                               h200=True)
+
+
+# -- the calls ---------------------------------------------------------------------------------------
+# Small shapes chosen so that the kernels see integer arguments equal to 1 (one row, one row per rank,
+# k = 1, one expert, one block of the plan), multiples of 16 and odd values, aligned and unaligned row
+# pitches; and calls with the configs that the library picks on an H200 (the interpreter's own configs
+# are small tiles).
+
+H200_SMS = 132
+
+
+def _randn(*shape, dtype=torch.float16) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=torch.float32).to(dtype)
+
+
+def _index(high: int, size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, high, (size,), generator=torch.Generator().manual_seed(seed))
+
+
+def h200_gemm_configs() -> list[tuple[GemmConfig, torch.dtype]]:
+    """The persistent GEMM's configs on an H200, with the dtype each is for: the heuristic's choices for
+    shapes that reach each of its branches (``tileweave.tune.configs``' examples) and the autotuner's
+    candidates (tuned in bf16). ``group_m`` only reorders tiles between programs, so configs that differ
+    in nothing else count once."""
+    shapes = [(8192, 7168, 4096, torch.bfloat16), (2048, 768, 4096, torch.bfloat16),
+              (1024, 768, 4096, torch.bfloat16), (1024, 1280, 8192, torch.bfloat16),
+              (1024, 4096, 512, torch.bfloat16), (4096, 1280, 8192, torch.bfloat16),
+              (4096, 4096, 4096, torch.float32)]
+    chosen = [(choose_gemm_config(m, n, k, dtype, num_sms=H200_SMS), dtype) for m, n, k, dtype in shapes]
+    chosen += [(config, torch.bfloat16) for config in CANDIDATES]
+    return list({(dataclasses.replace(config, group_m=8), dtype): None for config, dtype in chosen})
+
+
+def h200_grouped_configs() -> list[tuple[GroupedConfig, bool, torch.dtype]]:
+    """``(config, swiglu, dtype)``: the grouped GEMM's configs on an H200 for shapes that reach each
+    branch of ``tileweave.tune.grouped`` (its worked examples, small groups, fp32, the SwiGLU epilogue)."""
+    shapes = [(16384, 7168, 4096, 8, torch.bfloat16, False), (32768, 384, 2048, 128, torch.bfloat16, False),
+              (2048, 7168, 4096, 64, torch.bfloat16, False), (16384, 7168, 4096, 8, torch.float32, False),
+              (16384, 14336, 4096, 8, torch.bfloat16, True), (2048, 14336, 4096, 64, torch.bfloat16, True)]
+    chosen = [(choose_grouped_config(rows, n, k, groups, dtype, num_sms=H200_SMS, swiglu=swiglu), swiglu, dtype)
+              for rows, n, k, groups, dtype, swiglu in shapes]
+    return list(dict.fromkeys(chosen))
+
+
+def _on_cpu(dtype: torch.dtype) -> torch.dtype:
+    # The interpreter refuses bf16: such calls run in fp16 (``Launch.h200``).
+    return torch.float16 if dtype == torch.bfloat16 else dtype
+
+
+def _dense_calls() -> dict[str, Callable[[], object]]:
+    return {
+        "matmul, one row, bias": lambda: tileweave.matmul(_randn(1, 64), _randn(48, 64).t(), bias=_randn(48)),
+        "matmul, row pitches TMA cannot take": lambda: tileweave.matmul(_randn(17, 20), _randn(20, 33)),
+        "matmul, fp32": lambda: tileweave.matmul(_randn(40, 32, dtype=torch.float32),
+                                                 _randn(24, 32, dtype=torch.float32).t()),
+    }
+
+
+def _dense_h200_calls() -> dict[str, Callable[[], object]]:
+    calls = {}
+    for config, dtype in h200_gemm_configs():
+        dtype = _on_cpu(dtype)
+        # 256 x 256: whole tiles of every config (TMA stores), and two tile rows of 128.
+        calls[f"matmul, H200 config {config.key()}"] = lambda config=config, dtype=dtype: tileweave.matmul(
+            _randn(256, 128, dtype=dtype), _randn(256, 128, dtype=dtype).t(), config=config)
+    return calls
+
+
+def _moe_local_calls() -> dict[str, Callable[[], object]]:
+    return {
+        "build_plan, one rank, one expert, k = 1": lambda: build_plan(
+            torch.zeros(5, 1, dtype=torch.int64), num_experts=1, world_size=1),
+        "topk_reduce, k = 1, no weights": lambda: topk_reduce(
+            _randn(6, 40), torch.arange(6, dtype=torch.int32).view(6, 1), out_dtype=torch.float16),
+        "grouped_gemm, signal": lambda: grouped_gemm(
+            _randn(40, 64), _randn(2, 64, 48), torch.tensor([0, 5, 5, 17, 40], dtype=torch.int32), experts=2,
+            signal=(torch.zeros(2, dtype=torch.int32),)),
+        # Over G_BLOCK_MAX groups the kernel walks the offsets in memory (W * E > 1024: 8 ranks x 256 experts);
+        # one program, as the interpreter runs that walk once per program.
+        "grouped_gemm, more groups than fit in registers": lambda: grouped_gemm(
+            _randn(40, 64), _randn(4, 64, 48), torch.arange(G_BLOCK_MAX + 2, dtype=torch.int32).mul(2).clamp(max=40),
+            experts=4, config=dataclasses.replace(GROUPED_INTERPRETER_CONFIG, programs=1)),
+    }
+
+
+def _moe_local_h200_calls() -> dict[str, Callable[[], object]]:
+    offsets = torch.tensor([0, 5, 5, 17, 40], dtype=torch.int32)
+    calls: dict[str, Callable[[], object]] = {}
+    for config, swiglu, dtype in h200_grouped_configs():
+        dtype = _on_cpu(dtype)
+        if swiglu:  # an nn.Linear stack [E, 2N, K] read as its transpose, as the MoE layer passes it
+            call = lambda config=config, dtype=dtype: grouped_gemm(
+                _randn(40, 64, dtype=dtype), _randn(4, 96, 64, dtype=dtype).transpose(1, 2), offsets, config=config,
+                epilogue=SwiGLU(pre=torch.empty(40, 96, dtype=dtype)))
+        else:
+            call = lambda config=config, dtype=dtype: grouped_gemm(
+                _randn(24, 64, dtype=dtype), _randn(4, 80, 64, dtype=dtype).transpose(1, 2), offsets,
+                a_rows=_index(24, 40), config=config)
+        calls[f"grouped_gemm, H200 config {config}{', SwiGLU' if swiglu else ''}"] = call
+    for dtype in (torch.bfloat16, torch.float32):
+        config = choose_wgrad_config(dtype)
+        calls[f"grouped_wgrad, H200 config {config}"] = lambda config=config, dtype=_on_cpu(dtype): grouped_wgrad(
+            _randn(40, 48, dtype=dtype), _randn(24, 64, dtype=dtype), offsets, experts=2, rhs_rows=_index(24, 40),
+            scale=_randn(40, dtype=torch.float32), config=config)
+    return calls
+
+
+def _collective_calls(rank: int, world: int) -> dict[str, Callable[[], object]]:
+    group = dist.group.WORLD
+    return {
+        "all_gather_gemm, mesh, bias": lambda: AllGatherGemm(group, policy="fused", transport="mesh")(
+            _randn(8, 64) + rank, _randn(48, 64).t(), bias=_randn(48)),
+        "all_gather_gemm, one-shot": lambda: AllGatherGemm(group, policy="oneshot")(
+            _randn(3, 64) + rank, _randn(40, 64).t()),
+        "gemm_reduce_scatter, one-shot, bias": lambda: GemmReduceScatter(group, policy="oneshot")(
+            _randn(8, 32) + rank, _randn(32, 48), bias=_randn(48)),
+        "gemm_reduce_scatter, one-shot, one row per rank, fp32": lambda: GemmReduceScatter(group, policy="oneshot")(
+            _randn(world, 16, dtype=torch.float32) + rank, _randn(16, 24, dtype=torch.float32)),
+        "gemm_all_reduce, one-shot, one row, bias": lambda: GemmAllReduce(group, policy="oneshot")(
+            _randn(1, 32) + rank, _randn(32, 48), bias=_randn(48)),
+        "gemm_all_reduce, two-shot, graphable, residual and norm": lambda: GemmAllReduce(
+            group, policy="twoshot", graphable=True)(_randn(6, 32) + rank, _randn(32, 64), residual=_randn(6, 64),
+                                                     norm_weight=_randn(64)),
+        "gemm_all_reduce, one-shot, fp32, residual and norm": lambda: GemmAllReduce(group, policy="oneshot")(
+            _randn(3, 16, dtype=torch.float32) + rank, _randn(16, 24, dtype=torch.float32),
+            residual=_randn(3, 24, dtype=torch.float32), norm_weight=_randn(24, dtype=torch.float32)),
+        # 2 x 32 groups make blocks of 256 pairs: 512 pairs are two blocks.
+        "moe_plan, several blocks": lambda: moe_plan(_index(32, 256, seed=rank).view(128, 2), num_experts=32,
+                                                     group=group),
+        "TPMoE forward and backward, fp16": lambda: _moe_step(16, 32, 4, 2, torch.float16, rank),
+        "TPMoE forward and backward, one expert, k = 1, fp32": lambda: _moe_step(32, 16, 1, 1, torch.float32, rank),
+    }
+
+
+def _collective_h200_calls(rank: int, world: int) -> dict[str, Callable[[], object]]:
+    group = dist.group.WORLD
+    # The fused kernel's config is the heuristic's without stream-K (FusedOp._decide), or stream-K on the
+    # consumer's partial last wave: 128 rows per rank and 384 columns are 6 tiles of 128 x 128 on the
+    # emulated ranks' 4 programs, a partial wave of 2 tiles, all in the last chunk.
+    big = choose_gemm_config(8192, 7168, 4096, torch.bfloat16, num_sms=H200_SMS, stream_k=False)
+    mid = choose_gemm_config(2048, 768, 4096, torch.bfloat16, num_sms=H200_SMS, stream_k=False)
+    return {
+        "all_gather_gemm, ring, graphable, H200 config": lambda: AllGatherGemm(
+            group, policy="fused", transport="ring", graphable=True, config=big)(
+                _randn(128, 64) + rank, _randn(256, 64).t()),
+        "all_gather_gemm, stream-K tail, H200 config": lambda: AllGatherGemm(
+            group, policy="fused", transport="mesh", stream_k=True, config=mid)(
+                _randn(128, 64) + rank, _randn(384, 64).t()),
+    }
+
+
+def _moe_step(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtype, rank: int) -> None:
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = TPMoE(hidden, ffn, experts, top_k, dtype=dtype)
+    x = _randn(4, hidden, dtype=dtype).add(rank).requires_grad_(True)
+    layer(x).float().square().sum().backward()
+
+
+def op_launches(rank: int, world: int) -> list[Launch]:
+    """The launches of the calls above on emulated ranks: the collective ones on every rank, the local
+    ones shared out (rank 0 the dense GEMMs, the last rank the MoE compute ops)."""
+    launches = record(_collective_calls(rank, world)) + record(_collective_h200_calls(rank, world), h200=True)
+    if rank == 0:
+        launches += record(_dense_calls()) + record(_dense_h200_calls(), h200=True)
+    if rank == world - 1:
+        launches += record(_moe_local_calls()) + record(_moe_local_h200_calls(), h200=True)
+    return launches
