@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from tileweave.runtime import settings
 from tileweave.ops import common
-from tileweave.ops.all_gather import chunked, fused, nccl, oneshot
-from tileweave.ops.all_gather.push import start
+from tileweave.ops.all_gather import nccl, oneshot
+from tileweave.ops.all_gather.push import run_chunked, run_mesh, run_ring, start
 from tileweave.ops.dense import DenseOp, Plan, programs
 from tileweave.ops.skeleton import option
 from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
@@ -53,7 +53,7 @@ from tileweave.tune.configs import GemmConfig
 
 OP = "all_gather_gemm"
 TRANSPORTS = ("auto", "mesh", "ring", "chunked")
-_RUN = {"mesh": fused.run_mesh, "ring": fused.run_ring, "chunked": chunked.run}
+_RUN = {"mesh": run_mesh, "ring": run_ring, "chunked": run_chunked}
 
 
 def auto_route(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *, interpreter: bool = False,

@@ -1,8 +1,14 @@
-"""AllGather+GEMM's copy-engine transport, shared by its fused and chunked paths and by
-``AllGatherGemm.all_gather``: each rank's copy stream pushes its shard into every peer's symmetric
-gather buffer (mesh) or forwards chunks to rank+1 (ring), and raises the peer's ready flag after
-each copy; the consumer (the kernel or cuBLAS) waits for those flags; after the GEMM each rank
-releases its buffer to the peers for the next call."""
+"""AllGather+GEMM's copy-engine transport and its two consumers: each rank's copy stream pushes its
+shard into every peer's symmetric gather buffer (mesh) or forwards chunks to rank+1 (ring), and raises
+the peer's ready flag after each copy; the consumer waits for those flags; after the GEMM each rank
+releases its buffer to the peers for the next call. Also the gather of ``AllGatherGemm.all_gather`` and
+of MoE layer 0 (``tileweave.ops.moe.gather``).
+
+Consumers. ``run_mesh`` / ``run_ring`` (path "fused"): the persistent GEMM (``tileweave.kernels.gemm``,
+``ALL_GATHER``) computes its own rows straight from ``a_shard`` while the shards travel, then each
+peer's rows once that peer's ready flag carries this call's value. ``run_chunked`` (path "chunked"):
+cuBLAS, one GEMM for the own rows while the shards travel, then one per peer's rows once the caller's
+stream has waited for that peer's ready flag (a stream memory op, no SM spins)."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from tileweave.ops.dense import finish_kernel, finish_streams
+from tileweave.ops.dense import finish_kernel, finish_streams, launch_fused, programs
 from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspace
 from tileweave.runtime.backend import Backend
@@ -136,3 +142,54 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
     if gathered_out is not None:
         return out, gathered_out
     return (out, pushes.gathered) if return_gathered else out
+
+
+# -- the consumers -------------------------------------------------------------------------------------
+
+def _kernel(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, ring: bool) -> None:
+    backend, config = call.backend, call.plan.config
+    launch_fused(call, a=a_shard, gathered=pushes.gathered, b=b, c=out, bias=bias, config=config,
+                 m_chunk=a_shard.shape[0], rank=backend.rank, world=backend.world_size,
+                 programs=programs(config, backend), ready=ws.flag_slice(READY), err=ws.err,
+                 epoch=ready, max_spin=call.spin, ring=ring)
+
+
+def _mesh(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
+    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, ring=False)
+
+
+def _ring(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
+    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, ring=True)
+
+
+def _gemms(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
+    backend = call.backend
+    w, rank = backend.world_size, backend.rank
+    mc = a_shard.shape[0]
+    for step in range(w):
+        src = (rank + step) % w
+        rows = slice(src * mc, (src + 1) * mc)
+        if step:
+            backend.main_wait(ws.flag_address(rank, READY, src), ready)
+        lhs = a_shard if step == 0 else pushes.gathered[rows]
+        if bias is not None:
+            torch.addmm(bias, lhs, b, out=out[rows])
+        else:
+            torch.mm(lhs, b, out=out[rows])
+
+
+def run_mesh(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+    """The fused kernel; every rank pushes its shard to every peer (NVSwitch-class nodes: each pair has
+    its own links)."""
+    return run_pushed(call, _mesh, a_shard, b, bias, out, return_gathered, gathered_out)
+
+
+def run_ring(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+    """The fused kernel; each rank forwards every chunk to rank+1 once it has it (one stream of data per
+    link: PCIe or partial meshes)."""
+    return run_pushed(call, _ring, a_shard, b, bias, out, return_gathered, gathered_out, ring=True)
+
+
+def run_chunked(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+    """cuBLAS per shard, on the mesh push."""
+    return run_pushed(call, _gemms, a_shard, b, bias, out, return_gathered, gathered_out)
