@@ -49,6 +49,15 @@ def test_moe_no_host_sync_gpu(policy):
 
 
 @needs_two
+@needs_own_gpus
+def test_moe_pair_captures_in_a_cuda_graph_on_its_fallback_gpu():
+    for result in run_ranks(RANKS, moe_scenarios.graph_capture_check, gpus=True, timeout_s=300):
+        assert result["paths"] == ("fallback", "fallback"), result
+        assert result["err0"] < TOL["bfloat16"] and result["finite1"], result
+        assert result["refused"] is not None and "cannot be captured" in result["refused"], result
+
+
+@needs_two
 def test_moe_bad_inputs_gpu():
     for result in run_ranks(RANKS, moe_scenarios.bad_inputs, gpus=True, timeout_s=300):
         for name, (kind, text) in moe_scenarios.BAD_INPUT_ERRORS.items():

@@ -273,6 +273,56 @@ def no_host_sync_check(rank: int, world: int, policy: str) -> dict:
     return result
 
 
+def graph_capture_check(rank: int, world: int) -> dict:
+    """The plan and both layers captured in a CUDA graph (policy "auto", after an eager call of these
+    shapes), then replayed on new routing and tokens copied into the captured inputs: the replay's
+    layer 0 output against the float64 reference of the new inputs, the paths taken under capture
+    (the fallback: the fused path's epochs would not advance), and whether ``policy="fused"`` refuses
+    to be captured on every rank. GPUs with NCCL only."""
+    device = _device()
+    case = MoECase(64, 256, 128, 8, 2, dtype="bfloat16")
+    tc, k, e = case.tokens_per_rank, case.topk, case.experts
+    mine = slice(rank * tc, (rank + 1) * tc)
+    w0_all, w1_all = _weights(case, world)
+    w0 = _as_op_weight(w0_all[rank], case, torch.bfloat16, device)
+    w1 = _as_op_weight(w1_all[rank], case, torch.bfloat16, device)
+    layer0, layer1 = MoEAllGatherGemm(), MoEGemmReduceScatter()
+
+    def inputs(it: int):
+        ids, weights = routing(case, world, it)
+        x = _randn((tc * world, case.hidden), "x", case, it).to(torch.bfloat16)
+        return x, ids, x[mine].to(device), ids[mine].to(device), weights[mine].to(device)
+
+    _, _, x_static, ids_static, wt_static = inputs(0)
+
+    def step():
+        plan = moe_plan(ids_static, num_experts=e, validate=False)
+        y = layer0(x_static, w0, plan)
+        return plan, y, layer1(y, w1, plan, wt_static)
+
+    step()  # eager: agrees on the shapes
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan, y, out = step()
+    paths = (common.last_path("moe_all_gather_gemm"), common.last_path("moe_gemm_reduce_scatter"))
+    x, ids, x_shard, ids_shard, wt = inputs(1)
+    x_static.copy_(x_shard)
+    ids_static.copy_(ids_shard)
+    wt_static.copy_(wt)
+    graph.replay()
+    torch.cuda.synchronize()
+    y_pairs = y[plan.pair_row.reshape(-1).long()].view(tc * world, k, case.f_loc)
+    err0 = _rel_err(y_pairs, moe_reference.layer0_reference(x, ids, w0_all[rank].to(torch.bfloat16)))
+    refused = None
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            MoEAllGatherGemm(policy="fused")(x_static, w0, plan)
+    except TileweaveError as exc:
+        refused = str(exc)
+    return {"paths": paths, "err0": err0, "finite1": bool(torch.isfinite(out).all()), "refused": refused}
+
+
 def gate_timeout_check(rank: int, world: int, late: int, delay_s: float, max_spin: int) -> str | None:
     """Layer 0 with rank ``late``'s copy engine ``delay_s`` late and a spin bound of ``max_spin`` polls on
     the other ranks (the late rank keeps the default bound, so that only they can give up): their gated

@@ -14,7 +14,7 @@ from tileweave.ops.moe.paths import choose_path
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.skeleton import TPOp
 from tileweave.ops.workspace import Memory, agree
-from tileweave.runtime.backend import Backend
+from tileweave.runtime.backend import Backend, TileweaveError
 
 
 class MoEOp(TPOp):
@@ -36,15 +36,24 @@ class MoEOp(TPOp):
         call's expired wait or out-of-range ids) and ``check(backend)`` (the op's argument checks, which
         return ``choose_path``'s shape keywords) run, then every rank's outcome and ``signature`` (what
         the ranks must share) are exchanged and judged (``agree``), so that a bad argument on one rank
-        raises the same error on every rank. The path is rank 0's choice under this op's policy."""
+        raises the same error on every rank. The path is rank 0's choice under this op's policy. Under
+        CUDA-graph capture the fused path is not taken (its flags carry epochs that a replay would not
+        advance): ``"auto"`` takes the fallback (NCCL captures), ``"fused"`` raises."""
         backend = self.backend_for(device)
 
         def propose() -> str:
-            self.errors.raise_pending(backend, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            self.errors.raise_pending(backend, capturing)
             shape = check(backend)
             if backend.world_size == 1:
                 return "local"
             if not backend.peer_access:
+                return "fallback"
+            if capturing:
+                if self.policy == "fused":
+                    raise TileweaveError(f"{self.op_name}: the fused path cannot be captured in a CUDA graph (its "
+                                         "flags carry epochs that a replay would not advance): capture with "
+                                         "policy='auto' or 'fallback', which take NCCL there")
                 return "fallback"
             if self.policy != "auto":
                 return self.policy
