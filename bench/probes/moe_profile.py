@@ -2,7 +2,9 @@
 backward of ``TPMoE`` (torch.profiler, averaged over calls), the layer's fwd and fwd+bwd times (CUDA
 events, back to back), and the pieces alone: layer 0 with the SwiGLU epilogue, the top-k reduce, the
 weight-gradient kernel against ``torch._grouped_mm`` on expert-ordered copies. Prints a table; writes
-profile.json to argv[1]. Run by hand: ``PYTHONPATH=src python3 bench/probes/moe_profile.py OUT``."""
+profile.json to argv[1]. Run by hand: ``PYTHONPATH=src python3 bench/probes/moe_profile.py OUT [MODELS
+[TOKENS [ROUTINGS]]]`` (comma lists; routings ``uniform`` and ``zipf``, as the benchmark's: the kernels
+that lose to skewed routing show side by side)."""
 import json
 import sys
 
@@ -31,62 +33,62 @@ def _time(fn, iters=20, reps=5):
     return sorted(times)[len(times) // 2]
 
 
-def probe(rank, world, models, tokens):
+def probe(rank, world, models, tokens, routings=("uniform",)):
     group = dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16
     out = []
-    for model in models:
-        for t in tokens:
-            row = Row(model, t, "uniform", "layer-bwd")
-            inp = Inputs(row, rank=rank, world=world, smoke=False, dtype=dtype, device=device)
-            layer = _layer_module(inp, TILEWEAVE_OPS, group, dtype, device)
-            x = inp.x_shard.clone().requires_grad_(True)
+    for model, t, routing in ((m, t, r) for m in models for t in tokens for r in routings):
+        row = Row(model, t, routing, "layer-bwd")
+        inp = Inputs(row, rank=rank, world=world, smoke=False, dtype=dtype, device=device)
+        layer = _layer_module(inp, TILEWEAVE_OPS, group, dtype, device)
+        x = inp.x_shard.clone().requires_grad_(True)
 
-            def fwd():
-                with torch.no_grad():
-                    layer(x)
+        def fwd():
+            with torch.no_grad():
+                layer(x)
 
-            def fwd_bwd():
-                layer(x).backward(inp.dout_shard)
+        def fwd_bwd():
+            layer(x).backward(inp.dout_shard)
 
-            entry = {"model": model, "T": t, "fwd_ms": _time(fwd), "fwd_bwd_ms": _time(fwd_bwd)}
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fwd_bwd()
-                torch.cuda.synchronize()
-            kernels = {}
-            for ev in prof.key_averages():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[ev.key[:90]] = (ev.device_time_total / 5 / 1e3, ev.count // 5)
-            entry["kernels"] = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
-            # The weight gradient alone: ours against torch._grouped_mm on expert-ordered copies.
-            plan = TILEWEAVE_OPS.plan(inp.ids_shard, inp.e, group)
-            xg = inp.x_shard
-            dy = torch.randn(plan.rows, 2 * inp.f_loc, device=device, dtype=dtype)
-            entry["wgrad_ours_ms"] = _time(lambda: grouped_wgrad(dy, xg, plan.offsets, experts=inp.e,
-                                                                 rhs_rows=plan.row_token))
-            order = torch.argsort(plan.row_expert, stable=True)
-            ends = torch.cumsum(plan.splits, 0, dtype=torch.int32)
-            lhs, rhs = dy[order], xg[plan.row_token.long()][order]
-            entry["wgrad_grouped_mm_ms"] = _time(lambda: torch._grouped_mm(lhs.t(), rhs, offs=ends))
-            ref = torch._grouped_mm(lhs.t(), rhs, offs=ends).float()
-            got = grouped_wgrad(dy, xg, plan.offsets, experts=inp.e, rhs_rows=plan.row_token).float()
-            entry["wgrad_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-            out.append(entry)
-            print(f"{model} T={t}: fwd {entry['fwd_ms']:.3f} ms, fwd+bwd {entry['fwd_bwd_ms']:.3f} ms; wgrad ours "
-                  f"{entry['wgrad_ours_ms']:.3f} vs grouped_mm {entry['wgrad_grouped_mm_ms']:.3f} "
-                  f"(err {entry['wgrad_rel_err']:.1e})", flush=True)
-            for name, (ms, count) in entry["kernels"]:
-                print(f"    {ms:8.3f} ms  x{count:<3d} {name}", flush=True)
-            del layer, x, inp
-            torch.cuda.empty_cache()
+        entry = {"model": model, "T": t, "routing": routing, "fwd_ms": _time(fwd), "fwd_bwd_ms": _time(fwd_bwd)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        kernels = {}
+        for ev in prof.key_averages():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[ev.key[:90]] = (ev.device_time_total / 5 / 1e3, ev.count // 5)
+        entry["kernels"] = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+        # The weight gradient alone: ours against torch._grouped_mm on expert-ordered copies.
+        plan = TILEWEAVE_OPS.plan(inp.ids_shard, inp.e, group)
+        xg = inp.x_shard
+        dy = torch.randn(plan.rows, 2 * inp.f_loc, device=device, dtype=dtype)
+        entry["wgrad_ours_ms"] = _time(lambda: grouped_wgrad(dy, xg, plan.offsets, experts=inp.e,
+                                                             rhs_rows=plan.row_token))
+        order = torch.argsort(plan.row_expert, stable=True)
+        ends = torch.cumsum(plan.splits, 0, dtype=torch.int32)
+        lhs, rhs = dy[order], xg[plan.row_token.long()][order]
+        entry["wgrad_grouped_mm_ms"] = _time(lambda: torch._grouped_mm(lhs.t(), rhs, offs=ends))
+        ref = torch._grouped_mm(lhs.t(), rhs, offs=ends).float()
+        got = grouped_wgrad(dy, xg, plan.offsets, experts=inp.e, rhs_rows=plan.row_token).float()
+        entry["wgrad_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        out.append(entry)
+        print(f"{model} T={t} {routing}: fwd {entry['fwd_ms']:.3f} ms, fwd+bwd {entry['fwd_bwd_ms']:.3f} ms; wgrad ours "
+              f"{entry['wgrad_ours_ms']:.3f} vs grouped_mm {entry['wgrad_grouped_mm_ms']:.3f} "
+              f"(err {entry['wgrad_rel_err']:.1e})", flush=True)
+        for name, (ms, count) in entry["kernels"]:
+            print(f"    {ms:8.3f} ms  x{count:<3d} {name}", flush=True)
+        del layer, x, inp
+        torch.cuda.empty_cache()
     return out
 
 
 if __name__ == "__main__":
     models = sys.argv[2].split(",") if len(sys.argv) > 2 else ["qwen3-30b-a3b", "deepseek-v2-lite", "mixtral-8x7b"]
     tokens = [int(v) for v in sys.argv[3].split(",")] if len(sys.argv) > 3 else [16384]
-    result = run_ranks(1, probe, models, tokens, gpus=True, heap_bytes=64 << 20)[0]
+    routings = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("uniform",)
+    result = run_ranks(1, probe, models, tokens, routings, gpus=True, heap_bytes=64 << 20)[0]
     with open(f"{sys.argv[1]}/profile.json", "w") as f:
         json.dump(result, f, indent=1)
