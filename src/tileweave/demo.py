@@ -1,4 +1,6 @@
-"""The CPU demo: the fused ops on emulated ranks, checked against a float64 reference.
+"""The CPU demo: the fused ops on emulated ranks, checked against a float64 reference: the dense pair
+(AllGather+GEMM, GEMM+ReduceScatter), the MoE pair (AllGather + grouped GEMM over a routing plan;
+grouped GEMM + top-k reduce + ReduceScatter) and the decode GEMM+AllReduce with residual and RMSNorm.
 
 Runs where there is no GPU: W CPU processes share a symmetric heap, and each runs the real Triton
 kernels in the interpreter while a producer thread moves the shards and writes the flags, exactly as
@@ -100,6 +102,59 @@ def gemm_reduce_scatter_rank(rank: int, world: int, cases: list[Case]) -> list[d
     return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class MoECase:
+    """One MoE problem: ``tokens_per_rank`` tokens of ``hidden`` per rank, ``experts`` experts of
+    ``f_loc`` columns per rank, ``topk`` experts per token."""
+
+    tokens_per_rank: int = 12
+    hidden: int = 32
+    f_loc: int = 16
+    experts: int = 4
+    topk: int = 2
+
+
+def moe_rank(rank: int, world: int, case: MoECase) -> list[dict]:
+    """One rank of the MoE pair's check: layer 0 (every token's rows for its experts, gathered from
+    every rank) and layer 1 (the weighted top-k sum over the experts and over the ranks' F shards) of
+    this rank's tokens against float64."""
+    tc, h, f, e, k = case.tokens_per_rank, case.hidden, case.f_loc, case.experts, case.topk
+    t = tc * world
+    mine = slice(rank * tc, (rank + 1) * tc)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.rand(t, e, generator=g).topk(k, dim=1).indices  # k distinct experts per token
+    weights = torch.rand(t, k, generator=g)
+    x = _randn((t, h), torch.float32, "moe-x")
+    w0 = [_randn((e, h, f), torch.float32, "moe-w0", r) / h ** 0.5 for r in range(world)]
+    w1 = [_randn((e, f, h), torch.float32, "moe-w1", r) / f ** 0.5 for r in range(world)]
+    plan = tileweave.moe_plan(ids[mine], num_experts=e)
+    y = tileweave.MoEAllGatherGemm(policy="fused")(x[mine], w0[rank], plan)
+    out = tileweave.MoEGemmReduceScatter(policy="fused")(y, w1[rank], plan, weights[mine])
+    # Layer 0's rows, per (token, slot): pair_row says where the plan put each.
+    y_pairs = y[plan.pair_row.reshape(-1).long()].view(t, k, f).double()
+    y_ref = torch.einsum("th,tjhf->tjf", x.double(), w0[rank].double()[ids])
+    out_ref = sum(torch.einsum("tjf,tjfh,tj->th", torch.einsum("th,tjhf->tjf", x.double(), w0[r].double()[ids]),
+                               w1[r].double()[ids], weights.double()) for r in range(world))
+    return [{"dtype": "float32", "err": max(_rel_err(y_pairs, y_ref), _rel_err(out, out_ref[mine])),
+             "plan_exact": bool((plan.row_expert.long()[plan.pair_row.reshape(-1).long()] == ids.reshape(-1)).all())}]
+
+
+def gemm_all_reduce_rank(rank: int, world: int, m: int, k_loc: int, n: int) -> list[dict]:
+    """One rank of the decode GEMM+AllReduce's check with the residual add and RMSNorm fused: both
+    outputs against float64, and whether every rank got the same bits."""
+    a = _randn((m, k_loc), torch.float32, "ar-a", rank)
+    b = _randn((k_loc, n), torch.float32, "ar-b", rank)
+    residual, norm = _randn((m, n), torch.float32, "ar-r"), _randn((n,), torch.float32, "ar-g")
+    normed, resid = tileweave.GemmAllReduce(policy="oneshot")(a, b, residual=residual, norm_weight=norm)
+    total = sum(_randn((m, k_loc), torch.float32, "ar-a", r).double() @ _randn((k_loc, n), torch.float32, "ar-b", r)
+                .double() for r in range(world)) + residual.double()
+    normed_ref = total * torch.rsqrt(total.square().mean(-1, keepdim=True) + 1e-6) * norm.double()
+    everyone = [torch.empty_like(normed) for _ in range(world)]
+    dist.all_gather(everyone, normed)
+    return [{"dtype": "float32", "err": max(_rel_err(normed, normed_ref), _rel_err(resid, total)),
+             "same_on_every_rank": all(torch.equal(other, normed) for other in everyone)}]
+
+
 def _world_size(text: str) -> int:
     """``--world-size``: an int in [1, MAX_WORLD_SIZE], or an argparse error that says so."""
     try:
@@ -123,11 +178,14 @@ def main(argv=None) -> int:
     tol = {"float16": 2e-3, "float32": 1e-5}
     print(f"tileweave demo: {w} emulated ranks on the CPU, Triton kernels in the interpreter")
     failures = 0
-    for title, fn, key in (("all_gather_gemm", all_gather_gemm_rank, "gathered_exact"),
-                           ("gemm_reduce_scatter", gemm_reduce_scatter_rank, "deterministic")):
+    checks = (("all_gather_gemm", all_gather_gemm_rank, (cases,), "gathered_exact"),
+              ("gemm_reduce_scatter", gemm_reduce_scatter_rank, (cases,), "deterministic"),
+              ("moe pair", moe_rank, (MoECase(),), "plan_exact"),
+              ("gemm_all_reduce+norm", gemm_all_reduce_rank, (4, 16, 24), "same_on_every_rank"))
+    for title, fn, args, key in checks:
         start = time.monotonic()
         try:
-            rows = [row for per_rank in run_ranks(w, fn, cases) for row in per_rank]
+            rows = [row for per_rank in run_ranks(w, fn, *args) for row in per_rank]
         except RankFailed as exc:
             print(f"  {title:20s} FAILED: {exc}")
             failures += 1

@@ -71,3 +71,15 @@ def test_a_bad_option_ends_without_a_traceback():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
     assert "Traceback" not in done.stderr and "--world-size: expected between 1 and 16 ranks, got 0" in done.stderr
+
+
+def test_the_cpu_main_job_checks_every_op_family():
+    # The demo that scripts/main.sh runs without GPUs: each family's check passes (the checks compare
+    # against float64 references inside the demo) and the exit code says so.
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "tileweave", "demo"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done
+    for family in ("all_gather_gemm", "gemm_reduce_scatter", "moe pair", "gemm_all_reduce+norm"):
+        line = next(line for line in done.stdout.splitlines() if line.strip().startswith(family))
+        assert " OK " in line and "FAILED" not in line, line
