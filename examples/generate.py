@@ -88,16 +88,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=128)
+    # Sizes the TP group divides: by default they follow the group size (W: --world, or the GPUs).
+    p.add_argument("--hidden", type=int, default=None, help="default 16 x heads")
+    p.add_argument("--heads", type=int, default=None, help="default 4 x W")
+    p.add_argument("--kv-heads", type=int, default=None, help="default 2 x W")
+    p.add_argument("--ffn", type=int, default=None, help="default 2 x hidden")
+    p.add_argument("--vocab", type=int, default=None, help="default 64 x W")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("world", "batch", "prompt_len", "new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    w = torch.cuda.device_count() if args.gpus else args.world
+    args.heads = args.heads or 4 * w
+    args.kv_heads = args.kv_heads or 2 * w
+    args.hidden = args.hidden or 16 * args.heads
+    args.ffn = args.ffn or 2 * args.hidden
+    args.vocab = args.vocab or 64 * w
     return args
 
 
