@@ -160,3 +160,24 @@ def test_main_without_cuda_exits_nonzero(monkeypatch, capsys):
     import os
 
     assert all(os.environ[k] == v for k, v in cli.REQUIRED_ENV.items())
+
+
+def test_op_takes_sections_of_both_kinds_in_one_list(monkeypatch):
+    # Each section with options of its own runs in turn with the other arguments; the dense ones
+    # together, through the dense CLI.
+    import tileweave.bench as bench
+    from tileweave.bench import cli as dense_cli
+    from tileweave.bench import decode, moe
+
+    calls = []
+    monkeypatch.setattr(moe, "main", lambda argv: calls.append(("moe", argv)) or 0)
+    monkeypatch.setattr(decode, "main", lambda argv: calls.append(("decode", argv)) or 1)
+    monkeypatch.setattr(dense_cli, "main", lambda argv: calls.append(("dense", argv)) or 0)
+    assert bench.main(["--op", "moe,decode", "--smoke"]) == 1  # the worst section's status
+    assert calls == [("moe", ["--smoke"]), ("decode", ["--smoke"])]
+    calls.clear()
+    assert bench.main(["--quick", "--op", "ag,moe,rs"]) == 0
+    assert calls == [("moe", ["--quick"]), ("dense", ["--quick", "--op", "ag,rs"])]
+    calls.clear()
+    assert bench.main(["--op", "gemm"]) == 0
+    assert calls == [("dense", ["--op", "gemm"])]

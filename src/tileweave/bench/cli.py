@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--op", default=",".join(DEFAULT_OPS),
                    help="comma list of sections: gemm, ag, rs, block (default: gemm,ag,rs; block is the TP "
-                        "transformer block, forward + backward)")
+                        "transformer block, forward + backward); also moe, decode, grouped, sections with "
+                        "options of their own (tileweave bench --op moe --help), which run in turn with the "
+                        "other arguments (--smoke: tiny shapes on the CPU, every variant checked)")
     p.add_argument("--layer", nargs="+", action="extend", default=None, metavar="NAME",
                    help='layer filters: full name ("llama3-8b qkv"), model (llama3-70b) or part (qkv)')
     # --tokens: torchrun's own parser takes "--m" for an abbreviation of its options and stops.

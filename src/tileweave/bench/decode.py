@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
+from tileweave.bench import output_dir
 from tileweave.bench.cli import ensure_env
 from tileweave.bench.report import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
@@ -81,7 +82,9 @@ class Options:
 
 def parse_args(argv=None) -> Options:
     p = argparse.ArgumentParser(prog="python -m tileweave.bench.decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="directory for decode.json and decode.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for decode.json and decode.md (default: bench/results; a temporary "
+                        "folder with --smoke)")
     p.add_argument("--smoke", action="store_true", help="emulated CPU ranks, tiny shapes, eager calls")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     # --tokens: under torchrun, spell it so (torchrun's parser takes "--m" for one of its own options)
@@ -114,8 +117,8 @@ def parse_args(argv=None) -> Options:
         models, m_values, context, dtype = ("tiny",), SMOKE_M, 6, "float32"
     else:
         context, dtype = a.context, a.dtype
-    return Options(out=a.out, smoke=a.smoke, models=models, m_values=m_values, sections=sections,
-                   context=context, dtype=dtype, iters=a.iters, reps=a.reps)
+    return Options(out=output_dir(a.out, a.smoke), smoke=a.smoke, models=models, m_values=m_values,
+                   sections=sections, context=context, dtype=dtype, iters=a.iters, reps=a.reps)
 
 
 def _dims(opts: Options, model: str) -> tuple[int, int, int, int]:
@@ -351,11 +354,15 @@ def markdown(records: list[dict], meta: dict) -> str:
     for r in records:
         by_key.setdefault((r["section"], r["name"], r["m"]), {})[r["variant"]] = r
     present = [v for v in VARIANTS if any(v in row for row in by_key.values())]
-    baselines = [v for v in present if v != "tileweave"]
+    smoke = "smoke" in meta["timed"]
+    # A smoke run's times are the interpreter's on emulated ranks: no ratios, which would read as speeds.
+    baselines = [] if smoke else [v for v in present if v != "tileweave"]
     lines = [f"# Decode: row-parallel GEMM + all-reduce + residual + RMSNorm, TP={meta['world_size']}", "",
              f"{meta['gpu_name']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, commit "
              f"{meta['git_commit'][:12]}, {meta['date']}. Times in ms ({meta['timed']}), max over ranks; "
-             "x: baseline time / tileweave time (> 1: tileweave faster).", ""]
+             + ("Smoke run: emulated CPU ranks and Triton's interpreter, outputs checked; the times mean nothing "
+                "about speed, so no ratios are shown." if smoke else
+                "x: baseline time / tileweave time (> 1: tileweave faster)."), ""]
     header = ["section", "shape", "M", *present, *(f"x {b}" for b in baselines), "tileweave path"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tileweave.bench import output_dir
 from tileweave.bench.moe_reference import reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.report import Measurement, collect_metadata
@@ -387,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-s", type=float, default=0.5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: bench/results; a temporary folder with --smoke)")
     p.add_argument("--tag", default="")
     return p
 
@@ -434,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = collect_metadata(world_size=world, timing={"warmup_s": cfg.warmup_s, "iters": cfg.iters,
                                                       "reps": cfg.reps, "smoke": cfg.smoke},
                             argv=sys.argv if argv is None else ["tileweave.bench.moe", *argv])
-    paths = write_report(args.out, args.tag or ("smoke" if cfg.smoke else f"tp{world}"), measurements, meta)
+    paths = write_report(output_dir(args.out, cfg.smoke), args.tag or ("smoke" if cfg.smoke else f"tp{world}"), measurements, meta)
     print(markdown(measurements, meta), flush=True)
     print("wrote " + ", ".join(map(str, paths)), file=sys.stderr)
     return 1 if any(m.status != "ok" for m in measurements) else 0
