@@ -19,7 +19,7 @@ variable                            default    what it sets
 ``TILEWEAVE_TIMEOUT_S``             120        seconds a host-side wait for a peer may take (GPUs)
 ``TILEWEAVE_EMULATED_TIMEOUT_S``    60         the same for emulated CPU ranks
 ``TILEWEAVE_FAST_LAUNCH``           1          0: every launch through Triton's public ``kernel[grid]``
-``TILEWEAVE_CACHE_DIR``             ``~/.cache/tileweave``  where tuned kernel configs are kept
+``TILEWEAVE_CACHE_DIR``             home       where tuned kernel configs are kept (``~/.cache/tileweave``)
 ==================================  =========  ==============================================================
 
 The shared ops (one per group and device, used by the functional API and the TP layers) read their
