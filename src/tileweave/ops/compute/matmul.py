@@ -107,7 +107,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
     if a_copied:
         a = a.contiguous()
     chosen = config or select_config(m, n, k, a.dtype, a.device, num_sms=_num_sms(a.device),
-                                     interpreter=common.interpreting(), out_dtype=c_dtype)
+                                     interpreter=common.interpreting(), out_dtype=c_dtype,
+                                     scaling=None if scales is None else scales.scaling)
     programs = chosen.programs or _num_sms(a.device)
     launched = gemm_launch.launch(a=a, b=b, c=out, bias=bias, config=chosen, m_chunk=m, programs=programs,
                                   scales=scales)
