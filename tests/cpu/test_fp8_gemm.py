@@ -279,3 +279,72 @@ def test_grouped_gemm_fp8_refuses_bad_scales_by_name():
     with pytest.raises(ValueError, match="block_k to divide 128"):
         grouped_gemm(a, b, offsets, scale_a=torch.ones(10, 2), scale_b=torch.ones(2, 2, 1),
                      config=dataclasses.replace(GROUPED_INTERPRETER_CONFIG, block_k=256))
+
+
+# -- the benchmark's FP8 rows ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+def test_gemm_section_fp8_variants_verify(scaling):
+    # The gemm section's FP8 rows on CPU tensors: ours must pass the check every row gets before timing;
+    # torch's scaled matmul where this torch runs it on the CPU.
+    from tileweave.bench import variants as V
+
+    gen = _gen("bench", scaling)
+    a = [torch.randn(48, 256, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    w = [(torch.randn(128, 256, generator=gen) / 16).to(torch.bfloat16) for _ in range(2)]
+    theirs, ours = V.gemm_fp8_variants(a, w, scaling)
+    assert (theirs.name, ours.name) == ("torch", "ours")
+    out = ours.call(1)
+    assert out.dtype == torch.bfloat16 and out.shape == (48, 128)
+    assert ours.check(ours.call(0)) < V.TOLERANCE
+    if theirs.call is not None:
+        try:
+            result = theirs.call(0)
+        except (RuntimeError, NotImplementedError, ValueError):
+            assert scaling == "blockwise", "torch._scaled_mm runs on the CPU"  # CPU torch has no blockwise
+        else:
+            assert theirs.check(result) < V.TOLERANCE
+
+
+def test_grouped_benchmark_fp8_smoke(tmp_path):
+    """``python -m tileweave.bench.grouped --smoke --dtype fp8``: every FP8 row's output checked, named by
+    its scaling, beside the bf16-path row of the same shape and routing."""
+    import json
+
+    from tileweave.bench import grouped as bench
+
+    assert bench.main(["--smoke", "--dtype", "fp8", "--scaling", "rowwise,blockwise", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "grouped.json").read_text())["rows"]
+    assert {r["dtype"] for r in rows} == {"float32", "fp8-rowwise", "fp8-blockwise"}
+    for r in rows:
+        assert r["results"]["ours"]["rel_err"] < 1e-5, r
+    per_shape = {}
+    for r in rows:
+        per_shape.setdefault((r["routing"], r["layer"]), set()).add((r["dtype"], r["max_rows_per_expert"]))
+    assert all(len({m for _, m in found}) == 1 and len(found) == 3 for found in per_shape.values())
+
+
+def test_gemm_report_compares_fp8_rows_with_torch_per_scaling():
+    from tileweave.bench.report import Measurement, markdown, summarize
+
+    def row(variant, ms, dtype):
+        return Measurement(op="gemm", layer="l", world_size=1, m=4096, k=4096, n=6144, variant=variant,
+                           status="ok", ms=ms, dtype=dtype)
+
+    rows = [row("cublas", 0.30, "bf16"), row("ours", 0.31, "bf16"),
+            row("torch", 0.20, "fp8-rowwise"), row("ours", 0.16, "fp8-rowwise")]
+    bf16, fp8 = summarize(rows)
+    assert (bf16.dtype, fp8.dtype) == ("bf16", "fp8-rowwise")
+    assert fp8.x_cublas == pytest.approx(0.20 / 0.16)
+    text = markdown("gemm", rows, {})
+    assert "| l | fp8-rowwise | 4096 |" in text and "(fp8-rowwise)" in text
+
+
+def test_bench_cli_takes_fp8_for_the_gemm_section_only():
+    from tileweave.bench.cli import parse_args
+
+    opts = parse_args(["--op", "gemm", "--dtype", "fp8", "--scaling", "rowwise,blockwise"])
+    assert opts.bench.dtype == "fp8" and opts.bench.scalings == ("rowwise", "blockwise")
+    for argv in (["--op", "ag", "--dtype", "fp8"], ["--op", "gemm", "--dtype", "fp8", "--scaling", "columnwise"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
