@@ -19,7 +19,11 @@
 # (the tree may travel without .git, or with a stale one). BLOCK=1 also runs examples/train_block.py
 # (fused, NCCL, floor), which writes block.txt.
 # OPS may also name moe, decode and grouped: each runs with its defaults (plus SECTION_ARGS) into
-# $OUT/results/<op>.
+# $OUT/results/<op>. SECTION_ARGS also reaches the gemm section, so one call can run both cores in FP8:
+#   OPS="gemm grouped" SECTION_ARGS="--dtype fp8 --scaling tensorwise,rowwise,blockwise" M=4096,8192 \
+#     BENCH_TIMEOUT=600 bash scripts/gpu_check.sh
+# (each FP8 scaling adds two variants per gemm row and a row per grouped case; --quick in SECTION_ARGS
+# shortens both sections).
 # ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
 # times ours before the baselines in each row.
 set -uo pipefail
@@ -75,6 +79,8 @@ for op in $OPS; do
   flags=()
   # Several transports of one op run next to one set of baselines (sections <op>-<transport>).
   [ "$op" = rs ] && flags=(--rs-transport "$(comma $RS_TRANSPORTS)")
+  # shellcheck disable=SC2206  # SECTION_ARGS is a list of options, split on spaces
+  [ "$op" = gemm ] && flags=(${SECTION_ARGS:-})
   [ "$op" = ag ] && flags=(--ag-transport "$(comma $AG_TRANSPORTS)")
   if [ "$op" = ag ] || [ "$op" = rs ]; then
     flags+=(--rounds "${ROUNDS:-1}")

@@ -32,7 +32,7 @@ from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.swiglu import TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
 from tileweave.tune.autotune import CANDIDATES
-from tileweave.tune.configs import choose_gemm_config
+from tileweave.tune.configs import choose_fp8_config, choose_gemm_config
 from tileweave.tune.grouped import INTERPRETER_CONFIG as GROUPED_INTERPRETER_CONFIG
 from tileweave.tune.grouped import choose_grouped_config, choose_wgrad_config
 
@@ -210,6 +210,42 @@ def h200_grouped_configs() -> list[tuple[GroupedConfig, bool, torch.dtype]]:
     return list(dict.fromkeys(chosen))
 
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8(*shape, dtype=E4M3) -> torch.Tensor:
+    return _randn(*shape, dtype=torch.float32).to(dtype)
+
+
+def _fp8_scales(scaling: str, m: int, n: int, k: int, experts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale_a, scale_b)`` of ``scaling`` for ``a [m, k]`` and ``b [k, n]`` (``[experts, k, n]`` if given)."""
+    lead = (experts,) if experts else ()
+    if scaling == "tensorwise":
+        return torch.tensor(0.5), torch.rand(*lead) + 0.5 if experts else torch.tensor(2.0)
+    if scaling == "rowwise":
+        return torch.rand(m, 1) + 0.5, torch.rand(*lead, 1, n) + 0.5
+    return torch.rand(m, k // 128) + 0.5, torch.rand(*lead, k // 128, -(-n // 128)) + 0.5
+
+
+SCALINGS = ("tensorwise", "rowwise", "blockwise")
+
+
+def h200_fp8_configs() -> list[tuple[GemmConfig, torch.dtype, str]]:
+    """``(config, out_dtype, scaling)``: the FP8 GEMM's configs on an H200, the picks of
+    ``tileweave.tune.configs.choose_fp8_config`` for a large and a small grid, each output and scaling."""
+    shapes = [(8192, 14336, 8192), (1024, 1024, 4096)]
+    return list(dict.fromkeys((choose_fp8_config(m, n, k, out, num_sms=H200_SMS, scaling=scaling), out, scaling)
+                              for m, n, k in shapes for out in (torch.bfloat16, torch.float32) for scaling in SCALINGS))
+
+
+def h200_fp8_grouped_configs() -> list[tuple[GroupedConfig, bool]]:
+    """``(config, swiglu)``: the FP8 grouped GEMM's configs on an H200 (large and small groups)."""
+    shapes = [(16384, 7168, 4096, 8, False), (2048, 7168, 4096, 64, False), (16384, 14336, 4096, 8, True),
+              (2048, 14336, 4096, 64, True)]
+    return list(dict.fromkeys((choose_grouped_config(rows, n, k, groups, E4M3, num_sms=H200_SMS, swiglu=swiglu),
+                               swiglu) for rows, n, k, groups, swiglu in shapes))
+
+
 def _on_cpu(dtype: torch.dtype) -> torch.dtype:
     # The interpreter refuses bf16: such calls run in fp16 (``Launch.h200``).
     return torch.float16 if dtype == torch.bfloat16 else dtype
@@ -221,6 +257,12 @@ def _dense_calls() -> dict[str, Callable[[], object]]:
         "matmul, row pitches TMA cannot take": lambda: tileweave.matmul(_randn(17, 20), _randn(20, 33)),
         "matmul, fp32": lambda: tileweave.matmul(_randn(40, 32, dtype=torch.float32),
                                                  _randn(24, 32, dtype=torch.float32).t()),
+        **{f"matmul, fp8 {scaling}, fp32 out, bias": lambda scaling=scaling: tileweave.matmul(
+            _fp8(40, 256), _fp8(72, 256).t(), *(), **dict(zip(("scale_a", "scale_b"), _fp8_scales(scaling, 40, 72, 256))),
+            bias=_randn(72, dtype=torch.float32), out_dtype=torch.float32) for scaling in SCALINGS},
+        "matmul, fp8 rowwise, e5m2 b, row-major b, fp16 out": lambda: tileweave.matmul(
+            _fp8(40, 128), _fp8(128, 48, dtype=E5M2), **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 40, 48, 128))),
+            out_dtype=torch.float16),
     }
 
 
@@ -231,6 +273,17 @@ def _dense_h200_calls() -> dict[str, Callable[[], object]]:
         # 256 x 256: whole tiles of every config (TMA stores), and two tile rows of 128.
         calls[f"matmul, H200 config {config.key()}"] = lambda config=config, dtype=dtype: tileweave.matmul(
             _randn(256, 128, dtype=dtype), _randn(256, 128, dtype=dtype).t(), config=config)
+    for config, out, scaling in h200_fp8_configs():
+        # fp16 stands for the bf16 output (Launch.h200); 256 x 256 x 256 are whole tiles.
+        calls[f"matmul, fp8 {scaling}, H200 config {config.key()}, {out}"] = \
+            lambda config=config, out=_on_cpu(out), scaling=scaling: tileweave.matmul(
+                _fp8(256, 256), _fp8(256, 256).t(), config=config, out_dtype=out,
+                **dict(zip(("scale_a", "scale_b"), _fp8_scales(scaling, 256, 256, 256))))
+    # An e5m2 operand and a row-major [K, N] b (not K-major) on an H200 tile.
+    config = choose_fp8_config(1024, 1024, 4096, torch.bfloat16, num_sms=H200_SMS)
+    calls["matmul, fp8 rowwise, e5m2 a, row-major b, H200 config"] = lambda: tileweave.matmul(
+        _fp8(256, 256, dtype=E5M2), _fp8(256, 256), config=config, out_dtype=torch.float16,
+        **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 256, 256, 256))))
     return calls
 
 
@@ -240,6 +293,10 @@ def _moe_local_calls() -> dict[str, Callable[[], object]]:
             torch.zeros(5, 1, dtype=torch.int64), num_experts=1, world_size=1),
         "topk_reduce, k = 1, no weights": lambda: topk_reduce(
             _randn(6, 40), torch.arange(6, dtype=torch.int32).view(6, 1), out_dtype=torch.float16),
+        **{f"grouped_gemm, fp8 {scaling}, gathered rows": lambda scaling=scaling: grouped_gemm(
+            _fp8(24, 128), _fp8(2, 48, 128).transpose(1, 2), torch.tensor([0, 5, 5, 17, 40], dtype=torch.int32),
+            a_rows=_index(24, 40), experts=2, out_dtype=torch.float32,
+            **dict(zip(("scale_a", "scale_b"), _fp8_scales(scaling, 24, 48, 128, experts=2)))) for scaling in SCALINGS},
         "grouped_gemm, signal": lambda: grouped_gemm(
             _randn(40, 64), _randn(2, 64, 48), torch.tensor([0, 5, 5, 17, 40], dtype=torch.int32), experts=2,
             signal=(torch.zeros(2, dtype=torch.int32),)),
@@ -265,6 +322,15 @@ def _moe_local_h200_calls() -> dict[str, Callable[[], object]]:
                 _randn(24, 64, dtype=dtype), _randn(4, 80, 64, dtype=dtype).transpose(1, 2), offsets,
                 a_rows=_index(24, 40), config=config)
         calls[f"grouped_gemm, H200 config {config}{', SwiGLU' if swiglu else ''}"] = call
+    for config, swiglu in h200_fp8_grouped_configs():
+        for scaling in SCALINGS:
+            n = 256 if swiglu else 80
+            scale_a, scale_b = _fp8_scales(scaling, 24, n, 256, experts=4)
+            epilogue = SwiGLU(pre=torch.empty(40, n, dtype=torch.float16)) if swiglu else None
+            calls[f"grouped_gemm, fp8 {scaling}, H200 config {config}{', SwiGLU' if swiglu else ''}"] = \
+                lambda config=config, scale_a=scale_a, scale_b=scale_b, n=n, epilogue=epilogue: grouped_gemm(
+                    _fp8(24, 256), _fp8(4, n, 256).transpose(1, 2), offsets, a_rows=_index(24, 40), config=config,
+                    scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float16, epilogue=epilogue)
     for dtype in (torch.bfloat16, torch.float32):
         config = choose_wgrad_config(dtype)
         calls[f"grouped_wgrad, H200 config {config}"] = lambda config=config, dtype=_on_cpu(dtype): grouped_wgrad(

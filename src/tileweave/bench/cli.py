@@ -4,7 +4,7 @@ Usage::
 
     tileweave bench [--op gemm,ag,rs,block] [--layer NAME ...] [--m 1024,2048,...] [--world-size N]
                     [--out bench/results] [--tag STR] [--quick] [--warmup-s 0.5] [--iters 20]
-                    [--reps 5] [--no-torch]
+                    [--reps 5] [--no-torch] [--dtype fp8 --scaling tensorwise,rowwise,blockwise]
 
 Started plainly, it spawns one process per GPU (or ``--world-size`` of them). Under ``torchrun``
 (RANK, WORLD_SIZE and LOCAL_RANK set) it runs in place as that rank; there, write ``--tokens`` for
@@ -24,6 +24,7 @@ from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
+from tileweave.bench.fp8 import SCALINGS as FP8_SCALINGS, parse_scalings
 from tileweave.bench.report import BLOCK_VARIANTS
 from tileweave.bench.runner import BenchConfig
 from tileweave.bench.suite import (
@@ -116,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="ag and rs sections: time each row's variants this many times, the order mirrored each "
                         "round, and report medians (default 1)")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="gemm section: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) against torch's "
+                        "scaled matmul, beside the bf16 rows (default bf16)")
+    p.add_argument("--scaling", default=",".join(FP8_SCALINGS),
+                   help="with --dtype fp8: comma list from " + ", ".join(FP8_SCALINGS) + " (default all)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from " + ", ".join(RS_TRANSPORTS) + "; a comma "
                         "list times each next to one set of baselines (default chunked)")
@@ -144,7 +150,8 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
         block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
                             include_torch=not ns.no_torch, transports=transports, block_variants=block_variants,
-                            ours_first=ns.ours_first, rounds=ns.rounds)
+                            ours_first=ns.ours_first, rounds=ns.rounds, dtype=ns.dtype,
+                            scalings=parse_scalings(ns.scaling) if ns.dtype == "fp8" else ())
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),

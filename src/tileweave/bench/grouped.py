@@ -17,6 +17,12 @@ Every variant is checked against a float32 reference before it is timed. Timing 
 events, the median batch). A variant that fails is recorded with its error and the run goes on.
 Writes ``grouped.json`` and ``grouped.md`` to ``--out`` and prints the table.
 
+``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: each case also in FP8 (e4m3 tokens and weights
+quantised with each scaling by ``tileweave.bench.fp8``, bf16 output), beside the bf16 case, each row
+naming its scaling in ``dtype``; ``torch`` is then ``torch._scaled_grouped_mm`` on the permuted rows and
+their scales (rowwise only: other scalings mark it n/a), and the reference is float32 of the
+dequantised inputs. Blockwise needs K a multiple of 128: a layer whose K is not is marked n/a.
+
 ``--smoke``: tiny shapes, outputs checked, no timing on the CPU (there the kernel runs in Triton's
 interpreter: set ``TRITON_INTERPRET=1``; ``torch._grouped_mm`` on the CPU, or a per-expert loop where
 this torch lacks it).
@@ -36,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from tileweave.bench import fp8
 from tileweave.bench.report import collect_metadata, geomean
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
 from tileweave.ops import common
@@ -59,6 +66,8 @@ MODELS = (
     Model("flux", 8192, 8192, 32, 4),
 )
 SMOKE_MODELS = (Model("tiny-a", 64, 96, 4, 2), Model("tiny-b", 48, 80, 8, 3))
+FP8_SMOKE_MODELS = (Model("tiny-fp8", 128, 256, 4, 2),)
+"""``--smoke --dtype fp8``: dims that are multiples of 128, as blockwise scaling needs."""
 TOKENS = (4096, 8192, 16384)
 QUICK_TOKENS = (8192,)
 SMOKE_TOKENS = (24,)
@@ -76,6 +85,9 @@ class Case:
     routing: str
     layer: int
     dtype: torch.dtype
+    """The output's dtype (and the inputs' where ``scaling`` is None)."""
+    scaling: str | None = None
+    """FP8: e4m3 inputs quantised with this scaling (``tileweave.bench.fp8.SCALINGS``); None: ``dtype``."""
 
     @property
     def k_n(self) -> tuple[int, int]:
@@ -85,6 +97,7 @@ class Case:
     def key(self) -> dict:
         k, n = self.k_n
         return {"model": self.model.name, "tokens": self.tokens, "routing": self.routing, "layer": self.layer,
+                "dtype": fp8.dtype_label(self.scaling) if self.scaling else str(self.dtype).removeprefix("torch."),
                 "rows": self.tokens * self.model.topk, "n": n, "k": k, "experts": self.model.experts,
                 "topk": self.model.topk}
 
@@ -173,8 +186,19 @@ def build_inputs(case: Case, *, seed: int, device: torch.device, b_layout: str) 
     else:
         a = randn(rows, k)
         a_perm = a
-    return {"a": a, "a_perm": a_perm, "b": b, "offsets": offsets, "row_token": row_token, "ends": ends,
-            "counts": counts}
+    inputs = {"a": a, "a_perm": a_perm, "b": b, "offsets": offsets, "row_token": row_token, "ends": ends,
+              "counts": counts, "ref_a": a_perm, "ref_b": b}
+    if case.scaling is None:
+        return inputs
+    # FP8: the same data quantised (tokens once, before the gather), weights per expert from [E, N, K].
+    a8, scale_a, a_deq = fp8.quantize_rows(a, case.scaling)
+    w8, scale_b, w_deq = fp8.quantize_experts(b.transpose(1, 2), case.scaling)
+    gather = (lambda t: t.index_select(0, row_token)) if case.layer == 0 else (lambda t: t)
+    inputs.update(a=a8, a_perm=gather(a8), b=w8.transpose(1, 2), scale_a=scale_a, scale_b=scale_b,
+                  ref_a=gather(a_deq), ref_b=w_deq.transpose(1, 2))
+    if case.scaling == "rowwise":  # torch._scaled_grouped_mm's [P] scales of the permuted rows
+        inputs["scale_a_perm"] = gather(scale_a).reshape(-1)
+    return inputs
 
 
 def parse_config(text: str) -> GroupedConfig:
@@ -192,20 +216,55 @@ def parse_config(text: str) -> GroupedConfig:
         raise argparse.ArgumentTypeError(f"config {text!r}: expected BMxBNxBK/stages/warps[/group_m] ({exc})")
 
 
-def _ours(layer: int, config: GroupedConfig | None) -> Callable[[dict], torch.Tensor]:
-    if layer == 0:
-        return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=s["row_token"], config=config)
-    return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], config=config)
+def _ours(case: Case, config: GroupedConfig | None) -> Callable[[dict], torch.Tensor]:
+    rows = (lambda s: s["row_token"]) if case.layer == 0 else (lambda s: None)
+    if case.scaling is None:
+        return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=rows(s), config=config)
+    return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=rows(s), config=config,
+                                  scale_a=s["scale_a"], scale_b=s["scale_b"], out_dtype=case.dtype)
+
+
+class Unavailable(Exception):
+    """A variant this torch or device does not have: recorded as n/a, not as a failure."""
+
+
+def _torch_fp8(case: Case) -> dict[str, Callable[[dict], torch.Tensor]]:
+    fn, note = fp8.torch_scaled_grouped_mm(case.scaling)
+
+    def unavailable(s: dict) -> torch.Tensor:
+        raise Unavailable(note)
+
+    if fn is None:
+        calls = {"torch": unavailable}
+        if case.layer == 0:
+            calls["torch+gather"] = unavailable
+        return calls
+
+    def call(a8: torch.Tensor, scale: torch.Tensor, s: dict) -> torch.Tensor:
+        try:
+            return fn(a8, s["b"], scale, s["scale_b"], s["ends"])
+        except RuntimeError as exc:
+            if a8.is_cuda:
+                raise
+            raise Unavailable(f"torch._scaled_grouped_mm on the CPU: {exc}"[:200]) from exc
+
+    calls = {"torch": lambda s: call(s["a_perm"], s["scale_a_perm"], s)}
+    if case.layer == 0:
+        calls["torch+gather"] = lambda s: call(s["a"].index_select(0, s["row_token"]),
+                                               s["scale_a"].index_select(0, s["row_token"]).reshape(-1), s)
+    return calls
 
 
 def variants(case: Case, t: dict, configs: Sequence[GroupedConfig] = ()) -> dict[str, Callable[[dict], torch.Tensor]]:
     """name -> call(inputs) for the case's layer; ``configs`` add ``ours@config`` variants."""
     counts = t["counts"]
-    calls = {"ours": _ours(case.layer, None)}
+    calls = {"ours": _ours(case, None)}
     for c in configs:
         calls[f"ours@{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}/{c.num_warps}/{c.group_m}"
               + ("/f" if c.flatten else "")] = \
-            _ours(case.layer, c)
+            _ours(case, c)
+    if case.scaling is not None:
+        return {**calls, **_torch_fp8(case)}
     calls["torch"] = lambda s: _grouped_mm_or_loop(s["a_perm"], s["b"], s["ends"], counts)
     if case.layer == 0:
         calls["torch+gather"] = lambda s: _grouped_mm_or_loop(s["a"].index_select(0, s["row_token"]), s["b"],
@@ -223,17 +282,21 @@ def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timi
              clocks: ClockReader | None, loop: bool, configs: Sequence[GroupedConfig] = ()) -> dict:
     row = dict(case.key())
     row["results"] = {}
+    k, n = case.k_n
+    if case.scaling == "blockwise" and k % fp8.BLOCK:
+        row["results"]["ours"] = {"unavailable": f"blockwise scaling needs K a multiple of {fp8.BLOCK}, K = {k}"}
+        return row
     t = build_inputs(case, seed=seed, device=device, b_layout=b_layout)
     counts = t["counts"]
     row["max_rows_per_expert"] = max(counts)
     row["empty_experts"] = sum(1 for c in counts if c == 0)
-    k, n = case.k_n
-    cfg = grouped_config(row["rows"], n, k, case.model.experts, case.dtype, device)
+    cfg = grouped_config(row["rows"], n, k, case.model.experts, t["a"].dtype, device)
     row["config"] = dataclasses.asdict(cfg)
     calls = variants(case, t, configs)
     if loop:
         calls["loop"] = lambda s: _expert_loop(s["a_perm"], s["b"], counts)
-    ref = _reference(t["a_perm"], t["b"], counts)
+    ref = _reference(t["ref_a"], t["ref_b"], counts)
+    del t["ref_a"], t["ref_b"]
     sets = [t]
     if timing is not None:
         copies = rotation_sets(_set_bytes(t)) - 1
@@ -258,6 +321,8 @@ def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timi
             result["clock_mhz"] = timed.clock_mhz
             result["host_ms"] = timed.host_ms
             result["tflops"] = flops / (timed.ms * 1e-3) / 1e12
+        except Unavailable as exc:
+            result["unavailable"] = str(exc)
         except Exception as exc:  # recorded; the run goes on
             result["error"] = f"{type(exc).__name__}: {exc}"
             result["traceback"] = traceback.format_exc(limit=4)
@@ -270,26 +335,33 @@ def run_case(case: Case, *, seed: int, device: torch.device, b_layout: str, timi
 
 
 def cases(models: Sequence[Model], tokens: Sequence[int], routings: Sequence[str], layers: Sequence[int],
-          dtype: torch.dtype) -> list[Case]:
-    return [Case(m, t, r, layer, dtype) for t in tokens for m in models for r in routings for layer in layers]
+          dtype: torch.dtype, scalings: Sequence[str | None] = (None,)) -> list[Case]:
+    """Every combination; ``scalings`` (None: ``dtype`` inputs) next to each other per shape."""
+    return [Case(m, t, r, layer, dtype, s) for t in tokens for m in models for r in routings for layer in layers
+            for s in scalings]
 
 
 def summary(rows: list[dict]) -> dict:
+    """Geomean, min and count of torch / ours per layer selection; FP8 rows apart, prefixed by their dtype."""
     out = {}
-    for label, select in (("all", lambda r: True), ("layer0", lambda r: r["layer"] == 0),
-                          ("layer1", lambda r: r["layer"] == 1)):
-        for name in ("torch", "torch+gather"):
-            vals = [r[f"vs_{name}"] for r in rows if select(r) and f"vs_{name}" in r]
-            if vals:
-                out[f"{label}_vs_{name}_geomean"] = geomean(vals)
-                out[f"{label}_vs_{name}_min"] = min(vals)
-                out[f"{label}_vs_{name}_rows"] = len(vals)
+    for dtype in dict.fromkeys(r.get("dtype", "") for r in rows):
+        prefix = f"{dtype}_" if dtype.startswith("fp8") else ""
+        for label, select in (("all", lambda r: True), ("layer0", lambda r: r["layer"] == 0),
+                              ("layer1", lambda r: r["layer"] == 1)):
+            for name in ("torch", "torch+gather"):
+                vals = [r[f"vs_{name}"] for r in rows if r.get("dtype", "") == dtype and select(r) and f"vs_{name}" in r]
+                if vals:
+                    out[f"{prefix}{label}_vs_{name}_geomean"] = geomean(vals)
+                    out[f"{prefix}{label}_vs_{name}_min"] = min(vals)
+                    out[f"{prefix}{label}_vs_{name}_rows"] = len(vals)
     return out
 
 
 def _cell(result: dict) -> str:
     if "error" in result:
         return "FAIL"
+    if "unavailable" in result:
+        return "n/a"
     if "ms" in result:
         return f"{result['ms']:.3f}"
     return "ok" if "rel_err" in result else "-"
@@ -301,20 +373,24 @@ def markdown(rows: list[dict], meta: dict, stats: dict) -> str:
              f"commit {meta.get('git_commit')}, {meta.get('date')}; dtype {meta.get('dtype')}, "
              f"weights {meta.get('b_layout')}, TP={TP} shards. Times in ms (median of 5 x 20 calls); "
              "vs = torch time / ours (> 1: ours faster).", "",
-             "| model | T | routing | layer | rows x N x K | max/mean rows | ours | torch | torch+gather | "
+             "| model | T | routing | layer | dtype | rows x N x K | max/mean rows | ours | torch | torch+gather | "
              "vs torch | vs torch+gather | config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         res = r["results"]
         mean = r["rows"] / r["experts"]
         c = r.get("config", {})
         lines.append(
-            f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['layer']} | {r['rows']}x{r['n']}x{r['k']} | "
+            f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['layer']} | {r.get('dtype', '')} | "
+            f"{r['rows']}x{r['n']}x{r['k']} | "
             f"{r.get('max_rows_per_expert', 0) / mean:.2f} | {_cell(res.get('ours', {}))} | "
             f"{_cell(res.get('torch', {}))} | {_cell(res.get('torch+gather', {})) if r['layer'] == 0 else ''} | "
             f"{r.get('vs_torch', float('nan')):.3f} | "
             f"{r.get('vs_torch+gather', float('nan')):.3f} | "
             f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}/{c.get('num_stages')}s/{c.get('num_warps')}w |")
+    if any(r.get("dtype", "").startswith("fp8") for r in rows):
+        lines += ["", f"FP8 rows: e4m3 inputs, {meta.get('dtype')} output; torch is torch._scaled_grouped_mm "
+                      "(rowwise only)."]
     lines += ["", "Summary (geomean and min of torch / ours):", ""]
     lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in stats.items()]
     errors = [(r, name, res["error"]) for r in rows for name, res in r["results"].items() if "error" in res]
@@ -341,7 +417,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", type=parse_config, nargs="*", default=[],
                         help="also time ours with these configs (BMxBNxBK/stages/warps[/group_m])")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: each case also in FP8 for every --scaling, beside the bf16 case (default bf16)")
+    parser.add_argument("--scaling", default=",".join(fp8.SCALINGS),
+                        help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS) + " (default all)")
     args = parser.parse_args(argv)
+    try:
+        scalings = (None, *fp8.parse_scalings(args.scaling)) if args.dtype == "fp8" else (None,)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.dtype == "fp8" and args.b_layout != "linear":
+        parser.error("--dtype fp8 reads the weights as stacked nn.Linear [E, N, K] (K-major, as FP8 MMAs and "
+                     "torch._scaled_grouped_mm want them): leave --b-layout at linear")
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -352,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--smoke on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if cuda else torch.float32
-    models = SMOKE_MODELS if args.smoke else MODELS
+    models = (FP8_SMOKE_MODELS if args.dtype == "fp8" else SMOKE_MODELS) if args.smoke else MODELS
     if args.models:
         wanted = args.models.split(",")
         unknown = [w for w in wanted if w not in {m.name for m in models}]
@@ -364,10 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = tuple(int(v) for v in args.tokens.split(","))
     timing = TimingConfig() if cuda else None
     clocks = ClockReader() if cuda else None
-    todo = cases(models, tokens, ROUTINGS, (0, 1), dtype)
+    todo = cases(models, tokens, ROUTINGS, (0, 1), dtype, scalings)
     meta = collect_metadata(world_size=1, timing=dataclasses.asdict(timing) if timing else {}, argv=sys.argv[1:])
     meta.update(dtype=str(dtype).removeprefix("torch."), b_layout=args.b_layout, tp=TP, zipf_s=ZIPF_S,
-                has_grouped_mm=hasattr(torch, "_grouped_mm"))
+                has_grouped_mm=hasattr(torch, "_grouped_mm"), scalings=[s for s in scalings if s],
+                has_scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"))
     if cuda:
         meta["sm_count"] = torch.cuda.get_device_properties(0).multi_processor_count
         meta["sm_clock_mhz_idle"] = clocks.read(0)
@@ -381,8 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = dict(case.key(), results={}, skipped="time budget spent")
             rows.append(row)
             continue
-        row = run_case(case, seed=args.seed + i, device=device, b_layout=args.b_layout, timing=timing,
-                       clocks=clocks, loop=args.loop, configs=args.configs)
+        # One seed per shape: its bf16 and FP8 rows share the routing and the data.
+        row = run_case(case, seed=args.seed + i // len(scalings), device=device, b_layout=args.b_layout,
+                       timing=timing, clocks=clocks, loop=args.loop, configs=args.configs)
         rows.append(row)
         res = row["results"]
         print(f"[{time.monotonic() - start:6.1f}s] {case.model.name} T={case.tokens} {case.routing} "

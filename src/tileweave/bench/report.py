@@ -27,8 +27,9 @@ SCHEMA = "tileweave.bench/1"
 COLLECTIVE_VARIANTS: tuple[str, ...] = ("gemm", "comm", "nccl", "base", "torch", "ours")
 """AG/RS variants: cuBLAS alone, copy-engine transport alone, the NCCL collective alone, NCCL then
 cuBLAS, torch async-TP, ours."""
-GEMM_VARIANTS: tuple[str, ...] = ("cublas", "ours")
-"""``gemm`` section variants: ``torch.matmul`` and ``tileweave.matmul``."""
+GEMM_VARIANTS: tuple[str, ...] = ("cublas", "torch", "ours")
+"""``gemm`` section variants: ``torch.matmul`` (bf16 rows), torch's scaled matmul (FP8 rows) and
+``tileweave.matmul``."""
 BLOCK_VARIANTS: tuple[str, ...] = ("floor", "base", "torch", "ours")
 """``block`` section variants: compute floor, NCCL + cuBLAS, PyTorch async-TP, tileweave."""
 BLOCK_FLOOR_MIN_M = 8192
@@ -59,10 +60,13 @@ class Shape:
     k: int
     n: int
     """AG/RS: full model dims (M tokens over the group). ``gemm``: the local GEMM ``[m, k] @ [k, n]``."""
+    dtype: str = "bf16"
+    """The inputs: ``"bf16"``, or float8 e4m3 with its scaling (``"fp8-tensorwise"``, ``"fp8-rowwise"``,
+    ``"fp8-blockwise"``; bf16 output)."""
 
     @property
-    def shape_key(self) -> tuple[str, str, int, int, int, int]:
-        return (self.op, self.layer, self.world_size, self.m, self.k, self.n)
+    def shape_key(self) -> tuple[str, str, int, int, int, int, str]:
+        return (self.op, self.layer, self.world_size, self.m, self.k, self.n, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -163,13 +167,15 @@ def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
         status = {r.variant: r.status for r in rows}
         path = next((r.path for r in rows if r.variant == "ours" and r.path), None)
         common = dict(op=first.op, layer=first.layer, world_size=first.world_size,
-                      m=first.m, k=first.k, n=first.n, times=times, status=status, path=path)
+                      m=first.m, k=first.k, n=first.n, dtype=first.dtype, times=times, status=status, path=path)
         t = times.get
         if first.op == "gemm":
+            # The vendor baseline: cuBLAS's bf16 GEMM, or torch's scaled matmul (cuBLASLt) for FP8 rows.
+            base = "cublas" if first.dtype == "bf16" else "torch"
             flops = 2 * first.m * first.n * first.k
             out.append(ShapeSummary(
-                **common, x_cublas=speedup(t("cublas"), t("ours")),
-                tflops_cublas=tflops(flops, t("cublas")), tflops_ours=tflops(flops, t("ours")),
+                **common, x_cublas=speedup(t(base), t("ours")),
+                tflops_cublas=tflops(flops, t(base)), tflops_ours=tflops(flops, t("ours")),
             ))
             continue
         if first.op == "block":
@@ -226,14 +232,24 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
         "",
     ]
     if op == "gemm":
-        header = ["shape", "M", "K", "N", "t_cublas", "t_ours", "TF/s cublas", "TF/s ours", "x_cublas", "path"]
+        header = ["shape", "dtype", "M", "K", "N", "t_cublas", "t_ours", "TF/s cublas", "TF/s ours", "x_cublas",
+                  "path"]
         lines += _table(header, (
-            [s.layer, str(s.m), str(s.k), str(s.n), _time_cell(s, "cublas"), _time_cell(s, "ours"),
+            [s.layer, s.dtype, str(s.m), str(s.k), str(s.n),
+             _time_cell(s, "cublas" if s.dtype == "bf16" else "torch"), _time_cell(s, "ours"),
              _num(s.tflops_cublas, 0), _num(s.tflops_ours, 0), _num(s.x_cublas, 2), s.path or "n/a"]
             for s in summaries
         ))
-        lines += ["", f"geomean x_cublas {_num(geomean(s.x_cublas for s in summaries), 3)} "
-                      f"over {sum(s.x_cublas is not None for s in summaries)} shapes"]
+        dtypes = list(dict.fromkeys(s.dtype for s in summaries))
+        if dtypes != ["bf16"]:
+            lines += ["", "FP8 rows (e4m3 inputs, bf16 output): t_cublas is torch's own scaled matmul, the variant "
+                          "torch (torch._scaled_mm; torch.nn.functional.scaled_mm for blockwise)."]
+        lines.append("")
+        for dtype in dtypes:
+            rows = [s for s in summaries if s.dtype == dtype]
+            lines.append(f"geomean x_cublas {_num(geomean(s.x_cublas for s in rows), 3)} "
+                         f"over {sum(s.x_cublas is not None for s in rows)} shapes"
+                         + (f" ({dtype})" if dtypes != ["bf16"] else ""))
     elif op == "block":
         header = ["block", "M", "hidden", "ffn", "t_floor", "t_base", "t_torch", "t_ours", "tokens/s ours",
                   "x_base", "x_torch", "ours/floor", "path"]
@@ -281,8 +297,8 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
     mem = {(r.shape_key, r.variant): r for r in measurements}
     lines += ["", "Peak GPU memory per variant, MB (allocator peak + memory kept outside it), max over ranks:", ""]
     lines += _table(["layer", "M", *variants], (
-        [s.layer, str(s.m)] + [_mem_cell(mem.get(((s.op, s.layer, s.world_size, s.m, s.k, s.n), v)))
-                               for v in variants]
+        [s.layer if s.dtype == "bf16" else f"{s.layer} {s.dtype}", str(s.m)]
+        + [_mem_cell(mem.get((s.shape_key, v))) for v in variants]
         for s in summaries
     ))
     return "\n".join(lines) + "\n"
@@ -339,10 +355,10 @@ def write_chart(path: Path, op: str, measurements: Sequence[Measurement]) -> boo
     except Exception:
         return False
     summaries = summarize(measurements)
-    labels = [f"{s.layer}\nM={s.m}" for s in summaries]
+    labels = [f"{s.layer}\nM={s.m}" + ("" if s.dtype == "bf16" else f" {s.dtype}") for s in summaries]
     if op == "gemm":
         series = {"ours / cuBLAS": [s.x_cublas for s in summaries]}
-        ylabel = "speedup over torch.matmul"
+        ylabel = "speedup over torch.matmul (FP8: torch's scaled matmul)"
     else:
         series = {"tileweave": [s.x_base for s in summaries],
                   "torch async-TP": [s.x_base_torch for s in summaries]}

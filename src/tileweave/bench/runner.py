@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.bench import variants as V
+from tileweave.bench.fp8 import dtype_label as fp8_label
 from tileweave.bench.report import BLOCK_VARIANTS, Measurement
 from tileweave.bench.suite import OpName, SuiteRow, gemm_shapes, select_rows
 from tileweave.bench.timing import (
@@ -65,6 +66,11 @@ class BenchConfig:
     """Rounds of each ag and rs row: from 2, the row's variants are timed again with the order mirrored
     each round (baselines then ours, ours then baselines, ...), and each variant reports its median over
     the rounds, so that no variant always runs last. PyTorch async-TP keeps its own phase."""
+    dtype: str = "bf16"
+    """``"bf16"``, or ``"fp8"``: the ``gemm`` section also runs each of ``scalings`` in FP8 (e4m3 inputs,
+    bf16 output) beside its bf16 rows, against torch's own scaled matmul (variant ``torch``)."""
+    scalings: tuple[str, ...] = ()
+    """FP8 scalings of the ``gemm`` section (``tileweave.bench.fp8.SCALINGS``), with ``dtype="fp8"``."""
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
     """The block section's variants to run in this process. One at a time, each in a fresh process, and
     the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
@@ -75,6 +81,11 @@ class BenchConfig:
             raise ValueError("ops must name at least one of gemm, ag, rs, block")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.dtype not in ("bf16", "fp8"):
+            raise ValueError(f"dtype must be bf16 or fp8, got {self.dtype!r}")
+        if self.dtype == "fp8" and (not self.scalings or set(self.ops) - {"gemm"}):
+            raise ValueError("dtype fp8 needs at least one scaling and runs the gemm section only (here; the "
+                             f"grouped section has its own --dtype), got sections {', '.join(self.ops)}")
         bad = [v for v in self.block_variants if v not in BLOCK_VARIANTS]
         if bad or not self.block_variants or len(set(self.block_variants)) != len(self.block_variants):
             raise ValueError(f"block variants must be distinct names from {', '.join(BLOCK_VARIANTS)}; "
@@ -197,7 +208,9 @@ def _row_key(row: SuiteRow, *, op: str, world_size: int) -> dict[str, object]:
 
 
 def run_gemm_section(cfg: BenchConfig, ctx: RankContext, progress: Progress) -> list[Measurement]:
-    """``torch.matmul`` vs ``tileweave.matmul`` on every local GEMM of the suite; single GPU."""
+    """``torch.matmul`` vs ``tileweave.matmul`` on every local GEMM of the suite; single GPU. With
+    ``cfg.dtype == "fp8"`` each shape also runs in FP8 per scaling (rows ``dtype="fp8-<scaling>"``),
+    torch's scaled matmul against ours, beside the bf16 rows."""
     out: list[Measurement] = []
     for shape in gemm_shapes(layers=cfg.layers or None, m_values=cfg.m_values or None):
         n_sets = V.rotation_sets(2 * (shape.m * shape.k + shape.n * shape.k))
@@ -208,7 +221,12 @@ def run_gemm_section(cfg: BenchConfig, ctx: RankContext, progress: Progress) -> 
         key = dict(op="gemm", layer=shape.label, world_size=1, m=shape.m, k=shape.k, n=shape.n)
         for v in V.gemm_section_variants(a, w, ref):
             out.append(run_variant(ctx, v, key=key))
-        del a, w, ref
+        del ref
+        for scaling in cfg.scalings if cfg.dtype == "fp8" else ():
+            for v in V.gemm_fp8_variants(a, w, scaling):
+                out.append(run_variant(ctx, v, key=dict(key, dtype=fp8_label(scaling))))
+            torch.cuda.empty_cache()
+        del a, w
         torch.cuda.empty_cache()
         progress.step(f"gemm {shape.m}x{shape.n}x{shape.k}")
     return out

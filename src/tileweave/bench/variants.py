@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import tileweave
 
+from tileweave.bench import fp8
 from tileweave.bench.suite import LocalShapes, SuiteRow, local_shapes
 from tileweave.bench.timing import rotation_sets
 
@@ -358,3 +359,28 @@ class CopyEngineComm:
     def close(self) -> None:
         self._quiesce()
         del self.views, self.handle, self.buf
+
+
+def gemm_fp8_variants(a: list[torch.Tensor], w: list[torch.Tensor], scaling: str) -> list[Variant]:
+    """torch's scaled matmul (``torch``) against ``tileweave.matmul`` (``ours``) on one single-GPU GEMM in
+    FP8: ``a`` and the ``nn.Linear`` weights ``w`` quantised to e4m3 with ``scaling``'s scales
+    (``tileweave.bench.fp8``), bf16 output, both checked against float32 of the dequantised inputs."""
+    n = len(a)
+    qa = [fp8.quantize_rows(x, scaling) for x in a]
+    qw = [fp8.quantize_weight(x, scaling) for x in w]
+    ref = qa[0][2] @ qw[0][2].t()
+    qa = [q[:2] for q in qa]  # the dequantised copies only make the reference
+    qw = [q[:2] for q in qw]
+    fn, note = fp8.torch_scaled_mm(scaling)
+    if fn is None:
+        theirs = Variant(name="torch", call=None, note=note)
+    else:
+        theirs = Variant(name="torch", check=_checker(ref),
+                         call=lambda i: fn(qa[i % n][0], qw[i % n][0].t(), qa[i % n][1], qw[i % n][1]))
+    ours_fn, note = lookup_ours("matmul")
+    if ours_fn is None:
+        return [theirs, Variant(name="ours", call=None, note=note)]
+    ours = Variant(name="ours", check=_checker(ref), path=path_probe("matmul"),
+                   call=lambda i: ours_fn(qa[i % n][0], qw[i % n][0].t(), scale_a=qa[i % n][1],
+                                          scale_b=qw[i % n][1]))
+    return [theirs, ours]

@@ -14,6 +14,15 @@ one K loop (``_mainloop``). The variants are compile-time switches:
 * ``BN2 > 0`` (plain GEMM, TMA loads): a tile is ``BN + BN2`` columns wide, two accumulators fed by one
   A load (``_mainloop_wide``), so that widths like 160 give narrow grids about one tile per SM.
 
+* ``SCALING`` (FP8 inputs, ``out = (a * scale_a) @ (b * scale_b)``, fp32 accumulation): ``"outer"``
+  multiplies each finished tile by ``scale_a[row] * scale_b[col]`` in the epilogue (rowwise scales
+  ``[M, 1]`` and ``[1, N]``; tensorwise scalars are the same with zero strides); ``"block"`` scales
+  every K step's product before it is accumulated, ``acc += dot(a, b) * sa[:, None] * sb[None, :]``,
+  with ``sa = scale_a[row, k // 128]`` (1 x 128 blocks of A) and ``sb = scale_b[k // 128, col // 128]``
+  (128 x 128 blocks of B): a K step (``BK`` dividing 128) never straddles two scale blocks. The scales
+  travel as one tuple ``scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk,
+  stride_sbn)``, rows of ``scale_a`` indexed like the rows of the A source a tile reads.
+
 Synchronisation comes from ``tileweave.kernels.sync``; every wait is bounded and records an error
 code instead of hanging (the host raises ``CollectiveTimeout``).
 """
@@ -69,16 +78,38 @@ def _load_b(b_src, b_ptr, col, k0, N, K, stride_bk, stride_bn,
 
 
 @triton.jit
+def _scale_rows(scales, row, rows, kb, BM: tl.constexpr):
+    # scale_a of the BM rows from `row` of the A source, K block kb (0 for "outer").
+    offs = row + tl.arange(0, BM)
+    return tl.load(scales[0] + offs.to(tl.int64) * scales[2] + kb * scales[3], mask=offs < rows, other=0.0)
+
+
+@triton.jit
+def _scale_cols(scales, col, N, kb, BN: tl.constexpr, BLOCK: tl.constexpr):
+    # scale_b of the BN columns from `col`, K block kb: one per column, or per 128 columns (BLOCK).
+    offs = col + tl.arange(0, BN)
+    idx = offs // 128 if BLOCK else offs
+    return tl.load(scales[1] + kb * scales[4] + idx * scales[5], mask=offs < N, other=0.0)
+
+
+@triton.jit
 def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi,
-              stride_am, stride_ak, stride_bk, stride_bn,
+              stride_am, stride_ak, stride_bk, stride_bn, scales,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+              B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SCALING: tl.constexpr):
     # K steps [k_lo, k_hi) of one tile (all of them, 0 to cdiv(K, BK), except under stream-K).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_lo, k_hi):
         a = _load_block(a_src, a_ptr, row_a, ki * BK, rows_a, K, stride_am, stride_ak, BM, BK, USE_TMA)
         b = _load_b(b_src, b_ptr, col_b, ki * BK, N, K, stride_bk, stride_bn, BN, BK, B_NK, USE_TMA)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALING == "block":
+            # DeepSeek-V3's promotion: each step's fp32 product scaled, then accumulated in fp32.
+            kb = (ki * BK) // 128
+            sa = _scale_rows(scales, row_a, rows_a, kb, BM)
+            sb = _scale_cols(scales, col_b, N, kb, BN, True)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -112,10 +143,16 @@ def _b_descriptor(b_ptr, N, K, stride_bk, stride_bn, BLOCK_N: tl.constexpr, BK: 
 
 @triton.jit
 def _store_tile(c_ptr, c_desc, acc, bias_ptr, row0, tile_m, tile_n, rows_valid, N, stride_cm, stride_cn,
-                BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr, C_TMA: tl.constexpr):
-    # The tile's epilogue: bias, then the store (TMA only where a tile cannot cross into the next chunk's
-    # rows: the host checks Mc % BM).
+                scales, row_a, rows_a,
+                BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr, C_TMA: tl.constexpr,
+                SCALING: tl.constexpr):
+    # The tile's epilogue: the "outer" scales (rows from row_a of the A source), bias, then the store
+    # (TMA only where a tile cannot cross into the next chunk's rows: the host checks Mc % BM).
     offs_n = tile_n + tl.arange(0, BN)
+    if SCALING == "outer":
+        sa = _scale_rows(scales, row_a, rows_a, 0, BM)
+        sb = _scale_cols(scales, tile_n, N, 0, BN, False)
+        acc = acc * (sa[:, None] * sb[None, :])
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     if C_TMA:
@@ -130,11 +167,11 @@ def _store_tile(c_ptr, c_desc, acc, bias_ptr, row0, tile_m, tile_n, rows_valid, 
 @triton.jit
 def _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 row_a0, rows_a, row_c0, m_chunk, N, K,
-                stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, skip, tail,
+                stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, skip, tail, scales,
                 BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr, P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr,
                 USE_TMA: tl.constexpr, C_TMA: tl.constexpr, FLATTEN: tl.constexpr,
-                WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+                WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr, SCALING: tl.constexpr):
     """The whole tiles of one chunk of ``m_chunk`` rows (A rows from ``row_a0``, C rows from
     ``row_c0``) that belong to program ``pid``, ``step`` chunks into the global order. ``skip`` (0/1)
     drops the chunk: it comes from a flag wait, so the loop bounds depend on the flag's value and no
@@ -147,25 +184,28 @@ def _chunk_loop(pid, step, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, 
     for t in tl.range(start, tiles - tail, P, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
         col = pid_n * (BN + BN2)
+        row_a = row_a0 + pid_m * BM
         if BN2 > 0:
-            acc, acc2 = _mainloop_wide(a_src, b_src, b2_src, row_a0 + pid_m * BM, col, 0, tl.cdiv(K, BK),
+            tl.static_assert(SCALING != "block", "block scaling is applied in _mainloop only: no BN2")
+            acc, acc2 = _mainloop_wide(a_src, b_src, b2_src, row_a, col, 0, tl.cdiv(K, BK),
                                        BM, BN, BN2, BK, B_NK, PRECISION)
             _store_tile(c_ptr, c2_desc, acc2, bias_ptr, row_c0, pid_m * BM, col + BN, m_chunk, N,
-                        stride_cm, stride_cn, BM, BN2, HAS_BIAS, C_TMA)
+                        stride_cm, stride_cn, scales, row_a, rows_a, BM, BN2, HAS_BIAS, C_TMA, SCALING)
         else:
-            acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, col, N, K, 0, tl.cdiv(K, BK),
-                            stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK, B_NK, USE_TMA, PRECISION)
+            acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col, N, K, 0, tl.cdiv(K, BK),
+                            stride_am, stride_ak, stride_bk, stride_bn, scales, BM, BN, BK, B_NK, USE_TMA,
+                            PRECISION, SCALING)
         _store_tile(c_ptr, c_desc, acc, bias_ptr, row_c0, pid_m * BM, col, m_chunk, N,
-                    stride_cm, stride_cn, BM, BN, HAS_BIAS, C_TMA)
+                    stride_cm, stride_cn, scales, row_a, rows_a, BM, BN, HAS_BIAS, C_TMA, SCALING)
 
 
 @triton.jit
 def _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
                    row_a0, rows_a, row_c0, m_rows, N, K, first_tile, skip,
-                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, scales,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    P: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-                   C_TMA: tl.constexpr, PRECISION: tl.constexpr):
+                   C_TMA: tl.constexpr, PRECISION: tl.constexpr, SCALING: tl.constexpr):
     """The K steps of tiles ``[first_tile, tiles)`` of an ``m_rows x N`` grid (A rows from ``row_a0``,
     C rows from ``row_c0``), tile ``first_tile`` step 0, step 1, ..., dealt out evenly: program ``pid``
     takes ``[pid * per, (pid + 1) * per)`` (data-parallel waves, then stream-K: Osama et al., PPoPP
@@ -191,14 +231,15 @@ def _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, par
         k_lo = it - t * k_tiles
         k_hi = tl.minimum(k_tiles, k_lo + end - it)
         pid_m, pid_n = _grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
-        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a0 + pid_m * BM, rows_a, pid_n * BN, N, K, k_lo,
-                        k_hi - skip * (k_hi - k_lo), stride_am, stride_ak, stride_bk, stride_bn,
-                        BM, BN, BK, B_NK, USE_TMA, PRECISION)
+        row_a = row_a0 + pid_m * BM
+        acc = _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, pid_n * BN, N, K, k_lo,
+                        k_hi - skip * (k_hi - k_lo), stride_am, stride_ak, stride_bk, stride_bn, scales,
+                        BM, BN, BK, B_NK, USE_TMA, PRECISION, SCALING)
         first = (t * k_tiles - base) // per
         last = ((t + 1) * k_tiles - 1 - base) // per
         if first == last:
             _store_tile(c_ptr, c_desc, acc, bias_ptr, row_c0, pid_m * BM, pid_n * BN, m_rows, N,
-                        stride_cm, stride_cn, BM, BN, HAS_BIAS, C_TMA)
+                        stride_cm, stride_cn, scales, row_a, rows_a, BM, BN, HAS_BIAS, C_TMA, SCALING)
         else:
             # Slot 2p holds program p's first segment, 2p + 1 its later one (only its last can be partial).
             slot = 2 * pid + (it != base + pid * per).to(tl.int32)
@@ -212,7 +253,7 @@ def _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, par
                     other = 2 * p + (base + p * per < t * k_tiles).to(tl.int32)
                     acc += tl.load(part_ptr + other.to(tl.int64) * (BM * BN) + slot_rows, cache_modifier=".cg")
                 _store_tile(c_ptr, c_desc, acc, bias_ptr, row_c0, pid_m * BM, pid_n * BN, m_rows, N,
-                            stride_cm, stride_cn, BM, BN, HAS_BIAS, C_TMA)
+                            stride_cm, stride_cn, scales, row_a, rows_a, BM, BN, HAS_BIAS, C_TMA, SCALING)
                 tl.store(locks_ptr + t, 0)
         it += k_hi - k_lo
 
@@ -227,13 +268,16 @@ def _metadata(grid, kernel, args):
 @triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "max_spin", "rank"])
 def fused_gemm_kernel(
         a_ptr, gathered_ptr, b_ptr, c_ptr, bias_ptr, ready_ptr, err_ptr, part_ptr, locks_ptr,
+        scale_a_ptr, scale_b_ptr,
         epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+        stride_sam, stride_sak, stride_sbk, stride_sbn,
         BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         P: tl.constexpr, WORLD: tl.constexpr, ALL_GATHER: tl.constexpr, RING: tl.constexpr,
         STREAM_K: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
-        C_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+        C_TMA: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr,
+        SCALING: tl.constexpr):
     """See the module docstring. ``m_chunk``: rows per rank (all of M for the plain GEMM).
 
     ``ALL_GATHER``: ``gathered_ptr`` is the gather buffer ``[W * Mc, K]`` and ``ready_ptr[src]`` the
@@ -241,7 +285,12 @@ def fused_gemm_kernel(
     ``1 + src`` in ``err_ptr``. ``STREAM_K``: ``part_ptr`` is the fp32 partial-tile workspace and
     ``locks_ptr`` the per-tile arrival counts of ``_stream_k_tail`` (zero between calls); with
     ``ALL_GATHER`` the host has checked that the partial wave's tiles all lie in the last chunk.
+    ``SCALING`` (None, ``"outer"``, ``"block"``): ``scale_a_ptr`` and ``scale_b_ptr`` with their
+    strides (unused without it). Scaled AllGather+GEMM needs the peers' a-scales gathered beside their
+    rows, which this kernel does not read yet: the two switches do not combine.
     """
+    tl.static_assert(SCALING is None or not ALL_GATHER, "scaled AllGather+GEMM is not implemented")
+    scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn)
     pid = tl.program_id(0)
     if USE_TMA:
         a_src = tl.make_tensor_descriptor(a_ptr, shape=[m_chunk, K], strides=[stride_am, 1], block_shape=[BM, BK])
@@ -270,8 +319,8 @@ def fused_gemm_kernel(
     own_row = rank * m_chunk if ALL_GATHER else 0
     _chunk_loop(pid, 0, a_src, b_src, b2_src, c_desc, c2_desc, a_ptr, b_ptr, c_ptr, bias_ptr,
                 0, m_chunk, own_row, m_chunk, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                0, 0 if ALL_GATHER else rem, BM, BN, BN2, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA,
-                FLATTEN, WARP_SPECIALIZE, PRECISION)
+                0, 0 if ALL_GATHER else rem, scales, BM, BN, BN2, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA,
+                C_TMA, FLATTEN, WARP_SPECIALIZE, PRECISION, SCALING)
     if ALL_GATHER:
         gathered_rows = m_chunk * WORLD
         if USE_TMA:
@@ -289,16 +338,16 @@ def fused_gemm_kernel(
             _chunk_loop(pid, step, g_src, b_src, b2_src, c_desc, c2_desc, gathered_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
-                        skip, tl.where(step == WORLD - 1, rem, 0), BM, BN, BN2, BK, GROUP_M, P, B_NK, HAS_BIAS,
-                        USE_TMA, C_TMA, FLATTEN, WARP_SPECIALIZE, PRECISION)
+                        skip, tl.where(step == WORLD - 1, rem, 0), scales, BM, BN, BN2, BK, GROUP_M, P, B_NK,
+                        HAS_BIAS, USE_TMA, C_TMA, FLATTEN, WARP_SPECIALIZE, PRECISION, SCALING)
         if STREAM_K:
             # The last chunk's `rem` tiles, by K steps over every program (after its flag: `skip`).
             _stream_k_tail(pid, g_src, b_src, c_desc, gathered_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
                            src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K, tiles_per_chunk - rem, skip,
-                           K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
-                           BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION)
+                           K, 1, stride_bk, stride_bn, stride_cm, stride_cn, scales,
+                           BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION, SCALING)
     elif STREAM_K:
         _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
                        0, m_chunk, 0, m_chunk, N, K, tiles_per_chunk - rem, 0,
-                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                       BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION)
+                       stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, scales,
+                       BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION, SCALING)

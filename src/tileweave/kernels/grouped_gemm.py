@@ -30,6 +30,14 @@ covers): B holds gate columns ``[0, N)`` and up columns ``[N, 2N)``; a tile of B
   feeds both and the epilogue stores ``silu(gate) * up``; ``SAVE_PRE`` also stores the pre-activations
   into ``pre_ptr`` ``[P, 2N]``, interleaved (gate j at column 2j, up j at 2j + 1): what the backward
   needs.
+
+``SCALING`` (FP8 inputs, as in ``tileweave.kernels.gemm``): ``"outer"`` multiplies the finished tile by
+``scale_a[src] * scale_b[expert, col]`` before its epilogue (tensorwise: zero strides), ``"block"``
+scales each K step's product by ``scale_a[src, k // 128] * scale_b[expert, k // 128, col // 128]``
+before accumulating it. ``src`` is the row of ``a`` a row reads (``a_rows[p]`` when gathering), so
+the a-scales travel with the rows; ``col`` is the column of B (under ``SWIGLU``, the gate's or the
+up's), so the scales apply before the SwiGLU. The scales travel as one tuple ``(scale_a_ptr,
+scale_b_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn)``.
 """
 
 import triton
@@ -51,12 +59,23 @@ def _b_descriptor(b_ptr, E, N, K, stride_be, stride_bk, stride_bn,
 
 
 @triton.jit
+def _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, kb, BLOCK: tl.constexpr):
+    # scale_a of the tile's source rows and scale_b of its B columns (per 128 columns with BLOCK), K block kb.
+    sa = tl.load(scales[0] + src * scales[2] + kb * scales[3], mask=mask_m, other=0.0)
+    col = b_cols // 128 if BLOCK else b_cols
+    sb = tl.load(scales[1] + expert.to(tl.int64) * scales[4] + kb * scales[5] + col * scales[6], mask=mask_b,
+                 other=0.0)
+    return sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
           row_lo, row_hi, row_end, local, expert, source, N, K,
-          stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
+          stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, scales,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
           B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
-          SIGNAL: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr):
+          SIGNAL: tl.constexpr, PRECISION: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr,
+          SCALING: tl.constexpr):
     """Tile ``local`` of the group of output rows ``[row_lo, row_hi)``, times ``b[expert]``. Rows from
     ``row_end`` on are neither loaded nor stored (``row_end == row_lo`` after an expired gate: the
     masks then depend on the flag's value, so no load can be issued before the wait)."""
@@ -99,8 +118,13 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
         else:
             b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_b[None, :], other=0.0)
             b_ptrs += BK * stride_bk
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALING == "block":
+            acc += tl.dot(a, b) * _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, (ki * BK) // 128, True)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ak
+    if SCALING == "outer":
+        acc = acc * _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, 0, False)
     mask = mask_m[:, None] & mask_n[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
     if SWIGLU:
@@ -135,19 +159,23 @@ def _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed):
 @triton.jit(do_not_specialize=["epoch", "max_spin", "rank", "g_lo", "n_groups", "rotate"])
 def grouped_gemm_kernel(
         a_ptr, a_rows_ptr, b_ptr, c_ptr, offsets_ptr, scale_ptr, ready_ptr, err_ptr, counters_ptr,
-        pre_ptr,
+        pre_ptr, scale_a_ptr, scale_b_ptr,
         epoch, max_spin, rank, g_lo, n_groups, rotate, E, N, K,
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
+        stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, P: tl.constexpr,
         G_BLOCK: tl.constexpr, B_NK: tl.constexpr, B_TMA: tl.constexpr, GATHER: tl.constexpr,
         HAS_SCALE: tl.constexpr, GATE: tl.constexpr, SIGNAL: tl.constexpr, PRECISION: tl.constexpr,
-        FLATTEN: tl.constexpr = False, SWIGLU: tl.constexpr = False, SAVE_PRE: tl.constexpr = False):
+        FLATTEN: tl.constexpr = False, SWIGLU: tl.constexpr = False, SAVE_PRE: tl.constexpr = False,
+        SCALING: tl.constexpr = None):
     """See the module docstring. Groups ``g_lo + (i + rotate) % n_groups`` for ``i`` in ``[0, n_groups)``
     are visited in order of ``i``; group g multiplies by expert ``g % E``, its source rank (``GATE``,
     ``SIGNAL``) is ``g // E``. ``ready_ptr``, ``err_ptr`` and ``counters_ptr`` are read only under
     ``GATE`` / ``SIGNAL``; ``epoch`` and ``max_spin`` belong to ``GATE``. ``FLATTEN`` (``G_BLOCK`` > 0,
     no ``GATE``): the tile and K loops are pipelined as one, so that a tile's epilogue overlaps the next
-    tile's first loads."""
+    tile's first loads. ``SCALING``: see the module docstring (``scale_a_ptr``, ``scale_b_ptr`` and
+    their strides are read only under it)."""
+    scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn)
     pid = tl.program_id(0)
     if B_TMA:
         if SWIGLU:
@@ -182,8 +210,9 @@ def grouped_gemm_kernel(
                 row_end = row_hi - missed * (row_hi - row_lo)
             _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
                   row_lo, row_hi, row_end, t - first, g - source * E, source, N, K,
-                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
-                  BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU, SAVE_PRE)
+                  stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm, scales,
+                  BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU, SAVE_PRE,
+                  SCALING)
     else:
         base = 0
         for i in range(0, n_groups):
@@ -201,6 +230,6 @@ def grouped_gemm_kernel(
                 _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_ptr,
                       row_lo, row_hi, row_end, local, g - source * E, source, N, K,
                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
-                      BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU,
-                      SAVE_PRE)
+                      scales, BM, BN, BK, GROUP_M, B_NK, B_TMA, GATHER, HAS_SCALE, SIGNAL, PRECISION, SWIGLU,
+                      SAVE_PRE, SCALING)
             base += tiles

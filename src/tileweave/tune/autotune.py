@@ -106,15 +106,18 @@ def _cache_for(device: torch.device) -> ConfigCache:
 
 
 def select_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, *, num_sms: int,
-                  interpreter: bool = False, stream_k: bool = True) -> GemmConfig:
+                  interpreter: bool = False, stream_k: bool = True,
+                  out_dtype: torch.dtype | None = None, scaling: str | None = None) -> GemmConfig:
     """The tuned config for this shape if the cache has one, else the heuristic choice (whole tiles
-    only with ``stream_k=False``)."""
-    memo = (m, n, k, dtype, device.type, device.index, interpreter, stream_k)
+    only with ``stream_k=False``; ``out_dtype`` and ``scaling``: of float8 inputs, whose configs depend
+    on them; their tuned entries are keyed by them too)."""
+    memo = (m, n, k, dtype, device.type, device.index, interpreter, stream_k, out_dtype, scaling)
     config = _selected.get(memo)
     if config is None:
-        config = None if interpreter else _cache_for(device).get(shape_key(m, n, k, dtype))
+        key = shape_key(m, n, k, dtype) + (f":{scaling}:{str(out_dtype).removeprefix('torch.')}" if scaling else "")
+        config = None if interpreter else _cache_for(device).get(key)
         config = config or choose_gemm_config(m, n, k, dtype, num_sms=num_sms, interpreter=interpreter,
-                                              stream_k=stream_k)
+                                              stream_k=stream_k, out_dtype=out_dtype, scaling=scaling)
         _selected[memo] = config
     return config
 

@@ -131,9 +131,44 @@ WIDE_TILE_COST = 0.86
 1024 x 1280 x 8192 in graph replay, one wave each."""
 
 
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a one-byte float (float8 e4m3fn, e5m2)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+FP8_BIG_TILE = GemmConfig(block_m=128, block_n=256, block_k=128, group_m=16, num_stages=3, num_warps=8)
+"""FP8: 128 x 256 tiles, 128 deep. An FP8 MMA does twice bf16's work per cycle on half the bytes per
+element, so a K step of 128 one-byte elements moves what bf16's step of 64 moves (16 KB of A and 32 KB
+of B a stage) and keeps the tensor cores twice as busy per byte: the bf16 tile's pipeline in the same
+shared memory, 3 stages x 48 KB + the TMA store's 64 KB bf16 tile = 208 KB of the 227 KB a program may
+have on sm_90 (ptxas: 162 registers, no spills). Not yet tuned on a GPU."""
+FP8_MID_TILE = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8)
+"""FP8 128 x 128 tiles: 4 stages x 32 KB + the store tile (32 KB bf16, 64 KB fp32) = 160 or 192 KB."""
+
+
+def choose_fp8_config(m: int, n: int, k: int, out_dtype: torch.dtype | None, *, num_sms: int,
+                      scaling: str | None = None) -> GemmConfig:
+    """The FP8 GEMM's config, whole tiles only: ``FP8_BIG_TILE`` or ``FP8_MID_TILE`` by the wave rule of
+    ``choose_gemm_config`` (``BIG_TILE_COST``), except where 128 x 256 tiles do not fit an sm_90 program:
+    blockwise ``scaling`` (each K step's product is a second 128 x 256 fp32 tile beside the
+    accumulator: 255 registers and spills, against 190 registers for 128 x 128) and a float32 output
+    (converting the 128 KB fp32 tile for its store needs shared memory beside the 3 stages: 272 KB).
+    A K step of 128 is also the blockwise recipe's scale block: one scale multiply per step.
+    Worked example: 8192 x 14336 x 8192, tensorwise, bf16 out, is 64 x 56 = 3584 tiles of 128 x 256
+    (27 waves on 132 SMs): ``FP8_BIG_TILE``; 1024 x 1024 x 4096 is 32 such tiles (one wave, cost 1.8)
+    or 64 of 128 x 128 (one wave, 1.0): ``FP8_MID_TILE``."""
+    if scaling == "blockwise" or out_dtype == torch.float32:
+        return FP8_MID_TILE
+    big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
+    mid_tiles = math.ceil(m / 128) * math.ceil(n / 128)
+    big = big_tiles >= 2 * num_sms or math.ceil(big_tiles / num_sms) * BIG_TILE_COST <= math.ceil(mid_tiles / num_sms)
+    return FP8_BIG_TILE if big else FP8_MID_TILE
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: int,
-                       interpreter: bool = False, stream_k: bool = True) -> GemmConfig:
+                       interpreter: bool = False, stream_k: bool = True,
+                       out_dtype: torch.dtype | None = None, scaling: str | None = None) -> GemmConfig:
     """The default configuration for a local GEMM of ``[m, k] x [k, n]``.
 
     Large problems take 128 x 256 x 64 tiles (``BIG_TILE``, the shape cuBLAS also favours on Hopper).
@@ -145,10 +180,13 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     tiles the same way, for grids that 128 x 128 tiles leave mostly idle: 64 x 128 (``SMALL_TILE``; 1024
     x 768 is 96 of them, one wave at 0.69, against 48 mid tiles at 1.0) and 64 x 160 (``WIDE_TILE``;
     1024 x 1280 is 128, 0.86 against 80 mid tiles at 1.0). ``stream_k=False``: whole tiles of 128 rows
-    only (the fused kernels).
+    only (the fused kernels). Float8 inputs (output ``out_dtype``, ``scaling`` tensorwise, rowwise or
+    blockwise) take ``choose_fp8_config``.
     """
     if interpreter:
         return INTERPRETER_CONFIG
+    if is_fp8(dtype):
+        return choose_fp8_config(m, n, k, out_dtype, num_sms=num_sms, scaling=scaling)
     if dtype == torch.float32:
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)

@@ -26,6 +26,15 @@ multiplies by 256 columns of B (gate and up side by side), so it takes the 128 x
 (3 stages, 8 warps, flattened), and runs as fast as the plain grouped GEMM of the same FLOPs (two
 128 x 128 accumulators over separate gate and up loads ran a quarter slower; NOTES.md has the sweep).
 
+Float8 inputs (the FP8 grouped GEMM; compiled for sm_90, not yet timed on a GPU): BK = 128, so that a
+step moves what bf16's step of 64 moves while an FP8 MMA does twice bf16's work per cycle, and a step
+is the blockwise recipe's scale block (one scale multiply per step). Tiles of 128 x 128 (4 stages x 32
+KB, unflattened), or 128 x 64 output columns under the SwiGLU epilogue (128 columns of B): the row
+gather's pointer tensor is ``BM x BK`` 64-bit addresses, twice bf16's at BK = 128, and with the wider
+tiles ptxas spilled (128 x 256: 255 registers, 1188 bytes of spills under blockwise scaling; the
+SwiGLU over 256 columns of B: 956 bytes even tensorwise), where these compile without spills (128 x
+64 SwiGLU blockwise: 180 bytes).
+
 Worked example: Mixtral-8x7B layer 0 at TP=2, T = 8192, k = 2: P = 16384 rows over G = 8 experts
 (2048 rows each), N = F/2 = 7168, K = 4096. 2048 >= 128 rows gives BM = 128; 7168 is 28 x 256 columns
 exactly, and 8 * 16 * 28 = 3584 tiles are 27 waves on 132 SMs: 128 x 256 x 64, 3 stages, 8 warps,
@@ -90,6 +99,9 @@ def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.d
         return INTERPRETER_CONFIG
     per_group = rows / max(groups, 1)
     block_m = 128 if per_group >= 128 else 64
+    if dtype.itemsize == 1:  # float8: see the module docstring
+        return GroupedConfig(block_m=block_m, block_n=64 if swiglu else 128, block_k=128, num_stages=4,
+                             num_warps=8 if block_m == 128 else 4)
     block_k = 32 if dtype == torch.float32 else 64
     if swiglu:
         return GroupedConfig(block_m=block_m, block_n=128, block_k=block_k, num_stages=3 if block_m == 128 else 4,

@@ -11,11 +11,12 @@ import math
 import torch
 
 from tileweave.kernels.gemm import fused_gemm_kernel
+from tileweave.ops.compute.scaling import BLOCK, Scales
 from tileweave.runtime import triton_launch
 from tileweave.tune.configs import GemmConfig
 
 CONSTEXPR_NAMES = ("BM", "BN", "BN2", "BK", "GROUP_M", "P", "WORLD", "ALL_GATHER", "RING", "STREAM_K", "B_NK",
-                   "HAS_BIAS", "USE_TMA", "C_TMA", "FLATTEN", "WARP_SPECIALIZE", "PRECISION")
+                   "HAS_BIAS", "USE_TMA", "C_TMA", "FLATTEN", "WARP_SPECIALIZE", "PRECISION", "SCALING")
 """Every constexpr of ``fused_gemm_kernel``, in order: the direct launch passes them all by position."""
 
 
@@ -72,13 +73,21 @@ def launch(*, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
            config: GemmConfig, m_chunk: int, programs: int, rank: int = 0, world: int = 1,
            gathered: torch.Tensor | None = None, ready: torch.Tensor | None = None,
            err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0, ring: bool = False,
-           compile_only: bool = False) -> LaunchPlan:
+           scales: Scales | None = None, compile_only: bool = False) -> LaunchPlan:
     """Launch ``fused_gemm_kernel``: the plain GEMM ``c = a @ b (+ bias)``, or with ``gathered`` (the
     ``[W * m_chunk, K]`` gather buffer, ``ready`` its flags, ``err`` the error word) AllGather+GEMM's
-    consumer. Returns what a later call can replay. ``compile_only`` compiles the kernel these
-    arguments need (on a GPU) without launching it."""
+    consumer; with ``scales`` (checked by ``scaling.dense_scales``) float8 ``a`` and ``b`` scaled.
+    Returns what a later call can replay. ``compile_only`` compiles the kernel these arguments need (on
+    a GPU) without launching it."""
     triton_launch.install_allocator()
     all_gather = gathered is not None
+    if scales is not None and all_gather:
+        raise ValueError("scaled (float8) AllGather+GEMM is not implemented: the kernel reads no gathered a-scales")
+    if scales is not None and scales.kernel_mode == "block":
+        if BLOCK % config.block_k:
+            raise ValueError(f"blockwise scales need GemmConfig.block_k to divide {BLOCK}, got {config.block_k}")
+        # The two-part tile has no per-step scaling (_mainloop_wide): plain tiles.
+        config = dataclasses.replace(config, block_n2=0)
     b_in = b
     b, b_nk = b_layout(b)
     k, n = b.shape
@@ -106,30 +115,40 @@ def launch(*, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
             stream_k = (2 * programs * config.block_m * config.block_n, tiles_per_chunk(m_chunk, n, config))
     parts, locks = stream_k_buffers(c.device, *stream_k) if stream_k else (c, c)
     tensors = (a, gathered if all_gather else a, b, c, bias if bias is not None else c,
-               ready if ready is not None else c, err if err is not None else c, parts, locks)
-    ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+               ready if ready is not None else c, err if err is not None else c, parts, locks,
+               *_scale_tensors(scales, c))
+    ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            *_scale_strides(scales))
     constexprs = (config.block_m, config.block_n, config.block_n2, config.block_k, config.group_m, programs, world,
                   all_gather, ring, stream_k is not None, b_nk, bias is not None, use_tma, c_tma, config.flatten,
-                  config.warp_specialize, precision)
+                  config.warp_specialize, precision, None if scales is None else scales.kernel_mode)
     _run(tensors, (wrap_int32(epoch), max_spin), ints, constexprs, config.num_warps, config.num_stages, programs,
          compile_only)
     return LaunchPlan(ints=ints, constexprs=constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
                       programs=programs, b_copied=b is not b_in, stream_k=stream_k)
 
 
+def _scale_tensors(scales: Scales | None, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (c, c) if scales is None else (scales.a, scales.b)
+
+
+def _scale_strides(scales: Scales | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if scales is None else (*scales.a_strides, *scales.b_strides[1:])
+
+
 def relaunch(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              bias: torch.Tensor | None, *, gathered: torch.Tensor | None = None,
              ready: torch.Tensor | None = None, err: torch.Tensor | None = None, epoch: int = 0,
-             max_spin: int = 0) -> None:
+             max_spin: int = 0, scales: Scales | None = None) -> None:
     """A launch again, for tensors that match the ones ``plan`` was made from in shape, strides, dtype,
     device and 16-byte alignment, and the same workspace buffers (the caller's cache key guarantees
-    it); ``epoch`` and ``max_spin`` may change."""
+    it, scales included); ``epoch`` and ``max_spin`` may change."""
     triton_launch.install_allocator()
     if plan.b_copied:
         b = b.contiguous()
     parts, locks = stream_k_buffers(c.device, *plan.stream_k) if plan.stream_k else (c, c)
     tensors = (a, a if gathered is None else gathered, b, c, c if bias is None else bias,
-               c if ready is None else ready, c if err is None else err, parts, locks)
+               c if ready is None else ready, c if err is None else err, parts, locks, *_scale_tensors(scales, c))
     unspecialized = (wrap_int32(epoch), max_spin)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         # Pointers go to the launcher as ints: given a tensor, Triton's launcher calls its data_ptr()

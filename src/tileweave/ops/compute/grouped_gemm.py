@@ -13,6 +13,7 @@ import triton
 
 from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
 from tileweave.ops import common
+from tileweave.ops.compute import scaling
 from tileweave.ops.compute.gemm_launch import layout, wrap_int32
 from tileweave.runtime import triton_launch
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
@@ -69,7 +70,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
                  row_scale: torch.Tensor | None = None, experts: int | None = None,
                  out: torch.Tensor | None = None, config: GroupedConfig | None = None,
                  group_range: tuple[int, int] | None = None, gate: tuple | None = None,
-                 signal: tuple | None = None, epilogue: SwiGLU | None = None) -> torch.Tensor:
+                 signal: tuple | None = None, epilogue: SwiGLU | None = None,
+                 scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[p] = a[a_rows[p]] @ b[g % E] (* row_scale[p])`` for every row p of every group g.
 
     Shapes: ``a [Ma, K]`` (unit column stride, any row stride); ``a_rows`` int32/int64 ``[P]`` (row p
@@ -82,6 +85,17 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     stride) has ``a``'s dtype; float16, bfloat16 and float32 inputs (float32 uses TF32 where
     ``torch.backends.cuda.matmul.allow_tf32`` allows it). On the CPU this runs in Triton's interpreter,
     bfloat16 upcast to float32 there.
+
+    FP8 (``torch._scaled_grouped_mm``'s semantics, per expert): float8 ``a`` and ``b`` (e4m3fn or
+    e5m2) with float32 ``scale_a`` and ``scale_b``: ``out[p] = (a[a_rows[p]] * scale_a[a_rows[p]]) @
+    (b[e] * scale_b[e])`` in ``out_dtype`` (bfloat16 by default, float16, float32), fp32 accumulation.
+    Tensorwise: ``scale_a`` one element, ``scale_b [E]``; rowwise: ``scale_a [Ma, 1]`` (or ``[Ma]``),
+    ``scale_b [E, 1, N]`` (or ``[E, N]``); blockwise (DeepSeek-V3): ``scale_a [Ma, K/128]`` per
+    1 x 128 block of a row of ``a``, ``scale_b [E, K/128, ceil(N/128)]`` per 128 x 128 block of each
+    expert's ``b``, applied per K step inside the main loop (K a multiple of 128). ``scale_a``'s rows
+    are ``a``'s rows: a gathered row takes its source row's scales. The scales apply before
+    ``row_scale`` and the SwiGLU epilogue (whose ``pre`` has ``out_dtype``). In the interpreter a
+    bfloat16 output is computed in float32 and rounded once.
 
     The row counts stay on the device: no host synchronisation (capturable in a CUDA graph). The
     offsets are checked against P only under ``TILEWEAVE_DEBUG=1`` (a host sync); out-of-range
@@ -105,18 +119,19 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     Concurrency: ``out`` rows of the computed groups are written, nothing else; the call is ordered on
     the current stream like any kernel.
     """
-    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue)
+    key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue,
+                    scale_a, scale_b, out_dtype)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         # First call with arguments like these: check them and derive the launch.
         plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
-                        epilogue)
+                        epilogue, scale_a, scale_b, out_dtype)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
     if out is None:
-        out = torch.empty((plan.rows, plan.out_n), dtype=a.dtype, device=a.device)
+        out = torch.empty((plan.rows, plan.out_n), dtype=plan.out_dtype, device=a.device)
     if common.debug_mode():
         _check_offsets(offsets, plan.rows)
     pre = None if epilogue is None else epilogue.pre
@@ -128,16 +143,20 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
         ready, epoch, _, err, max_spin = gate
     if signal is not None:
         counters = signal[0]
-    if plan.upcast:
-        # The interpreter's bfloat16 dot is wrong: compute in float32 and round once at the end.
+    scales = (scale_a, scale_b) if plan.scaled else None
+    if plan.upcast or plan.stage_out:
+        # The interpreter's bfloat16 loads, dots and stores are wrong: compute in float32 and round once at
+        # the end (float8 inputs stay as they are).
         staged, staged_pre = out.float(), None if pre is None else pre.float()
-        _run(plan, a.float(), b.float(), offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin,
-             staged_pre)
+        if plan.upcast:
+            a, b = a.float(), b.float()
+        _run(plan, a, b, offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin, staged_pre,
+             scales)
         out.copy_(staged)
         if pre is not None:
             pre.copy_(staged_pre)
     else:
-        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin, pre)
+        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin, pre, scales)
     return out
 
 
@@ -152,6 +171,10 @@ class _Plan:
     out_n: int = 0
     """Columns of ``out``: ``n``, or ``n / 2`` under ``SwiGLU``."""
     upcast: bool = False
+    stage_out: bool = False
+    """Float8 inputs, bfloat16 output, in the interpreter: the kernel writes float32, rounded after."""
+    out_dtype: torch.dtype | None = None
+    scaled: bool = False
     copy_a: bool = False
     copy_b: bool = False
     scalars: tuple = ()
@@ -169,14 +192,14 @@ _MAX_PLANS = 4096
 
 
 def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
-              epilogue) -> tuple | None:
+              epilogue, scale_a, scale_b, out_dtype) -> tuple | None:
     """Everything about the arguments that the launch depends on, or None to take the checked path."""
     epilogue_key = None
     if epilogue is not None:
         if type(epilogue) is not SwiGLU or epilogue.pre is not None and type(epilogue.pre) is not torch.Tensor:
             return None
         epilogue_key = ("swiglu", layout(epilogue.pre))
-    for t in (a, b, offsets, a_rows, row_scale, out):
+    for t in (a, b, offsets, a_rows, row_scale, out, scale_a, scale_b):
         if t is not None and type(t) is not torch.Tensor:
             return None
     if config is not None and type(config) is not GroupedConfig or experts is not None and type(experts) is not int \
@@ -195,7 +218,8 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
             return None
         signal_key = layout(signal[0])
     return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
-            group_range, gate_key, signal_key, epilogue_key, common.interpreting(), G_BLOCK_MAX,
+            group_range, gate_key, signal_key, epilogue_key, layout(scale_a), layout(scale_b), out_dtype,
+            common.interpreting(), G_BLOCK_MAX,
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -215,11 +239,20 @@ def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: tor
     return n // 2
 
 
-def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue) -> _Plan:
-    common.check_matrix("a", a)
+def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue,
+             scale_a, scale_b, out_dtype) -> _Plan:
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D tensor [E, K, N], got {common.describe(b)}")
-    common.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"a must be a torch.Tensor, got {type(a).__name__}")
+    scaled = scaling.check_operands("grouped_gemm", a, b, scale_a, scale_b)
+    c_dtype = scaling.out_dtype_of("grouped_gemm", a, out_dtype)
+    if scaled:
+        if a.dim() != 2:
+            raise ValueError(f"a must be 2-D, got shape {tuple(a.shape)}")
+    else:
+        common.check_matrix("a", a)
+        common.check_matrix("b[0]", b[0], dtype=a.dtype, device=a.device)
     num_b, k, n = b.shape
     if a.shape[1] != k:
         raise ValueError(f"a is [Ma, K={a.shape[1]}] but b is {list(b.shape)}: b must be [E, K={a.shape[1]}, N]")
@@ -240,8 +273,9 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
                              f"got {common.describe(row_scale)}")
-    out_n = _check_epilogue(epilogue, rows, n, a.dtype, a.device, row_scale)
-    common.check_out(out, (rows, out_n), a.dtype, a.device)
+    scales = scaling.grouped_scales("grouped_gemm", a.shape[0], num_b, n, k, scale_a, scale_b) if scaled else None
+    out_n = _check_epilogue(epilogue, rows, n, c_dtype, a.device, row_scale)
+    common.check_out(out, (rows, out_n), c_dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)
     sources = math.ceil(groups / experts)
     gate = _check_gate(gate, sources, a.device)
@@ -249,12 +283,16 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     swiglu = isinstance(epilogue, SwiGLU)
     n_tile = n // 2 if swiglu else n
     if rows == 0 or n == 0 or g_hi == g_lo:
-        return _Plan(rows=rows, n=n, empty=True, out_n=out_n)
+        return _Plan(rows=rows, n=n, empty=True, out_n=out_n, out_dtype=c_dtype)
     if a.device.type == "cpu" and not common.interpreting():
         raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     config = config or grouped_config(rows, n, k, groups, a.dtype, a.device, swiglu=swiglu)
     if not isinstance(config, GroupedConfig):
         raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
+    if scales is not None and scales.kernel_mode == "block" and scaling.BLOCK % config.block_k:
+        raise ValueError(f"grouped_gemm: blockwise scales need GroupedConfig.block_k to divide {scaling.BLOCK}, "
+                         f"got {config.block_k}")
+    stage_out = scaled and c_dtype == torch.bfloat16 and common.interpreting()
     upcast = a.dtype == torch.bfloat16 and common.interpreting()
     if upcast:
         a, b = a.float(), b.float()
@@ -293,23 +331,26 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                       G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
                       HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
                       PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None,
-                      SWIGLU=swiglu, SAVE_PRE=swiglu and epilogue.pre is not None)
+                      SWIGLU=swiglu, SAVE_PRE=swiglu and epilogue.pre is not None,
+                      SCALING=None if scales is None else scales.kernel_mode)
     scalars = (rank, g_lo, n_groups, rotate, experts, n_tile, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-               b.stride(2), *out_strides, pre_stride)
-    return _Plan(rows=rows, n=n, empty=False, upcast=upcast, copy_a=copy_a, copy_b=copy_b, scalars=scalars,
+               b.stride(2), *out_strides, pre_stride,
+               *((0,) * 5 if scales is None else (*scales.a_strides, *scales.b_strides)))
+    return _Plan(rows=rows, n=n, empty=False, upcast=upcast, stage_out=stage_out, out_dtype=c_dtype, scaled=scaled,
+                 copy_a=copy_a, copy_b=copy_b, scalars=scalars,
                  constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages,
                  out_n=out_n)
 
 
 def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin,
-         pre=None) -> None:
+         pre=None, scales=None) -> None:
     if plan.copy_a:
         a = a.contiguous()
     if plan.copy_b:
         b = b.contiguous()
     tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
                out if ready is None else ready, out if err is None else err, out if counters is None else counters,
-               out if pre is None else pre)
+               out if pre is None else pre, *(scales or (out, out)))
     scalars = (wrap_int32(epoch), max_spin, *plan.scalars)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         triton_launch.launch_compiled(plan.compiled[0], a.device.index, plan.programs,
