@@ -129,3 +129,61 @@ def load_check(rank: int, world: int, directory: str, ids, mask, new_tokens: int
         except ValueError as exc:
             out["bad_state"] = str(exc)
     return out
+
+
+def write_checkpoint(state: dict[str, torch.Tensor], config: dict, directory: str) -> None:
+    """``state`` (float32) as ``directory/model.safetensors`` and ``config`` as ``config.json``, written
+    here in the format's few lines, so that GPU machines without ``safetensors`` can run the check."""
+    import json
+    import os
+    import struct
+
+    os.makedirs(directory, exist_ok=True)
+    header, blobs, offset = {}, [], 0
+    for name, t in state.items():
+        raw = t.detach().float().contiguous().cpu().numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
+    """On GPUs: a random Llama written as a checkpoint (by rank 0), loaded with ``from_pretrained`` in
+    float32; greedy tokens of a left-padded batch with the decode step eager and replayed from a CUDA
+    graph, and the float64 reference's tokens of each sequence unpadded
+    (``tileweave.testing.decoder_reference``, which shares no code with the decoder)."""
+    import os
+
+    os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
+    from tileweave.models import from_pretrained
+    from tileweave.nn.decoder import DecoderConfig
+    from tileweave.testing.decoder_reference import random_state_dict, reference_generate
+
+    dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=96 * world,
+                         rope_theta=10000.0, norm_eps=1e-5)
+    state = random_state_dict(dims, seed=3)
+    if rank == 0:
+        write_checkpoint(state, {"model_type": "llama", "vocab_size": dims.vocab, "hidden_size": dims.hidden,
+                                 "intermediate_size": dims.ffn, "num_hidden_layers": dims.layers,
+                                 "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+                                 "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
+                                 "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
+    dist.barrier()
+    model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    want = [reference_generate(state, dims, ids[b:b + 1, int((mask[b] == 0).sum()):], steps)[0].tolist()
+            for b in range(ids.shape[0])]
+    cuda = ids.cuda(), mask.cuda()
+    eager = model.generate(cuda[0], steps, attention_mask=cuda[1]).cpu().tolist()
+    graphed = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    again = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    return {"eager": eager, "graphed": graphed, "again": again, "want": want}
