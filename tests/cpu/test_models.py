@@ -4,6 +4,8 @@ left-padded batch, greedy tokens (with and without a stop token), sampling, the 
 every config field the model cannot honour refused by name."""
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +112,10 @@ def test_config_fields_read():
     q3 = decoder_config(_with(LLAMA, model_type="qwen3", head_dim=32, num_attention_heads=4))
     assert q3.head_dim == 32 and q3.qk_norm and not q3.qkv_bias
     assert decoder_config(_with(LLAMA, model_type="qwen2")).qkv_bias
+
+
+def test_the_library_needs_neither_transformers_nor_safetensors():
+    src = Path(__file__).resolve().parents[2] / "src" / "tileweave"
+    found = [f"{p.relative_to(src)}: {m.group(0)}" for p in src.rglob("*.py")
+             for m in re.finditer(r"^\s*(import|from) (transformers|safetensors)\b.*$", p.read_text(), re.M)]
+    assert found == []
