@@ -19,6 +19,7 @@ ALLOWED = {
     "tune": {"runtime"},
     "ops": {"runtime", "kernels", "tune"},
     "nn": {"runtime", "kernels", "tune", "ops"},
+    "models": {"nn"},
 }
 
 

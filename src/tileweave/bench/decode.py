@@ -46,8 +46,8 @@ from tileweave.bench import output_dir
 from tileweave.bench.cli import ensure_env
 from tileweave.bench.report import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
-from tileweave.nn.block import rope_tables
-from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, TPDecoderLayer, rms_norm
+from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, Step, TPDecoderLayer, rms_norm
+from tileweave.nn.decoder_layer import rope_tables
 from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.ops.common import last_path
 from tileweave.testing.emulated import run_ranks
@@ -231,6 +231,17 @@ def gemm_ar_cases(opts: Options, rank: int, world: int, device, dtype) -> list[C
     return cases
 
 
+def _context_cache(c: DecoderConfig, batch: int, kv_heads: int, context: int, device, dtype) -> KVCache:
+    """A one-layer cache whose first ``context`` slots count as filled."""
+    cache = KVCache(layers=1, batch=batch, kv_heads=kv_heads, max_seq=c.max_seq, head_dim=c.head_dim,
+                    device=device, dtype=dtype)
+    cache.valid[:, :context] = True
+    cache.slot.fill_(context)
+    cache.next_pos.fill_(context)
+    cache.length = context
+    return cache
+
+
 def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> list[Case]:
     cases = []
     for model in opts.models:
@@ -238,29 +249,28 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> l
         c = DecoderConfig(vocab=world, hidden=hidden, layers=1, heads=heads, kv_heads=kv_heads, ffn=ffn,
                           norm_eps=EPS, max_seq=opts.context + 1)
         torch.manual_seed(11 + rank)  # this rank's weight shards
-        layer = TPDecoderLayer(c, world, device=device, dtype=dtype)
-        ref_layer = TPDecoderLayer(c, world, device=device, dtype=torch.float32)
+        layer = TPDecoderLayer(c, world, rank, device=device, dtype=dtype)
+        ref_layer = TPDecoderLayer(c, world, rank, device=device, dtype=torch.float32)
         ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
         next_norm = 1 + _randn((hidden,), 5, device, dtype, 0.1)
         for m in opts.m_values:
-            cache = KVCache(c, m, kv_heads // world, device=device, dtype=dtype)
+            cache = _context_cache(c, m, kv_heads // world, opts.context, device, dtype)
             cache.k[:, :, :, :opts.context] = _randn(cache.k[:, :, :, :opts.context].shape, 20 + rank, device, dtype)
             cache.v[:, :, :, :opts.context] = _randn(cache.v[:, :, :, :opts.context].shape, 30 + rank, device, dtype)
-            cache.length = opts.context
             resid = _randn((m, hidden), 40 + m, device, dtype)  # replicated: the same seed on every rank
             normed = rms_norm(resid, layer.attn_norm, EPS)
-            cos, sin = rope_tables(c.max_seq, c.head_dim, c.rope_theta, device, dtype)
-            cs = (cos[opts.context:opts.context + 1], sin[opts.context:opts.context + 1])
-            ref_cache = KVCache(c, m, kv_heads // world, device=device, dtype=torch.float32)
+            # one step at slot `context`, built once: every timed call rewrites that slot
+            step = Step.begin(cache, rope_tables(c, c.max_seq, device, dtype), None, m, 1, opts.context + 1)
+            ref_cache = _context_cache(c, m, kv_heads // world, opts.context, device, torch.float32)
             ref_cache.k.copy_(cache.k)
             ref_cache.v.copy_(cache.v)
-            ref_cache.length = opts.context
+            ref_step = Step.begin(ref_cache, rope_tables(c, c.max_seq, device, torch.float32), None, m, 1,
+                                  opts.context + 1)
             ref = ref_layer.forward_replicated(normed.float(), resid.float(), next_norm.float(), ref_cache, 0,
-                                               (cs[0].float(), cs[1].float()), m, 1,
-                                               DecoderOps(row_parallel_norm=nccl_row), group)
+                                               ref_step, DecoderOps(row_parallel_norm=nccl_row), group)
 
-            def run(row, layer=layer, normed=normed, resid=resid, cache=cache, cs=cs, m=m):
-                return layer.forward_replicated(normed, resid, next_norm, cache, 0, cs, m, 1,
+            def run(row, layer=layer, normed=normed, resid=resid, cache=cache, step=step):
+                return layer.forward_replicated(normed, resid, next_norm, cache, 0, step,
                                                 DecoderOps(row_parallel_norm=row), group)
 
             cases.append(Case("layer", f"{model} layer (context {opts.context})", m, run, ref))

@@ -1,7 +1,7 @@
 """Tensor-parallel layers on the fused ops."""
 
 from tileweave.nn.block import BlockConfig, TPTransformerBlock
-from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, TPDecoder, TPDecoderLayer
+from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, RopeScaling, TPDecoder, TPDecoderLayer
 from tileweave.nn.inference import column_parallel_linear, row_parallel_linear, row_parallel_residual_norm
 from tileweave.nn.linear import (ColumnParallelLinear, RowParallelLinear, TPOps, all_gather_linear,
                                  linear_reduce_scatter)
@@ -9,5 +9,5 @@ from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import MoEOps, tileweave_ops
 
 __all__ = ["BlockConfig", "ColumnParallelLinear", "DecoderConfig", "DecoderOps", "KVCache", "MoEOps",
-           "RowParallelLinear", "TPDecoder", "TPDecoderLayer", "TPMoE", "TPOps", "TPTransformerBlock",
+           "RopeScaling", "RowParallelLinear", "TPDecoder", "TPDecoderLayer", "TPMoE", "TPOps", "TPTransformerBlock",
            "all_gather_linear", "column_parallel_linear", "linear_reduce_scatter", "row_parallel_linear", "row_parallel_residual_norm", "tileweave_ops"]

@@ -1,13 +1,16 @@
 """An unsharded Llama-style decoder in plain torch, the reference for the TP decoder's tests and the
 generation example. Written apart from ``tileweave.nn.decoder`` on purpose (no shared code): rotary
-embedding through complex numbers, attention as an explicit masked softmax, no KV cache (every step
-recomputes the whole sequence).
+embedding in the rotate-half form (the decoder turns interleaved pairs), attention as an explicit masked
+softmax, no KV cache (every step recomputes the whole sequence).
 
-Weights are a flat state dict of unsharded tensors (``nn.Linear`` layout ``[out, in]``):
+Weights are a flat state dict of unsharded tensors under a Hugging Face Llama's names (``nn.Linear``
+layout ``[out, in]``; ``p = model.layers.i.``):
 
-    embed [V, H], norm [H], lm_head [V, H], and for layer i: layers.i.attn_norm [H],
-    layers.i.q [heads*hd, H], layers.i.k / layers.i.v [kv_heads*hd, H], layers.i.o [H, heads*hd],
-    layers.i.mlp_norm [H], layers.i.gate / layers.i.up [F, H], layers.i.down [H, F]
+    model.embed_tokens.weight [V, H], model.norm.weight [H], lm_head.weight [V, H],
+    p.input_layernorm.weight [H], p.self_attn.q_proj.weight [heads*hd, H],
+    p.self_attn.k_proj.weight / p.self_attn.v_proj.weight [kv_heads*hd, H],
+    p.self_attn.o_proj.weight [H, heads*hd], p.post_attention_layernorm.weight [H],
+    p.mlp.gate_proj.weight / p.mlp.up_proj.weight [F, H], p.mlp.down_proj.weight [H, F]
 
 ``dims`` is any object with the attributes ``vocab, hidden, layers, heads, kv_heads, ffn, rope_theta,
 norm_eps`` (``tileweave.nn.decoder.DecoderConfig`` is one).
@@ -31,20 +34,20 @@ def random_state_dict(dims, *, seed: int, dtype: torch.dtype = torch.float32) ->
     def norm() -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(dims.hidden, generator=g)
 
-    state = {"embed": torch.randn(dims.vocab, dims.hidden, generator=g)}
+    state = {"model.embed_tokens.weight": torch.randn(dims.vocab, dims.hidden, generator=g)}
     for i in range(dims.layers):
-        p = f"layers.{i}."
-        state[p + "attn_norm"] = norm()
-        state[p + "q"] = linear(dims.heads * hd, dims.hidden)
-        state[p + "k"] = linear(dims.kv_heads * hd, dims.hidden)
-        state[p + "v"] = linear(dims.kv_heads * hd, dims.hidden)
-        state[p + "o"] = linear(dims.hidden, dims.heads * hd)
-        state[p + "mlp_norm"] = norm()
-        state[p + "gate"] = linear(dims.ffn, dims.hidden)
-        state[p + "up"] = linear(dims.ffn, dims.hidden)
-        state[p + "down"] = linear(dims.hidden, dims.ffn)
-    state["norm"] = norm()
-    state["lm_head"] = linear(dims.vocab, dims.hidden)
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = norm()
+        state[p + "self_attn.q_proj.weight"] = linear(dims.heads * hd, dims.hidden)
+        state[p + "self_attn.k_proj.weight"] = linear(dims.kv_heads * hd, dims.hidden)
+        state[p + "self_attn.v_proj.weight"] = linear(dims.kv_heads * hd, dims.hidden)
+        state[p + "self_attn.o_proj.weight"] = linear(dims.hidden, dims.heads * hd)
+        state[p + "post_attention_layernorm.weight"] = norm()
+        state[p + "mlp.gate_proj.weight"] = linear(dims.ffn, dims.hidden)
+        state[p + "mlp.up_proj.weight"] = linear(dims.ffn, dims.hidden)
+        state[p + "mlp.down_proj.weight"] = linear(dims.hidden, dims.ffn)
+    state["model.norm.weight"] = norm()
+    state["lm_head.weight"] = linear(dims.vocab, dims.hidden)
     return {k: v.to(dtype) for k, v in state.items()}
 
 
@@ -53,14 +56,15 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """``x [B, S, heads, hd]``: consecutive pairs ``(x[2i], x[2i+1])`` of position ``s`` turned by the
-    angle ``s * theta ** (-2i / hd)``."""
+    """``x [B, S, heads, hd]``: the pairs ``(x[i], x[i + hd/2])`` of position ``s`` turned by the angle
+    ``s * theta ** (-2i / hd)`` (rotate-half, through complex numbers)."""
     b, s, h, hd = x.shape
     inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     angle = torch.outer(torch.arange(s, dtype=torch.float64), inv)                # [S, hd/2]
     turn = torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
-    pairs = torch.view_as_complex(x.to(torch.float64).reshape(b, s, h, hd // 2, 2).contiguous())
-    return torch.view_as_real(pairs * turn).reshape(b, s, h, hd).to(x.dtype)
+    first, second = x.to(torch.float64).chunk(2, dim=-1)
+    turned = torch.complex(first, second) * turn
+    return torch.cat([turned.real, turned.imag], dim=-1).to(x.dtype)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,18 +87,18 @@ def reference_logits(state: dict[str, torch.Tensor], dims, tokens: torch.Tensor,
     w = {k: v.to(dtype) for k, v in state.items()}
     b, s = tokens.shape
     hd = dims.hidden // dims.heads
-    x = w["embed"][tokens]                                                      # [B, S, H]
+    x = w["model.embed_tokens.weight"][tokens]                                  # [B, S, H]
     for i in range(dims.layers):
-        p = f"layers.{i}."
-        a = _rms(x, w[p + "attn_norm"], dims.norm_eps)
-        q = _rotate((a @ w[p + "q"].T).reshape(b, s, dims.heads, hd), dims.rope_theta)
-        k = _rotate((a @ w[p + "k"].T).reshape(b, s, dims.kv_heads, hd), dims.rope_theta)
-        v = (a @ w[p + "v"].T).reshape(b, s, dims.kv_heads, hd)
-        x = x + _attend(q, k, v).reshape(b, s, dims.heads * hd) @ w[p + "o"].T
-        m = _rms(x, w[p + "mlp_norm"], dims.norm_eps)
-        gate, up = m @ w[p + "gate"].T, m @ w[p + "up"].T
-        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "down"].T
-    return _rms(x, w["norm"], dims.norm_eps) @ w["lm_head"].T
+        p = f"model.layers.{i}."
+        a = _rms(x, w[p + "input_layernorm.weight"], dims.norm_eps)
+        q = _rotate((a @ w[p + "self_attn.q_proj.weight"].T).reshape(b, s, dims.heads, hd), dims.rope_theta)
+        k = _rotate((a @ w[p + "self_attn.k_proj.weight"].T).reshape(b, s, dims.kv_heads, hd), dims.rope_theta)
+        v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(b, s, dims.kv_heads, hd)
+        x = x + _attend(q, k, v).reshape(b, s, dims.heads * hd) @ w[p + "self_attn.o_proj.weight"].T
+        m = _rms(x, w[p + "post_attention_layernorm.weight"], dims.norm_eps)
+        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(x, w["model.norm.weight"], dims.norm_eps) @ w["lm_head.weight"].T
 
 
 def reference_generate(state: dict[str, torch.Tensor], dims, prompt: torch.Tensor, steps: int,

@@ -1,0 +1,70 @@
+"""Hugging Face checkpoints as TP models: ``from_pretrained(directory, group=...)`` returns a
+``tileweave.nn.TPDecoder`` with this rank's shards of the checkpoint's weights.
+
+A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``). Each rank reads only the slices it holds (the replicated embedding
+and norms whole), through ``tileweave.models.safetensors``; ``transformers`` and ``safetensors`` are not
+needed. The config is read by ``tileweave.models.config``, which refuses by name any field the model
+cannot honour; every tensor's shape is checked against the config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tileweave.models.config import UnsupportedConfig, checkpoint_dtype, decoder_config
+from tileweave.models.safetensors import Checkpoint
+from tileweave.nn.checkpoint import shape_error
+from tileweave.nn.decoder import DecoderOps, TPDecoder
+
+__all__ = ["Checkpoint", "UnsupportedConfig", "decoder_config", "from_pretrained"]
+
+# Tensors that some checkpoints carry and that the model recomputes (RoPE frequencies of old Llamas).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, max_seq: int | None = None,
+                    ops: DecoderOps | None = None, prefill_sequence_parallel: bool = True) -> TPDecoder:
+    """The TP decoder of the checkpoint directory ``path``, this rank's shards loaded.
+
+    ``group``: the TP group (None: the default group). ``dtype``: the weights' and activations' dtype
+    (default: the config's ``dtype``, else float32; on the CPU float32 or float16). ``device``: default
+    the current CUDA device, else the CPU. ``max_seq``: the longest sequence (prompt and generated
+    tokens) a KV cache may hold (``decoder_config``). ``ops``, ``prefill_sequence_parallel``: as
+    ``TPDecoder``'s. Raises ``UnsupportedConfig`` for a config field the model cannot honour,
+    ``ValueError`` for a tensor of the wrong shape (naming it, the expected and the actual shape) or one
+    the model has no place for, ``KeyError`` for a missing one. Every rank must call it alike.
+    """
+    directory = Path(path)
+    hf = json.loads((directory / "config.json").read_text())
+    config = decoder_config(hf, max_seq=max_seq)
+    checkpoint = Checkpoint(directory)
+    dtype = dtype or checkpoint_dtype(hf) or torch.float32
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    owner = f"from_pretrained({str(directory)!r})"
+    used: set[str] = set()
+
+    def read(name: str, shape, dim: int = 0, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        if name not in checkpoint:
+            raise KeyError(f"{owner}: the checkpoint has no tensor {name!r} (expected shape {list(shape)})")
+        if checkpoint.shape(name) != tuple(shape):
+            raise shape_error(owner, name, shape, checkpoint.shape(name))
+        used.add(name)
+        return checkpoint.read(name, dim, start, stop).to(device=device, dtype=dtype)
+
+    with torch.device("meta"):
+        model = TPDecoder(config, group=group, ops=ops, prefill_sequence_parallel=prefill_sequence_parallel,
+                          dtype=dtype)
+    model.to_empty(device=device)
+    model.load(read)
+    extra = [n for n in checkpoint.names if n not in used and not n.endswith(IGNORED_SUFFIXES)
+             and not (config.tie_embeddings and n == "lm_head.weight")]
+    if extra:
+        raise ValueError(f"{owner}: the checkpoint has tensors the model has no place for: {sorted(extra)[:8]}")
+    return model

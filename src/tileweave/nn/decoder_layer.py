@@ -1,0 +1,261 @@
+"""One layer of the TP decoder (``tileweave.nn.decoder``): its config, its weights and its two ways to run.
+
+Per layer, with ``x`` the residual stream:
+
+    q, k, v = qkv(rms_norm(x)) (+ bias)        # column-parallel; q, k per head rms-normed if qk_norm
+    h = x + o(attention(rope(q), rope(k), v))  # o row-parallel
+    x' = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
+
+Rank r of W runs query heads ``[r*heads/W, (r+1)*heads/W)`` and MLP features ``[r*ffn/W, (r+1)*ffn/W)``.
+Key/value heads split the same way when ``kv_heads >= W``; with fewer key/value heads than ranks each
+rank holds the one key/value head its query heads read (a copy of it lives on ``W / kv_heads`` ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tileweave.nn import inference
+from tileweave.nn.block import BlockConfig, rope
+from tileweave.nn.checkpoint import Reader, to_interleaved
+from tileweave.nn.kv_cache import KVCache
+from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``): wavelengths longer than
+    ``original_max_position / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_position / high_freq_factor`` kept, and those between blended smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def __post_init__(self) -> None:
+        if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(f"RopeScaling needs factor > 0 and high_freq_factor > low_freq_factor > 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig(BlockConfig):
+    """Shape of the model: ``layers`` layers of a block's shape (the fields of ``BlockConfig``), the
+    vocabulary, the longest sequence and the per-family options (Llama 3 8B: vocab 128256, hidden 4096,
+    layers 32, heads 32, kv_heads 8, ffn 14336)."""
+
+    vocab: int
+    """Vocabulary size; divisible by the TP group size (the LM head is split by vocabulary rows)."""
+    layers: int
+    """Decoder layers."""
+    max_seq: int = 2048
+    """Longest sequence (prompt plus generated tokens) a KV cache may hold."""
+    head_dim: int | None = None
+    """Size of a head (even); None: ``hidden // heads``. Qwen3 sets it apart from ``hidden``."""
+    qkv_bias: bool = False
+    """A bias on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before RoPE, one weight ``[head_dim]`` each (Qwen3)."""
+    tie_embeddings: bool = False
+    """The LM head is the embedding matrix (its checkpoint has no ``lm_head.weight``)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's frequency scaling; None: plain RoPE."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads} "
+                                 "(or give head_dim)")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"DecoderConfig.head_dim must be even and >= 2, got {self.head_dim}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
+
+
+def rope_frequencies(config: DecoderConfig) -> torch.Tensor:
+    """The angle per position of each of a head's ``head_dim / 2`` rotating pairs (float64)."""
+    d = config.head_dim
+    inv = 1.0 / config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    wavelen = 2 * math.pi / inv
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(config: DecoderConfig, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[length, head_dim / 2]``, of positions ``0 .. length-1``: angles in fp32
+    (as the checkpoints' reference implementations compute them), then cast to ``dtype``."""
+    inv = rope_frequencies(config).to(device=device, dtype=torch.float32)
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+RowNorm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""``(x [M, K/W], weight [N, K/W], residual [M, N], norm_weight [N], eps, group) -> (normed, h)``,
+``h = residual + sum over ranks of x @ weight.T``, ``normed = rms_norm(h) * norm_weight``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderOps:
+    """The decoder's communicating calls: tileweave's ops by default."""
+
+    row_parallel_norm: RowNorm = inference.row_parallel_residual_norm
+    """Replicated row-parallel GEMM with the residual add and RMSNorm after it."""
+    all_gather_gemm: Callable[..., torch.Tensor] = all_gather_gemm
+    """``(x_shard_m [M/W, K], b [K, N/W], group, *, bias=None) -> [M, N/W]`` (sequence-parallel column GEMMs)."""
+    gemm_reduce_scatter: Callable[..., torch.Tensor] = gemm_reduce_scatter
+    """``(x [M, K/W], b [K/W, N], group) -> [M/W, N]`` (sequence-parallel row GEMMs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What every layer of one step shares: ``B`` sequences of ``S`` new tokens, their RoPE
+    ``cos, sin [B, 1, S, head_dim/2]``, their cache ``slots [S]``, the attention mask ``allowed [B, 1, S,
+    keys]`` over the first ``keys`` slots of the cache (``KVCache.allowed``)."""
+
+    batch: int
+    seq: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    allowed: torch.Tensor
+
+    @classmethod
+    def begin(cls, cache: KVCache, tables: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+              batch: int, seq: int, keys: int) -> "Step":
+        """Take the next ``seq`` slots of ``cache`` (``KVCache.begin``) and build the step over them."""
+        positions, slots = cache.begin(mask, seq)
+        cos, sin = tables
+        return cls(batch, seq, cos[positions][:, None], sin[positions][:, None], slots,
+                   cache.allowed(slots, keys))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last axis, in fp32, returned in ``x``'s dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def local_heads(config: DecoderConfig, world: int, rank: int) -> tuple[int, int, int]:
+    """``(query heads, key/value heads, first key/value head)`` of ``rank``."""
+    kv_local = max(1, config.kv_heads // world)
+    return config.heads // world, kv_local, rank * config.kv_heads // world
+
+
+class TPDecoderLayer(nn.Module):
+    """One layer's weights (this rank's shards) and its two ways to run (``tileweave.nn.decoder``)."""
+
+    def __init__(self, config: DecoderConfig, world: int, rank: int = 0, *, device=None, dtype=None) -> None:
+        super().__init__()
+        c, hd = config, config.head_dim
+        self.config = config
+        self.local_heads, self.local_kv_heads, self.kv_start = local_heads(c, world, rank)
+        self.local_ffn = c.ffn // world
+        self.rank = rank
+        kw = dict(device=device, dtype=dtype)
+        self.attn_norm = nn.Parameter(torch.ones(c.hidden, **kw))
+        # [q | k | v] of this rank's heads and [gate | up] of its features: one GEMM each. q and k rows
+        # are in the interleaved RoPE layout (tileweave.nn.checkpoint).
+        qkv_rows = (self.local_heads + 2 * self.local_kv_heads) * hd
+        self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden, **kw))
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows, **kw)) if c.qkv_bias else None
+        self.q_norm = nn.Parameter(torch.ones(hd, **kw)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if c.qk_norm else None
+        self.o = nn.Parameter(torch.empty(c.hidden, self.local_heads * hd, **kw))
+        self.mlp_norm = nn.Parameter(torch.ones(c.hidden, **kw))
+        self.gate_up = nn.Parameter(torch.empty(2 * self.local_ffn, c.hidden, **kw))
+        self.down = nn.Parameter(torch.empty(c.hidden, self.local_ffn, **kw))
+        for w in (self.qkv, self.o, self.gate_up, self.down):
+            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+
+    def attention(self, qkv: torch.Tensor, cache: KVCache, index: int, step: Step) -> torch.Tensor:
+        """``qkv [B*S, (hl + 2 kvl) hd]`` of the step's tokens -> ``[B*S, hl hd]``; writes their keys and
+        values into layer ``index`` of the cache at the step's slots."""
+        c, hd, hl, kvl = self.config, self.config.head_dim, self.local_heads, self.local_kv_heads
+        b, s = step.batch, step.seq
+        q, k, v = qkv.split([hl * hd, kvl * hd, kvl * hd], dim=1)
+        q, k, v = q.view(b, s, hl, hd), k.view(b, s, kvl, hd), v.view(b, s, kvl, hd)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, c.norm_eps), rms_norm(k, self.k_norm, c.norm_eps)
+        tables = (step.cos, step.sin)
+        q = rope(q.transpose(1, 2), c.rope_theta, tables)
+        k = rope(k.transpose(1, 2), c.rope_theta, tables)
+        cache.k[index].index_copy_(2, step.slots, k)
+        cache.v[index].index_copy_(2, step.slots, v.transpose(1, 2))
+        keys = step.allowed.shape[-1]
+        out = F.scaled_dot_product_attention(q, cache.k[index, :, :, :keys], cache.v[index, :, :, :keys],
+                                             attn_mask=step.allowed, enable_gqa=hl != kvl)
+        return out.transpose(1, 2).reshape(b * s, hl * hd)
+
+    def forward_replicated(self, normed: torch.Tensor, resid: torch.Tensor, next_norm: torch.Tensor,
+                           cache: KVCache, index: int, step: Step, ops: DecoderOps,
+                           group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed, resid)`` in, both ``[M, H]`` on every rank (``normed``: this layer's attention norm
+        of ``resid``) -> the same for the next layer, normed with ``next_norm``."""
+        eps = self.config.norm_eps
+        qkv = inference.column_parallel_linear(normed, self.qkv, self.qkv_bias, group)
+        attn = self.attention(qkv, cache, index, step)
+        normed, resid = ops.row_parallel_norm(attn, self.o, resid, self.mlp_norm, eps, group)
+        gate, up = inference.column_parallel_linear(normed, self.gate_up, None, group).chunk(2, dim=1)
+        return ops.row_parallel_norm(F.silu(gate) * up, self.down, resid, next_norm, eps, group)
+
+    def forward_sequence_parallel(self, x_shard: torch.Tensor, cache: KVCache, index: int, step: Step,
+                                  ops: DecoderOps, group: dist.ProcessGroup) -> torch.Tensor:
+        """``x_shard_m [M/W, H]`` -> the layer's output rows ``[M/W, H]``."""
+        eps = self.config.norm_eps
+        bias = {} if self.qkv_bias is None else {"bias": self.qkv_bias}
+        qkv = ops.all_gather_gemm(rms_norm(x_shard, self.attn_norm, eps), self.qkv.t(), group, **bias)
+        attn = self.attention(qkv, cache, index, step)
+        h = x_shard + ops.gemm_reduce_scatter(attn, self.o.t(), group)
+        gate, up = ops.all_gather_gemm(rms_norm(h, self.mlp_norm, eps), self.gate_up.t(), group).chunk(2, dim=1)
+        return h + ops.gemm_reduce_scatter(F.silu(gate) * up, self.down.t(), group)
+
+    @torch.no_grad()
+    def load(self, read: Reader, prefix: str) -> None:
+        """This rank's shards of the layer's checkpoint tensors ``prefix + name`` (Hugging Face names:
+        ``self_attn.q_proj.weight``, ..., ``mlp.down_proj.weight``), shapes checked by ``read``."""
+        c, hd, hl, kvl = self.config, self.config.head_dim, self.local_heads, self.local_kv_heads
+        h, q0, kv0, f0 = c.hidden, self.rank * hl, self.kv_start, self.rank * self.local_ffn
+        a = prefix + "self_attn."
+        self.attn_norm.copy_(read(prefix + "input_layernorm.weight", (h,)))
+        self.mlp_norm.copy_(read(prefix + "post_attention_layernorm.weight", (h,)))
+
+        def heads(kind: str, count: int, first: int, n: int, rotate: bool) -> tuple[torch.Tensor, ...]:
+            rows = slice(first * hd, (first + n) * hd)
+            w = read(f"{a}{kind}_proj.weight", (count * hd, h), 0, rows.start, rows.stop)
+            b = read(f"{a}{kind}_proj.bias", (count * hd,), 0, rows.start, rows.stop) if c.qkv_bias else None
+            if rotate:
+                w, b = to_interleaved(w, hd), None if b is None else to_interleaved(b, hd)
+            return w, b
+
+        parts = [heads("q", c.heads, q0, hl, True), heads("k", c.kv_heads, kv0, kvl, True),
+                 heads("v", c.kv_heads, kv0, kvl, False)]
+        self.qkv.copy_(torch.cat([w for w, _ in parts]))
+        if self.qkv_bias is not None:
+            self.qkv_bias.copy_(torch.cat([b for _, b in parts]))
+        if self.q_norm is not None:
+            self.q_norm.copy_(to_interleaved(read(a + "q_norm.weight", (hd,)), hd))
+            self.k_norm.copy_(to_interleaved(read(a + "k_norm.weight", (hd,)), hd))
+        self.o.copy_(read(a + "o_proj.weight", (h, c.heads * hd), 1, q0 * hd, (q0 + hl) * hd))
+        m = prefix + "mlp."
+        self.gate_up.copy_(torch.cat([read(m + "gate_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn),
+                                      read(m + "up_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn)]))
+        self.down.copy_(read(m + "down_proj.weight", (h, c.ffn), 1, f0, f0 + self.local_ffn))
