@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tileweave.bench import report
+from tileweave.bench import metadata, report
 from tileweave.bench.report import (
     Measurement,
     geomean,
@@ -156,26 +156,26 @@ def test_chart_is_optional(tmp_path, monkeypatch):
 
 
 def test_metadata_without_cuda():
-    meta = report.collect_metadata(world_size=2, timing={"iters": 20}, argv=["--quick"])
+    meta = metadata.collect_metadata(world_size=2, timing={"iters": 20}, argv=["--quick"])
     for key in ("gpu_name", "torch", "triton", "numpy", "python", "cuda", "git_commit", "hostname", "date"):
         assert key in meta
     assert meta["timing"] == {"iters": 20}
 
 
 def test_commit_given_in_the_environment_wins_over_git(monkeypatch):
-    monkeypatch.setattr(report, "_run", lambda cmd, cwd: "0123abc" if "rev-parse" in cmd else "")
-    monkeypatch.setenv(report.COMMIT_ENV, "feedf00d")
-    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    monkeypatch.setattr(metadata, "_run", lambda cmd, cwd: "0123abc" if "rev-parse" in cmd else "")
+    monkeypatch.setenv(metadata.COMMIT_ENV, "feedf00d")
+    meta = metadata.collect_metadata(world_size=2, timing={}, argv=[])
     assert (meta["git_commit"], meta["git_commit_source"]) == ("feedf00d", "env")
-    monkeypatch.delenv(report.COMMIT_ENV)
-    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    monkeypatch.delenv(metadata.COMMIT_ENV)
+    meta = metadata.collect_metadata(world_size=2, timing={}, argv=[])
     assert (meta["git_commit"], meta["git_commit_source"], meta["git_dirty"]) == ("0123abc", "git", False)
 
 
 def test_commit_can_be_given_when_git_is_absent(monkeypatch):
-    monkeypatch.setattr(report, "_run", lambda cmd, cwd: None)
-    monkeypatch.setenv(report.COMMIT_ENV, "deadbeef")
-    meta = report.collect_metadata(world_size=2, timing={}, argv=[])
+    monkeypatch.setattr(metadata, "_run", lambda cmd, cwd: None)
+    monkeypatch.setenv(metadata.COMMIT_ENV, "deadbeef")
+    meta = metadata.collect_metadata(world_size=2, timing={}, argv=[])
     assert (meta["git_commit"], meta["git_commit_source"], meta["git_dirty"]) == ("deadbeef", "env", None)
 
 

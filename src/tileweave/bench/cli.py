@@ -205,7 +205,8 @@ def _worker(local_rank: int, world_size: int, opts: CliOptions, rank_offset: int
     import torch
     import torch.distributed as dist
 
-    from tileweave.bench.report import collect_metadata, write_report
+    from tileweave.bench.metadata import collect_metadata
+    from tileweave.bench.report import write_report
     from tileweave.bench.runner import run_rank
 
     rank = rank_offset + local_rank

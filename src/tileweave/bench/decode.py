@@ -44,7 +44,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from tileweave.bench import output_dir
 from tileweave.bench.cli import ensure_env
-from tileweave.bench.report import collect_metadata
+from tileweave.bench.metadata import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
 from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, Step, TPDecoderLayer, rms_norm
 from tileweave.nn.decoder_layer import rope_tables

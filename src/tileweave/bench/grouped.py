@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from tileweave.bench import fp8
-from tileweave.bench.report import collect_metadata, geomean
+from tileweave.bench.metadata import collect_metadata
+from tileweave.bench.report import geomean
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
 from tileweave.ops import common
 from tileweave.ops.compute.grouped_gemm import grouped_config, grouped_gemm

@@ -56,7 +56,8 @@ import torch.nn.functional as F
 from tileweave.bench import output_dir
 from tileweave.bench.moe_reference import reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
-from tileweave.bench.report import Measurement, collect_metadata
+from tileweave.bench.metadata import collect_metadata
+from tileweave.bench.report import Measurement
 from tileweave.bench.timing import ClockReader, DistAgreement, MemoryWatch, TimingConfig, measure
 from tileweave.nn.moe import TPMoE, route
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, MoEOps, gather_rows, reduce_scatter_rows, row_weights
