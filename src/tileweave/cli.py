@@ -1,4 +1,5 @@
-"""The ``tileweave`` command: ``tileweave bench``, ``tileweave demo`` and ``tileweave tune``.
+"""The ``tileweave`` command: ``tileweave bench``, ``tileweave demo``, ``tileweave generate`` and
+``tileweave tune``.
 
 Each subcommand has its own options (``tileweave SUBCOMMAND --help``). With no subcommand it runs the
 main job: the benchmark when two or more CUDA GPUs are visible, otherwise the CPU demo; options given
@@ -15,6 +16,7 @@ import tileweave
 SUBCOMMANDS: dict[str, str] = {
     "bench": "benchmark the fused ops against NCCL + cuBLAS and PyTorch async-TP (two or more GPUs)",
     "demo": "run the fused ops on emulated ranks on the CPU and check them against a reference",
+    "generate": "generate tokens from a Hugging Face checkpoint split over TP ranks (GPUs or emulated CPU ranks)",
     "tune": "tune the local GEMMs of the benchmark suite on GPU 0",
 }
 
@@ -41,6 +43,8 @@ def _runner(command: str) -> Callable[[list[str]], int]:
         from tileweave.bench import main as run
     elif command == "demo":
         from tileweave.demo import main as run
+    elif command == "generate":
+        from tileweave.generate import main as run
     else:
         from tileweave.bench.tune import main as run
     return run

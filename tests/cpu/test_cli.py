@@ -25,7 +25,7 @@ def test_help_lists_every_subcommand(capsys):
         assert cli.main([flag]) == 0
         out = capsys.readouterr().out
         assert out.startswith("usage: tileweave")
-        for name in ("bench", "demo", "tune"):
+        for name in ("bench", "demo", "generate", "tune"):
             assert re.search(rf"^  {name}\s+\S", out, re.M), out
         assert "--version" in out and not MARKUP.search(out), out
 
@@ -42,7 +42,7 @@ def test_the_installed_command_is_this_cli():
     assert (module, name) == ("tileweave.cli", "main") and getattr(cli, name) is cli.main
 
 
-@pytest.mark.parametrize("command", ["bench", "demo", "tune"])
+@pytest.mark.parametrize("command", ["bench", "demo", "generate", "tune"])
 def test_subcommand_help_is_plain_text(command, capsys):
     with pytest.raises(SystemExit) as done:
         cli.main([command, "--help"])
@@ -54,7 +54,7 @@ def test_subcommand_help_is_plain_text(command, capsys):
 def test_an_unknown_subcommand_is_refused(capsys):
     assert cli.main(["frobnicate"]) == 2
     err = capsys.readouterr().err
-    assert "unknown subcommand 'frobnicate'" in err and "bench, demo, tune" in err
+    assert "unknown subcommand 'frobnicate'" in err and "bench, demo, generate, tune" in err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "17"])

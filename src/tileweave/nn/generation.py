@@ -8,7 +8,7 @@ rank (``seed``), on the model's device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -82,7 +82,8 @@ class DecodeStep:
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
-             pad_token_id: int | None = None, cuda_graph: bool = False) -> torch.Tensor:
+             pad_token_id: int | None = None, cuda_graph: bool = False,
+             on_token: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """The new tokens ``[B, n]`` that ``model`` (a ``TPDecoder``) generates after ``input_ids [B, S]``.
 
     ``attention_mask [B, S]``: 1 for real tokens, 0 for left padding (None: all real). ``temperature``:
@@ -90,8 +91,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     (the same on every rank, so every rank draws the same tokens). ``stop_tokens``: a sequence that emits
     one is finished, and its later tokens are ``pad_token_id`` (default: the first stop token); the loop
     ends when every sequence has finished, so ``n <= max_new_tokens``. ``cuda_graph``: the decode step
-    replayed from a CUDA graph (``DecodeStep``). The KV cache holds ``S + max_new_tokens`` slots, at most
-    ``config.max_seq``. Collective: every rank must call it with the same arguments.
+    replayed from a CUDA graph (``DecodeStep``). ``on_token(i, tokens [B])``: called with each step's
+    tokens as they are chosen (progress, streaming; reading them waits for the GPU). The KV cache holds
+    ``S + max_new_tokens`` slots, at most ``config.max_seq``. Collective: every rank must call it with the
+    same arguments.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -115,6 +118,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
         nxt = choose(logits, temperature=temperature, top_p=top_p, generator=generator)
         nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
         out.append(nxt)
+        if on_token is not None:
+            on_token(i, nxt)
         if len(stop_tokens):
             finished |= torch.isin(nxt, stops)
             if bool(finished.all()):
