@@ -80,3 +80,22 @@ def test_bad_inputs_gpu():
     outcomes = run_ranks(RANKS, scenarios.input_errors_check, gpus=True)[0]
     assert all(outcome != "no error" for name, outcome in outcomes.items() if name != "good call after"), outcomes
     assert outcomes["good call after"] == "oneshot (4, 12) True", outcomes
+
+
+FP8_CASES = [
+    ("tensorwise", "oneshot", 64, 256, 512, "bfloat16", False),
+    ("rowwise", "twoshot", 200, 512, 1000, "bfloat16", True),
+    ("blockwise", "oneshot", 8, 512, 1024, "float32", True),
+    ("rowwise", "fallback", 16, 256, 512, "bfloat16", False),
+]
+
+
+@needs_two
+@pytest.mark.skipif(not __import__("torch").cuda.is_available()
+                    or __import__("torch").cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
+def test_fp8_gemm_all_reduce_gpu():
+    tol = {"bfloat16": 1e-2, "float32": 1e-5}
+    for rows in run_ranks(RANKS, scenarios.fp8_check, FP8_CASES, gpus=True, timeout_s=300):
+        for row in rows:
+            scaling, policy, out_dtype, norm = row["case"]
+            assert row["err"] < tol[out_dtype] and row["same"] and row["path"] == policy, row

@@ -58,16 +58,22 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGro
 
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None,
+                    scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None):
     """Functional form of :class:`GemmAllReduce` (``tileweave.ops.all_reduce.op``: shapes, semantics,
-    synchronisation) on the op shared per group and device, which ``TILEWEAVE_GRAPHABLE=1`` makes
-    graphable and ``TILEWEAVE_POLICY`` gives its policy. Returns ``[M, N]``, or ``(normed, resid)``
-    with ``norm_weight``. Under ``torch.compile`` this is ``torch.ops.tileweave.gemm_all_reduce`` (or
-    ``gemm_all_reduce_norm``)."""
+    synchronisation, FP8 with ``scale_a``, ``scale_b``, ``out_dtype``) on the op shared per group and
+    device, which ``TILEWEAVE_GRAPHABLE=1`` makes graphable and ``TILEWEAVE_POLICY`` gives its policy.
+    Returns ``[M, N]``, or ``(normed, resid)`` with ``norm_weight``. Under ``torch.compile`` this is
+    ``torch.ops.tileweave.gemm_all_reduce`` (or ``gemm_all_reduce_norm``), not yet in FP8."""
     group = group if group is not None else dist.group.WORLD
     if not torch.compiler.is_compiling():
         return shared_all_reduce(group, a.device)(a, b, bias=bias, residual=residual, norm_weight=norm_weight,
-                                                  eps=eps, out=out)
+                                                  eps=eps, out=out, scale_a=scale_a, scale_b=scale_b,
+                                                  out_dtype=out_dtype)
+    if scale_a is not None or scale_b is not None or out_dtype is not None:
+        raise NotImplementedError("gemm_all_reduce in FP8 (scale_a, scale_b, out_dtype) under torch.compile: "
+                                  "its custom op takes bf16/fp16/fp32 only; call it outside the compiled region")
     if norm_weight is None:
         return _into(out, registry.gemm_all_reduce_op(a, b, bias, residual, group.group_name))
     normed, resid = registry.gemm_all_reduce_norm_op(a, b, bias, residual, norm_weight, float(eps), group.group_name)

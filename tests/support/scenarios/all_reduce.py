@@ -249,3 +249,96 @@ def compile_check(rank: int, world: int) -> dict:
     ref_normed, ref_resid = reference(inputs, 1e-6)
     return {"graphs": graphs, "ops": ops,
             "err": max(rel_err(y, plain), rel_err(normed, ref_normed), rel_err(resid, ref_resid))}
+
+
+FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
+
+
+def _fp8_inputs(scaling: str, m: int, k: int, n: int, rank: int, device) -> tuple:
+    """Rank ``rank``'s float8 ``a [m, k]``, ``b [k, n]`` and their float32 scales under ``scaling``,
+    quantised from seeded float32 tensors (every rank rebuilds every rank's)."""
+    a = randn((m, k), torch.float32, "fp8-a", scaling, rank)
+    b = randn((k, n), torch.float32, "fp8-b", scaling, rank)
+    if scaling == "tensorwise":
+        sa, sb = a.abs().amax() / 448, b.abs().amax() / 448
+        a8, b8 = (a / sa).to(torch.float8_e4m3fn), (b / sb).to(torch.float8_e4m3fn)
+        sa, sb = sa.reshape(()), sb.reshape(())
+    elif scaling == "rowwise":
+        sa, sb = a.abs().amax(1, keepdim=True) / 448, b.abs().amax(0, keepdim=True) / 448
+        a8, b8 = (a / sa).to(torch.float8_e4m3fn), (b / sb).to(torch.float8_e4m3fn)
+    else:  # blockwise: 1 x 128 blocks of a, 128 x 128 blocks of b
+        kb, nb = k // 128, -(-n // 128)
+        sa = a.view(m, kb, 128).abs().amax(2) / 448
+        a8 = (a.view(m, kb, 128) / sa[:, :, None]).view(m, k).to(torch.float8_e4m3fn)
+        bp = torch.nn.functional.pad(b, (0, nb * 128 - n)).view(kb, 128, nb, 128)
+        sb = bp.abs().amax((1, 3)) / 448
+        b8 = (bp / sb[:, None, :, None]).view(k, nb * 128)[:, :n].to(torch.float8_e4m3fn)
+    return a8.to(device), b8.to(device), sa.float().to(device), sb.float().to(device)
+
+
+def _dequantized(scaling: str, a8, b8, sa, sb) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = a8.double(), b8.double()
+    if scaling == "blockwise":
+        m, k = a.shape
+        n = b.shape[1]
+        a = (a.view(m, k // 128, 128) * sa.double()[:, :, None]).view(m, k)
+        sb_full = sb.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :n]
+        return a, b * sb_full
+    return a * sa.double(), b * sb.double()
+
+
+def fp8_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """Per case ``(scaling, policy, m, k_loc, n, out_dtype, norm)``: the FP8 GEMM + AllReduce (with a
+    bias, and with ``norm`` a residual and RMSNorm) against float64 of every rank's dequantized
+    partials; whether every rank got the same bits; the path."""
+    device = device_name()
+    rows = []
+    for scaling, policy, m, k, n, out_dtype, norm in cases:
+        dtype = getattr(torch, out_dtype)
+        mine = _fp8_inputs(scaling, m, k, n, rank, device)
+        bias = randn((n,), dtype, "fp8-bias", scaling, device=device)
+        residual = randn((m, n), dtype, "fp8-res", scaling, device=device) if norm else None
+        weight = randn((n,), dtype, "fp8-g", scaling, device=device) if norm else None
+        op = GemmAllReduce(policy=policy)
+        got = op(mine[0], mine[1], bias=bias, residual=residual, norm_weight=weight, scale_a=mine[2],
+                 scale_b=mine[3], out_dtype=dtype)
+        total = sum(torch.mm(*_dequantized(scaling, *_fp8_inputs(scaling, m, k, n, r, "cpu")))
+                    for r in range(world)) + bias.double().cpu()
+        if norm:
+            resid_ref = total + residual.double().cpu()
+            ref = resid_ref * torch.rsqrt(resid_ref.square().mean(-1, keepdim=True) + 1e-6) * weight.double().cpu()
+            err = max(rel_err(got[0].cpu(), ref), rel_err(got[1].cpu(), resid_ref))
+            got = got[0]
+        else:
+            err = rel_err(got.cpu(), total)
+        everyone = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(everyone, got.contiguous())
+        rows.append({"case": (scaling, policy, out_dtype, norm), "err": err, "dtype": str(got.dtype),
+                     "same": all(torch.equal(other, got) for other in everyone),
+                     "path": common.last_path("gemm_all_reduce")})
+    return rows
+
+
+def fp8_errors_check(rank: int, world: int) -> dict[str, str]:
+    """Bad FP8 calls, one at a time, the same on every rank: each error's type and message."""
+    device = device_name()
+    a8, b8, sa, sb = _fp8_inputs("rowwise", 4, 32, 16, rank, device)
+    op = GemmAllReduce(policy="oneshot")
+    bad = {
+        "no scales": lambda: op(a8, b8),
+        "scale_a shape": lambda: op(a8, b8, scale_a=sa[:3], scale_b=sb),
+        "scale dtype": lambda: op(a8, b8, scale_a=sa.half(), scale_b=sb),
+        "mixed operands": lambda: op(a8, b8.float(), scale_a=sa, scale_b=sb),
+        "scales on fp32": lambda: op(a8.float(), b8.float(), scale_a=sa, scale_b=sb),
+        "out_dtype": lambda: op(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.int32),
+        "bias dtype": lambda: op(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                                 bias=torch.zeros(16, dtype=torch.float16, device=device)),
+    }
+    outcomes = {}
+    for name, call in bad.items():
+        try:
+            call()
+            outcomes[name] = "no error"
+        except (TypeError, ValueError, TileweaveError) as exc:
+            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    return outcomes

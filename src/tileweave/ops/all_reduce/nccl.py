@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tileweave.ops.compute.matmul import matmul
 from tileweave.runtime.backend import Backend
 
 
@@ -40,9 +41,16 @@ def epilogue(total: torch.Tensor, bias, residual, norm_weight, eps: float, y: to
 
 
 def run(backend: Backend, a: torch.Tensor, b: torch.Tensor, bias, residual, norm_weight, eps: float,
-        y: torch.Tensor, resid: torch.Tensor | None) -> None:
-    """The whole call on the unfused path; writes ``y`` (and ``resid`` with a norm)."""
-    if a.is_cuda:
+        y: torch.Tensor, resid: torch.Tensor | None, scales: tuple | None = None) -> None:
+    """The whole call on the unfused path; writes ``y`` (and ``resid`` with a norm). ``scales``: the
+    scaled FP8 GEMM's ``(scale_a, scale_b)`` (tileweave's, its partial in ``y``'s dtype on GPUs, fp32
+    on the CPU)."""
+    if scales is not None:
+        partial = matmul(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=y.dtype if a.is_cuda else torch.float32)
+        if backend.world_size > 1:
+            dist.all_reduce(partial, group=backend.group)
+        total = partial.float()
+    elif a.is_cuda:
         partial = torch.matmul(a, b)
         if backend.world_size > 1:
             dist.all_reduce(partial, group=backend.group)

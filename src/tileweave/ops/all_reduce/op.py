@@ -16,7 +16,12 @@ result               ``[M, N]``       ``sum over ranks (a_r @ b_r) (+ bias) (+ r
                                       ``normed = resid * rsqrt(mean(resid**2, -1) + eps) * norm_weight``
 ===================  ===============  ==============================================================
 
-All tensors share one dtype (float16, bfloat16 or float32) and one device. The fused transports sum the
+All tensors share one dtype (float16, bfloat16 or float32) and one device. FP8: with float8 ``a`` and
+``b`` (e4m3fn or e5m2) and float32 ``scale_a``, ``scale_b`` of this rank's slice (torch's ``_scaled_mm``
+shapes: tensorwise, rowwise ``[M, 1]`` / ``[1, N]``, blockwise ``[M, K_loc/128]`` / ``[K_loc/128,
+N/128]``; ``tileweave.ops.compute.scaling``), each rank's partial is ``(a_r * scale_a_r) @ (b_r *
+scale_b_r)`` in ``out_dtype`` (bfloat16 by default), and the bias, residual, norm weight and output
+have that dtype. The fused transports sum the
 partials (rounded to the dtype) in fp32; the unfused path on GPUs sums them in NCCL in the dtype, as
 Megatron-style layers do. The bias, the residual add and the norm are fp32; the results are rounded to
 the dtype. Every rank gets the bitwise same result, and the same on every run (the fused transports
@@ -50,6 +55,7 @@ from tileweave.runtime import settings
 from tileweave.ops import common
 from tileweave.ops.all_reduce import nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
+from tileweave.ops.compute import scaling
 from tileweave.ops.skeleton import TPOp
 from tileweave.ops.workspace import agree
 from tileweave.runtime.agreement import describe
@@ -88,22 +94,25 @@ class GemmAllReduce(TPOp):
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, out: torch.Tensor | None = None):
+                 eps: float = 1e-6, out: torch.Tensor | None = None, *, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
         if not isinstance(a, torch.Tensor):  # its device says which backend to agree on
             raise TypeError(f"a must be a torch.Tensor [M, K_loc], got {type(a).__name__}")
         backend = self.backend_for(a.device)
-        path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out)
-        bias = common.check_bias(bias, b.shape[1], a.dtype, a.device)
+        scales = (scale_a, scale_b) if scaling.is_fp8(a) or scale_a is not None or scale_b is not None else None
+        path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
+        dtype = scaling.out_dtype_of(OP, a, out_dtype)
+        bias = common.check_bias(bias, b.shape[1], dtype, a.device)
         m, n = a.shape[0], b.shape[1]
         capturing = common.capturing(a)
         if capturing and path in ("oneshot", "twoshot") and not self.graphable:
             path = "fallback"  # NCCL captures; the epochs of the fused transports would not advance on replay
-        y = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
-        resid = torch.empty((m, n), dtype=a.dtype, device=a.device) if norm_weight is not None else None
+        y = out if out is not None else torch.empty((m, n), dtype=dtype, device=a.device)
+        resid = torch.empty((m, n), dtype=dtype, device=a.device) if norm_weight is not None else None
         if path in ("oneshot", "twoshot"):
-            self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid)
+            self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
         else:
-            nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid)
+            nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
         common.record_path(OP, path)
         return y if norm_weight is None else (y, resid)
 
@@ -119,20 +128,20 @@ class GemmAllReduce(TPOp):
                                          max_spin=self.spin_bound(backend))
         return self._fused
 
-    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out) -> str:
+    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> str:
         """The path of this call, every rank together: this rank checks its arguments and proposes a
         path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
         then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
         that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
         m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
         n = b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
-        key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None)
+        key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None, out_dtype)
 
         def propose() -> str:
             common.check_no_grad(OP, a, b, bias, residual, norm_weight,
                                  names=("a", "b", "bias", "residual", "norm_weight"))
-            _check(a, b, bias, residual, norm_weight, eps, out)
-            return self._plans.get(key) or self._propose(backend, a, m, n, norm_weight is not None)
+            dtype = _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
+            return self._plans.get(key) or self._propose(backend, a, m, n, norm_weight is not None, dtype)
 
         if key not in self._plans and common.capturing(a):
             self.require_eager("sizes the buffers with the other ranks")
@@ -143,30 +152,34 @@ class GemmAllReduce(TPOp):
             # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
             signature = {"a": describe(a, dims=(0,)), "b": describe(b, dims=(-1,)), "bias": describe(bias),
                          "residual": describe(residual), "norm_weight": describe(norm_weight),
-                         "policy": repr(self.policy), "graphable": repr(self.graphable)}
+                         "policy": repr(self.policy), "graphable": repr(self.graphable),
+                         "out_dtype": repr(out_dtype), "scales": "given" if scales is not None else "none"}
             path = agree(backend, OP, signature, propose)
         if w > 1 and (m == 0 or n == 0):
             path = "fallback"
         if key not in self._plans and path in ("oneshot", "twoshot"):
-            self._fused_transport(backend).prepare(path, m, n, a.dtype, norm_weight is not None)
+            dtype = scaling.out_dtype_of(OP, a, out_dtype)
+            self._fused_transport(backend).prepare(path, m, n, dtype, norm_weight is not None)
         self._plans[key] = path
         return path
 
-    def _propose(self, backend: Backend, a, m: int, n: int, norm: bool) -> str:
-        """This rank's path for a new signature: the policy's, or under "auto" the rule's."""
+    def _propose(self, backend: Backend, a, m: int, n: int, norm: bool, dtype: torch.dtype) -> str:
+        """This rank's path for a new signature (partials in ``dtype``): the policy's, or under "auto" the
+        rule's."""
         w = backend.world_size
-        slot_bytes = m * n * a.element_size() * (2 if norm else 1)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        slot_bytes = m * n * itemsize * (2 if norm else 1)
         if w == 1:
             proposal = "local"
         elif not backend.peer_access:
             proposal = "fallback"
         elif self.policy == "fused":
-            proposal = rule.fused_path(m, n, w, a.element_size(), programs=backend.num_sms)
+            proposal = rule.fused_path(m, n, w, itemsize, programs=backend.num_sms)
         elif self.policy != "auto":
             proposal = self.policy
         else:
-            proposal = rule.choose_path(m, n, w, a.element_size(), programs=backend.num_sms, slot_bytes=slot_bytes)
-        interpreted_bf16 = backend.interpreter and a.dtype == torch.bfloat16
+            proposal = rule.choose_path(m, n, w, itemsize, programs=backend.num_sms, slot_bytes=slot_bytes)
+        interpreted_bf16 = backend.interpreter and dtype == torch.bfloat16
         if interpreted_bf16 and proposal in ("oneshot", "twoshot"):
             if self.policy != "auto":
                 raise TileweaveError(f"{OP}: policy={self.policy!r} runs Triton kernels, which compute bfloat16 "
@@ -176,11 +189,23 @@ class GemmAllReduce(TPOp):
         return proposal
 
 
-def _check(a, b, bias, residual, norm_weight, eps, out) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> torch.dtype:
     """Every argument against the module docstring's table, before anything runs: errors name the
-    argument, what was expected and what came. Returns the bias and ``b`` as the kernels read them."""
-    common.check_matrix("a", a)
-    common.check_matrix("b", b, dtype=a.dtype, device=a.device)
+    argument, what was expected and what came. Returns the dtype of the partials and the result."""
+    if scaling.is_fp8(a) or scaling.is_fp8(b):
+        for name, t in (("a", a), ("b", b)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    else:
+        common.check_matrix("a", a)
+        common.check_matrix("b", b, dtype=a.dtype, device=a.device)
+    scale_a, scale_b = scales if scales is not None else (None, None)
+    if scaling.check_operands(OP, a, b, scale_a, scale_b):
+        if b.shape[0] == a.shape[1]:  # else the shape check below names it
+            scaling.dense_scales(OP, a.shape[0], b.shape[1], a.shape[1], scale_a, scale_b)
+    dtype = scaling.out_dtype_of(OP, a, out_dtype)
     m, k = a.shape
     if b.shape[0] != k:
         raise ValueError(f"a is [M={m}, K_loc={k}] but b is {list(b.shape)}: b must be [K_loc={k}, N] "
@@ -193,32 +218,32 @@ def _check(a, b, bias, residual, norm_weight, eps, out) -> tuple[torch.Tensor | 
         raise ValueError(f"a must have unit stride along one dimension, got strides {a.stride()}")
     if b.stride(1) != 1 and b.stride(0) != 1:
         raise ValueError(f"b must have unit stride along one dimension, got strides {b.stride()}")
-    bias = common.check_bias(bias, n, a.dtype, a.device)
+    common.check_bias(bias, n, dtype, a.device)
     if residual is not None:
-        _check_like("residual", residual, (m, n), a)
+        _check_like("residual", residual, (m, n), dtype, a.device)
     if norm_weight is not None:
         if residual is None:
             raise ValueError("norm_weight needs residual: the fused RMSNorm normalises residual + sum "
                              "(pass residual=, or leave norm_weight out and normalise the sum yourself)")
-        _check_like("norm_weight", norm_weight, (n,), a)
+        _check_like("norm_weight", norm_weight, (n,), dtype, a.device)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if out is not None:
-        common.check_out(out, (m, n), a.dtype, a.device)
+        common.check_out(out, (m, n), dtype, a.device)
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {out.stride()}")
-    return bias, b
+    return dtype
 
 
-def _check_like(name: str, t, shape: tuple, a: torch.Tensor) -> None:
+def _check_like(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.dtype != a.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but a is {a.dtype}; cast them to one dtype")
-    if t.device != a.device:
-        raise ValueError(f"{name} is on {t.device} but a is on {a.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the result is {dtype}; cast them to one dtype")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but a is on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 

@@ -139,8 +139,9 @@ class FusedTransport:
         return table
 
     def run(self, path: str, a, b, bias, residual, norm_weight, eps: float, y: torch.Tensor,
-            resid: torch.Tensor | None) -> None:
-        """One call: its GEMM into this call's slot, then the path's kernel; ``y`` (and ``resid``)."""
+            resid: torch.Tensor | None, scales: tuple | None = None) -> None:
+        """One call: its GEMM into this call's slot (in ``y``'s dtype; scaled FP8 with ``scales``, the
+        pair ``(scale_a, scale_b)``), then the path's kernel; ``y`` (and ``resid``)."""
         self.errors.raise_pending(self.backend)
         backend = self.backend
         m, n = a.shape[0], b.shape[1]
@@ -153,9 +154,11 @@ class FusedTransport:
         else:
             self.epoch += 1
             index, value = self.epoch & 1, self.epoch
-        slot = self._slot(index, a.dtype, m * n * (2 if norm and path == "twoshot" else 1))
+        slot = self._slot(index, y.dtype, m * n * (2 if norm and path == "twoshot" else 1))
         part = slot[:m * n].view(m, n)
-        if backend.interpreter:
+        if scales is not None:
+            matmul(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=y.dtype, out=part)
+        elif backend.interpreter:
             # torch's GEMM, not tileweave's: interpreted, tileweave.matmul (tested on its own) costs about a
             # second a call, which the emulated ranks' tests of this protocol cannot afford.
             torch.mm(a, b, out=part)
@@ -166,7 +169,7 @@ class FusedTransport:
         constexprs = dict(WORLD=backend.world_size, BM=bm, BN=bn, P=programs,
                           HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, HAS_NORM=norm,
                           CONSTANT=self.graphable)
-        head = (part, self._peer_offsets(a.element_size()), self.ready_sig, self.ready, self.sync, self.free_sig)
+        head = (part, self._peer_offsets(y.element_size()), self.ready_sig, self.ready, self.sync, self.free_sig)
         tail = (y, resid if norm else dummy, bias if bias is not None else dummy,
                 residual if residual is not None else dummy, norm_weight if norm else dummy, self.err,
                 self.host_err.tensor)
