@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -181,3 +186,16 @@ def test_op_takes_sections_of_both_kinds_in_one_list(monkeypatch):
     calls.clear()
     assert bench.main(["--op", "gemm"]) == 0
     assert calls == [("dense", ["--op", "gemm"])]
+
+
+def test_grouped_smoke_runs_from_a_plain_shell():
+    # No TRITON_INTERPRET set by hand and no --out: the section runs itself in the interpreter, writes to a
+    # temporary folder, and says that nothing was timed instead of printing ratios.
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    done = subprocess.run([sys.executable, "-m", "tileweave", "bench", "--op", "grouped", "--smoke"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no row was timed" in done.stdout and "nan" not in done.stdout, done.stdout
+    assert "smoke run: writing to" in done.stderr and not (root / "bench/results/grouped.json").exists()

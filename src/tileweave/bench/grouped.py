@@ -34,6 +34,8 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -42,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from tileweave.bench import fp8
+from tileweave.bench import fp8, output_dir
 from tileweave.bench.metadata import collect_metadata
-from tileweave.bench.report import geomean
+from tileweave.bench.grouped_report import cell, markdown, summary
 from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure, rotation_sets
 from tileweave.ops import common
 from tileweave.ops.compute.grouped_gemm import grouped_config, grouped_gemm
@@ -342,69 +344,11 @@ def cases(models: Sequence[Model], tokens: Sequence[int], routings: Sequence[str
             for s in scalings]
 
 
-def summary(rows: list[dict]) -> dict:
-    """Geomean, min and count of torch / ours per layer selection; FP8 rows apart, prefixed by their dtype."""
-    out = {}
-    for dtype in dict.fromkeys(r.get("dtype", "") for r in rows):
-        prefix = f"{dtype}_" if dtype.startswith("fp8") else ""
-        for label, select in (("all", lambda r: True), ("layer0", lambda r: r["layer"] == 0),
-                              ("layer1", lambda r: r["layer"] == 1)):
-            for name in ("torch", "torch+gather"):
-                vals = [r[f"vs_{name}"] for r in rows if r.get("dtype", "") == dtype and select(r) and f"vs_{name}" in r]
-                if vals:
-                    out[f"{prefix}{label}_vs_{name}_geomean"] = geomean(vals)
-                    out[f"{prefix}{label}_vs_{name}_min"] = min(vals)
-                    out[f"{prefix}{label}_vs_{name}_rows"] = len(vals)
-    return out
-
-
-def _cell(result: dict) -> str:
-    if "error" in result:
-        return "FAIL"
-    if "unavailable" in result:
-        return "n/a"
-    if "ms" in result:
-        return f"{result['ms']:.3f}"
-    return "ok" if "rel_err" in result else "-"
-
-
-def markdown(rows: list[dict], meta: dict, stats: dict) -> str:
-    lines = ["# Grouped GEMM: tileweave vs torch._grouped_mm (one GPU)", "",
-             f"GPU {meta.get('gpu_name')}, torch {meta.get('torch')}, triton {meta.get('triton')}, "
-             f"commit {meta.get('git_commit')}, {meta.get('date')}; dtype {meta.get('dtype')}, "
-             f"weights {meta.get('b_layout')}, TP={TP} shards. Times in ms (median of 5 x 20 calls); "
-             "vs = torch time / ours (> 1: ours faster).", "",
-             "| model | T | routing | layer | dtype | rows x N x K | max/mean rows | ours | torch | torch+gather | "
-             "vs torch | vs torch+gather | config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        res = r["results"]
-        mean = r["rows"] / r["experts"]
-        c = r.get("config", {})
-        lines.append(
-            f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['layer']} | {r.get('dtype', '')} | "
-            f"{r['rows']}x{r['n']}x{r['k']} | "
-            f"{r.get('max_rows_per_expert', 0) / mean:.2f} | {_cell(res.get('ours', {}))} | "
-            f"{_cell(res.get('torch', {}))} | {_cell(res.get('torch+gather', {})) if r['layer'] == 0 else ''} | "
-            f"{r.get('vs_torch', float('nan')):.3f} | "
-            f"{r.get('vs_torch+gather', float('nan')):.3f} | "
-            f"{c.get('block_m')}x{c.get('block_n')}x{c.get('block_k')}/{c.get('num_stages')}s/{c.get('num_warps')}w |")
-    if any(r.get("dtype", "").startswith("fp8") for r in rows):
-        lines += ["", f"FP8 rows: e4m3 inputs, {meta.get('dtype')} output; torch is torch._scaled_grouped_mm "
-                      "(rowwise only)."]
-    lines += ["", "Summary (geomean and min of torch / ours):", ""]
-    lines += [f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in stats.items()]
-    errors = [(r, name, res["error"]) for r in rows for name, res in r["results"].items() if "error" in res]
-    if errors:
-        lines += ["", "Failures:", ""]
-        lines += [f"- {r['model']} T={r['tokens']} {r['routing']} layer {r['layer']} {name}: {err}"
-                  for r, name, err in errors]
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tileweave.bench.grouped", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, type=Path, help="directory for grouped.json and grouped.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for grouped.json and grouped.md (default: bench/results; a temporary "
+                             "folder with --smoke)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; on the CPU outputs only, no timing")
@@ -437,8 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no CUDA device: only --smoke runs on the CPU", file=sys.stderr)
         return 2
     if not cuda and not common.interpreting():
-        print("--smoke on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
-        return 2
+        # Triton fixes the interpreter mode when the kernels are imported: run again in a process with it.
+        argv = list(sys.argv[1:] if argv is None else argv)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        return subprocess.run([sys.executable, "-m", "tileweave.bench.grouped", *argv], env=env).returncode
+    args.out = output_dir(args.out, args.smoke)
     dtype = torch.bfloat16 if cuda else torch.float32
     models = (FP8_SMOKE_MODELS if args.dtype == "fp8" else SMOKE_MODELS) if args.smoke else MODELS
     if args.models:
@@ -476,14 +423,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(row)
         res = row["results"]
         print(f"[{time.monotonic() - start:6.1f}s] {case.model.name} T={case.tokens} {case.routing} "
-              f"layer {case.layer}: " + ", ".join(f"{k}={_cell(v)}" for k, v in res.items()), flush=True)
+              f"layer {case.layer}: " + ", ".join(f"{k}={cell(v)}" for k, v in res.items()), flush=True)
         if cuda:
             torch.cuda.empty_cache()
     meta["elapsed_s"] = time.monotonic() - start
     stats = summary(rows)
     (args.out / "grouped.json").write_text(json.dumps({"meta": meta, "summary": stats, "rows": rows}, indent=1,
                                                       default=str))
-    table = markdown(rows, meta, stats)
+    table = markdown(rows, meta, stats, TP)
     (args.out / "grouped.md").write_text(table)
     print(table)
     failed = [r for r in rows if any("error" in v for v in r["results"].values())]
