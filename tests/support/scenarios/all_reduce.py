@@ -131,6 +131,18 @@ def missing_peer_check(rank: int, world: int, kinds: list[tuple[str, bool]], max
     return outcomes
 
 
+def _outcomes(calls: dict) -> dict[str, str]:
+    """Each call's error type and message ("no error" if it returned)."""
+    outcomes = {}
+    for name, call in calls.items():
+        try:
+            call()
+            outcomes[name] = "no error"
+        except (TypeError, ValueError, TileweaveError) as exc:
+            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    return outcomes
+
+
 def input_errors_check(rank: int, world: int) -> dict[str, str]:
     """Bad calls, each refused with a named error before anything runs; then a good call, which must
     still work (nothing half-done by the refused ones). Returns each call's error type and message."""
@@ -164,13 +176,7 @@ def input_errors_check(rank: int, world: int) -> dict[str, str]:
     others = dist.new_group([p for p in range(world) if p != 0])  # collective: every rank makes it
     if rank == 0:
         bad["foreign group"] = lambda: GemmAllReduce(others)(a, b)
-    outcomes = {}
-    for name, call in bad.items():
-        try:
-            call()
-            outcomes[name] = "no error"
-        except (TypeError, ValueError, TileweaveError) as exc:
-            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    outcomes = _outcomes(bad)
     y = op(a, b)
     outcomes["good call after"] = f"{common.last_path('gemm_all_reduce')} {tuple(y.shape)} {bool(torch.isfinite(y).all())}"
     return outcomes
@@ -334,11 +340,5 @@ def fp8_errors_check(rank: int, world: int) -> dict[str, str]:
         "bias dtype": lambda: op(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.float32,
                                  bias=torch.zeros(16, dtype=torch.float16, device=device)),
     }
-    outcomes = {}
-    for name, call in bad.items():
-        try:
-            call()
-            outcomes[name] = "no error"
-        except (TypeError, ValueError, TileweaveError) as exc:
-            outcomes[name] = f"{type(exc).__name__}: {exc}"
+    outcomes = _outcomes(bad)
     return outcomes
