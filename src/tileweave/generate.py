@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tileweave.models import from_pretrained
 from tileweave.testing.emulated import run_ranks
 
 
@@ -64,8 +65,6 @@ def parse_args(argv) -> argparse.Namespace:
 
 def generate_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     """One rank: load its slices, generate; the tokens and the times (rank 0 prints the progress)."""
-    from tileweave.models import from_pretrained  # the ranks import it after their backend is set up
-
     cuda = torch.cuda.is_available()
     if args.cuda_graph:
         os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # the decode step's ops must replay in a graph
