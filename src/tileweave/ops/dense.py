@@ -273,15 +273,6 @@ def finish_kernel(call: Call, ws: Workspace) -> None:
     call.errors.watch("kernel", ws.err, call.backend)
 
 
-def finish_streams(call: Call) -> None:
-    """After a call that launched no kernel of ours (the chunked transports): its stream waits are
-    bounded on the host, in debug mode (and on the CPU); not under CUDA-graph capture, where the host
-    cannot wait."""
-    backend = call.backend
-    if backend.interpreter or (common.debug_mode() and not torch.cuda.is_current_stream_capturing()):
-        backend.synchronize()
-
-
 # -- the one-shot paths' shared part ---------------------------------------------------------------------
 
 def oneshot_start(call: Call, rows: int, cols: int, dtype: torch.dtype, make: Callable[[Workspace], tuple]) -> tuple:

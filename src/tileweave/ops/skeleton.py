@@ -129,6 +129,14 @@ def first_launch(backend: Backend, compile_kernel: Callable[[], object]) -> None
     meeting(backend)()
 
 
+def finish_streams(backend: Backend) -> None:
+    """After a call whose waits are stream waits, with no kernel of ours (the chunked transports): the
+    waits are bounded on the host, on the CPU and in debug mode; not under CUDA-graph capture, where the
+    host cannot wait."""
+    if backend.interpreter or (common.debug_mode() and not torch.cuda.is_current_stream_capturing()):
+        backend.synchronize()
+
+
 class TPOp:
     """Base of the five fused ops: one group, its backend, the policy and ``max_spin`` settings, the op
     shared per (group, device), the error words (module docstring).

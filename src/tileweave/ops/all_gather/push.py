@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from tileweave.ops.dense import finish_kernel, finish_streams, launch_fused, programs
-from tileweave.ops.skeleton import Call
+from tileweave.ops.dense import finish_kernel, launch_fused, programs
+from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspace
 from tileweave.runtime.backend import Backend
 
@@ -137,7 +137,7 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
     if call.plan.path == "fused":
         finish_kernel(call, ws)
     else:
-        finish_streams(call)
+        finish_streams(call.backend)
     call.record(call.plan.path)
     if gathered_out is not None:
         return out, gathered_out

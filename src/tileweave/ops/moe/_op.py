@@ -79,12 +79,6 @@ class MoEOp(TPOp):
         if plan.invalid is not None:
             self.errors.watch("ids", self._ids_err, backend)
 
-    @staticmethod
-    def _finish_without_kernel(backend: Backend) -> None:
-        """After a call whose waits are stream waits: bounded on the host on the CPU and in debug mode."""
-        if backend.interpreter or common.debug_mode():
-            backend.synchronize()
-
 
 def plan_signature(plan: object) -> object:
     """What the ranks compare of a plan: its (W, T, k, E), or the type's name of something else."""

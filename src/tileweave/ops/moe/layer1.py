@@ -48,6 +48,7 @@ from tileweave.ops.compute.grouped_gemm import grouped_gemm
 from tileweave.ops.moe._op import (MoEOp, all_gather_rows, check_activation, check_plan, check_weight, nccl,
                                    plan_signature)
 from tileweave.ops.moe.plan import MoEPlan
+from tileweave.ops.skeleton import finish_streams
 from tileweave.ops.compute.topk_reduce import topk_reduce
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Workspace
 from tileweave.runtime.agreement import describe
@@ -167,7 +168,7 @@ class MoEGemmReduceScatter(MoEOp):
         out.copy_(total)
         values.release(backend, cplan.arrivals, cplan.releases)
         backend.comm_end()  # the send slots are free for the next call
-        self._finish_without_kernel(backend)
+        finish_streams(backend)
 
 
 def _chunk_plan(ws: Workspace, backend: Backend, tc: int, hidden: int, dtype: torch.dtype) -> _ChunkPlan:

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.ops.dense import finish_streams
 from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows
-from tileweave.ops.skeleton import Call
+from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import BLOCK_ARRIVAL, RELEASED, FlagValues, Workspace
 from tileweave.runtime.backend import Backend
 
@@ -51,7 +50,7 @@ def run(call: Call, a, b, bias, out) -> None:
         torch.addmm(partials, own[rows], b, out=out[rows])
     values.release(backend, arrivals, releases)
     backend.comm_end()
-    finish_streams(call)
+    finish_streams(call.backend)
     call.record("chunked")
 
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.ops.dense import finish_streams
 from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows, blocks_for
-from tileweave.ops.skeleton import Call
+from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import BLOCK_ARRIVAL, BLOCK_LANDED, RELEASED, Workspace
 from tileweave.runtime.backend import Backend
 
@@ -72,7 +71,7 @@ def run(call: Call, a, b, bias, out) -> None:
     # every pulled block by its landed word, the copy stream's last write (the peer's release) orders
     # nothing here, and the next call's copies queue behind this call's work on both streams. This path
     # never runs under CUDA-graph capture, which would need the join.
-    finish_streams(call)
+    finish_streams(call.backend)
     call.record("chunked")
 
 
