@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, batches: list[int], layers: int) -> list[dict]:
     weights = hf.state_dict()
     # The weights by their checkpoint names, read in place of a safetensors file (tileweave.models reads
     # the same names from disk; writing 16 GB here would only cost time).
-    config = decoder_config(hf_config.to_dict(), max_seq=PROMPT + NEW + STEPS + 8)
+    config = decoder_config(hf_config.to_dict(), max_seq=PROMPT + STEPS * (REPS + 2) + NEW + 8)
     with torch.device("meta"):
         model = TPDecoder(config, group=dist.group.WORLD, dtype=torch.bfloat16)
     model.to_empty(device="cuda")
