@@ -43,7 +43,8 @@ class KVCache:
         slots = self.slot + torch.arange(seq, device=self.slot.device)
         if mask is None:
             positions = self.next_pos[:, None] + torch.arange(seq, device=self.next_pos.device)
-            self.valid[:, slots] = True
+            # index_fill_ with a Python scalar: setting by index would copy a host True (not capturable)
+            self.valid.index_fill_(1, slots, True)
             self.next_pos += seq
         else:
             mask = mask.to(device=self.valid.device, dtype=torch.bool)
