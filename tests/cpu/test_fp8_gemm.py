@@ -94,6 +94,27 @@ def test_matmul_fp8_matches_dequantized_reference(scaling, m, n, k, out_dtype, l
     assert _rel(out, _dense_ref(a, b, scale_a, scale_b, bias)) < TOL[out_dtype]
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_use_fast_accum_matches_the_reference_in_matmul_and_grouped_gemm(scaling):
+    # The interpreter's FP8 dot is exact in both modes; on a GPU the fast mode keeps fewer bits over a
+    # long K (tests/gpu/test_fp8_gpu.py). Fast first, then the default on the same shapes: the two
+    # must not share a cached launch.
+    m, n, k, experts, counts = 37, 150, 256, 2, [20, 0, 17]
+    gen = _gen("fast", scaling)
+    a, w = _fp8(gen, m, k), _fp8(gen, n, k)
+    scale_a, scale_b = _scales(gen, scaling, m, n, k)
+    for fast in (True, False):
+        out = tileweave.matmul(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
+                               use_fast_accum=fast)
+        assert _rel(out, _dense_ref(a, w.t(), scale_a, scale_b)) < TOL[torch.float32]
+    b = _fp8(gen, experts, n, k).transpose(1, 2)
+    gscale_a, gscale_b = _scales(gen, scaling, m, n, k, experts=experts)
+    for fast in (True, False):
+        out = grouped_gemm(a, b, _offsets(counts), experts=experts, scale_a=gscale_a, scale_b=gscale_b,
+                           out_dtype=torch.float32, use_fast_accum=fast)
+        assert _rel(out, _grouped_ref(a, b, counts, gscale_a, gscale_b, None)) < TOL[torch.float32]
+
+
 def test_matmul_fp8_default_output_is_bfloat16_and_e5m2_operands_work():
     gen = _gen("e5m2")
     a, b = _fp8(gen, 40, 64, dtype=E5M2), _fp8(gen, 24, 64).t()

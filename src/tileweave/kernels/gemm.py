@@ -16,7 +16,9 @@ one K loop (``_mainloop``). The variants are compile-time switches:
 
 * ``SCALING`` (FP8 inputs, ``out = (a * scale_a) @ (b * scale_b)``, fp32 accumulation): ``"outer"``
   multiplies each finished tile by ``scale_a[row] * scale_b[col]`` in the epilogue (rowwise scales
-  ``[M, 1]`` and ``[1, N]``; tensorwise scalars are the same with zero strides); ``"block"`` scales
+  ``[M, 1]`` and ``[1, N]``; tensorwise scalars are the same with zero strides), each K step's product
+  added to the fp32 accumulator; ``"outer_fast"`` the same with the tensor cores accumulating across
+  K steps (torch's ``use_fast_accum=True``: faster, fewer bits kept over a long K); ``"block"`` scales
   every K step's product before it is accumulated, ``acc += dot(a, b) * sa[:, None] * sb[None, :]``,
   with ``sa = scale_a[row, k // 128]`` (1 x 128 blocks of A) and ``sb = scale_b[k // 128, col // 128]``
   (128 x 128 blocks of B): a K step (``BK`` dividing 128) never straddles two scale blocks. The scales
@@ -99,16 +101,27 @@ def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi
               B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SCALING: tl.constexpr):
     # K steps [k_lo, k_hi) of one tile (all of them, 0 to cdiv(K, BK), except under stream-K).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SCALING == "block":
+        # (clamped: a stream-K share may be empty, k_lo == the K step count)
+        k0 = (tl.minimum(k_lo, tl.cdiv(K, BK) - 1) * BK) // 128
+        sa = _scale_rows(scales, row_a, rows_a, k0, BM)
+        sb = _scale_cols(scales, col_b, N, k0, BN, True)
     for ki in range(k_lo, k_hi):
         a = _load_block(a_src, a_ptr, row_a, ki * BK, rows_a, K, stride_am, stride_ak, BM, BK, USE_TMA)
         b = _load_b(b_src, b_ptr, col_b, ki * BK, N, K, stride_bk, stride_bn, BN, BK, B_NK, USE_TMA)
         if SCALING == "block":
-            # DeepSeek-V3's promotion: each step's fp32 product scaled, then accumulated in fp32.
-            kb = (ki * BK) // 128
-            sa = _scale_rows(scales, row_a, rows_a, kb, BM)
-            sb = _scale_cols(scales, col_b, N, kb, BN, True)
+            # DeepSeek-V3's promotion: each step's fp32 product scaled, then accumulated in fp32. The next
+            # step's scales are loaded first, so that their latency hides behind this step's MMA.
+            kn = (tl.minimum(ki + 1, k_hi - 1) * BK) // 128
+            sa_next = _scale_rows(scales, row_a, rows_a, kn, BM)
+            sb_next = _scale_cols(scales, col_b, N, kn, BN, True)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-        else:
+            sa, sb = sa_next, sb_next
+        elif SCALING == "outer":
+            # Each K step's product added to the fp32 accumulator (torch's use_fast_accum=False); the
+            # tensor cores' own FP8 accumulation keeps fewer bits over a long K.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
+        else:  # None, or "outer_fast": the tensor cores accumulate across K steps
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -149,7 +162,7 @@ def _store_tile(c_ptr, c_desc, acc, bias_ptr, row0, tile_m, tile_n, rows_valid, 
     # The tile's epilogue: the "outer" scales (rows from row_a of the A source), bias, then the store
     # (TMA only where a tile cannot cross into the next chunk's rows: the host checks Mc % BM).
     offs_n = tile_n + tl.arange(0, BN)
-    if SCALING == "outer":
+    if SCALING == "outer" or SCALING == "outer_fast":
         sa = _scale_rows(scales, row_a, rows_a, 0, BM)
         sb = _scale_cols(scales, tile_n, N, 0, BN, False)
         acc = acc * (sa[:, None] * sb[None, :])
@@ -285,7 +298,7 @@ def fused_gemm_kernel(
     ``1 + src`` in ``err_ptr``. ``STREAM_K``: ``part_ptr`` is the fp32 partial-tile workspace and
     ``locks_ptr`` the per-tile arrival counts of ``_stream_k_tail`` (zero between calls); with
     ``ALL_GATHER`` the host has checked that the partial wave's tiles all lie in the last chunk.
-    ``SCALING`` (None, ``"outer"``, ``"block"``): ``scale_a_ptr`` and ``scale_b_ptr`` with their
+    ``SCALING`` (None, ``"outer"``, ``"outer_fast"``, ``"block"``): ``scale_a_ptr`` and ``scale_b_ptr`` with their
     strides (unused without it). Scaled AllGather+GEMM needs the peers' a-scales gathered beside their
     rows, which this kernel does not read yet: the two switches do not combine.
     """

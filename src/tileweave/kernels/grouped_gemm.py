@@ -31,8 +31,10 @@ covers): B holds gate columns ``[0, N)`` and up columns ``[N, 2N)``; a tile of B
   into ``pre_ptr`` ``[P, 2N]``, interleaved (gate j at column 2j, up j at 2j + 1): what the backward
   needs.
 
-``SCALING`` (FP8 inputs, as in ``tileweave.kernels.gemm``): ``"outer"`` multiplies the finished tile by
-``scale_a[src] * scale_b[expert, col]`` before its epilogue (tensorwise: zero strides), ``"block"``
+``SCALING`` (FP8 inputs, as in ``tileweave.kernels.gemm``): ``"outer"`` and ``"outer_fast"`` multiply the
+finished tile by ``scale_a[src] * scale_b[expert, col]`` before its epilogue (tensorwise: zero strides;
+``"outer"`` adds each K step's product to the fp32 accumulator, ``"outer_fast"`` lets the tensor cores
+accumulate across K steps), ``"block"``
 scales each K step's product by ``scale_a[src, k // 128] * scale_b[expert, k // 128, col // 128]``
 before accumulating it. ``src`` is the row of ``a`` a row reads (``a_rows[p]`` when gathering), so
 the a-scales travel with the rows; ``col`` is the column of B (under ``SWIGLU``, the gate's or the
@@ -105,6 +107,8 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
     b_base = b_ptr + expert.to(tl.int64) * stride_be
     b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
     acc = tl.zeros((BM, BNB), dtype=tl.float32)
+    if SCALING == "block":
+        scale = _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, 0, True)
     for ki in range(0, tl.cdiv(K, BK)):
         kk = ki * BK + offs_k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
@@ -119,11 +123,17 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
             b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_b[None, :], other=0.0)
             b_ptrs += BK * stride_bk
         if SCALING == "block":
-            acc += tl.dot(a, b) * _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, (ki * BK) // 128, True)
+            # the next step's scales loaded before this step's product, their latency behind its MMA
+            kn = (tl.minimum(ki + 1, tl.cdiv(K, BK) - 1) * BK) // 128
+            scale_next = _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, kn, True)
+            acc += tl.dot(a, b) * scale
+            scale = scale_next
+        elif SCALING == "outer":  # each K step's product added in fp32 (torch's use_fast_accum=False)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BK * stride_ak
-    if SCALING == "outer":
+    if SCALING == "outer" or SCALING == "outer_fast":
         acc = acc * _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, 0, False)
     mask = mask_m[:, None] & mask_n[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]

@@ -72,7 +72,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
                  group_range: tuple[int, int] | None = None, gate: tuple | None = None,
                  signal: tuple | None = None, epilogue: SwiGLU | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``out[p] = a[a_rows[p]] @ b[g % E] (* row_scale[p])`` for every row p of every group g.
 
     Shapes: ``a [Ma, K]`` (unit column stride, any row stride); ``a_rows`` int32/int64 ``[P]`` (row p
@@ -94,7 +94,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     1 x 128 block of a row of ``a``, ``scale_b [E, K/128, ceil(N/128)]`` per 128 x 128 block of each
     expert's ``b``, applied per K step inside the main loop (K a multiple of 128). ``scale_a``'s rows
     are ``a``'s rows: a gathered row takes its source row's scales. The scales apply before
-    ``row_scale`` and the SwiGLU epilogue (whose ``pre`` has ``out_dtype``). In the interpreter a
+    ``row_scale`` and the SwiGLU epilogue (whose ``pre`` has ``out_dtype``). ``use_fast_accum`` as
+    ``tileweave.matmul``'s (default False: each K step's product added in fp32). In the interpreter a
     bfloat16 output is computed in float32 and rounded once.
 
     The row counts stay on the device: no host synchronisation (capturable in a CUDA graph). The
@@ -120,12 +121,12 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     the current stream like any kernel.
     """
     key = _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue,
-                    scale_a, scale_b, out_dtype)
+                    scale_a, scale_b, out_dtype, use_fast_accum)
     plan = _plans.get(key) if key is not None else None
     if plan is None:
         # First call with arguments like these: check them and derive the launch.
         plan = _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
-                        epilogue, scale_a, scale_b, out_dtype)
+                        epilogue, scale_a, scale_b, out_dtype, use_fast_accum)
         if key is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
@@ -192,7 +193,7 @@ _MAX_PLANS = 4096
 
 
 def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal,
-              epilogue, scale_a, scale_b, out_dtype) -> tuple | None:
+              epilogue, scale_a, scale_b, out_dtype, fast_accum) -> tuple | None:
     """Everything about the arguments that the launch depends on, or None to take the checked path."""
     epilogue_key = None
     if epilogue is not None:
@@ -219,7 +220,7 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
         signal_key = layout(signal[0])
     return (layout(a), layout(b), layout(offsets), layout(a_rows), layout(row_scale), layout(out), experts, config,
             group_range, gate_key, signal_key, epilogue_key, layout(scale_a), layout(scale_b), out_dtype,
-            common.interpreting(), G_BLOCK_MAX,
+            bool(fast_accum), common.interpreting(), G_BLOCK_MAX,
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -240,7 +241,7 @@ def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: tor
 
 
 def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range, gate, signal, epilogue,
-             scale_a, scale_b, out_dtype) -> _Plan:
+             scale_a, scale_b, out_dtype, fast_accum=False) -> _Plan:
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D tensor [E, K, N], got {common.describe(b)}")
     if not isinstance(a, torch.Tensor):
@@ -273,7 +274,8 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                 or row_scale.device != a.device:
             raise ValueError(f"row_scale must be a float32 tensor of shape ({rows},) on {a.device}, "
                              f"got {common.describe(row_scale)}")
-    scales = scaling.grouped_scales("grouped_gemm", a.shape[0], num_b, n, k, scale_a, scale_b) if scaled else None
+    scales = (scaling.grouped_scales("grouped_gemm", a.shape[0], num_b, n, k, scale_a, scale_b,
+                                     fast_accum=fast_accum) if scaled else None)
     out_n = _check_epilogue(epilogue, rows, n, c_dtype, a.device, row_scale)
     common.check_out(out, (rows, out_n), c_dtype, a.device)
     g_lo, g_hi = _check_range(group_range, groups)

@@ -28,7 +28,7 @@ def _sm_count(kind: str, index: int | None) -> int:
 def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = None,
            scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
            bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: GemmConfig | None = None) -> torch.Tensor:
+           config: GemmConfig | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``out[M, N] = a[M, K] @ b[K, N] (+ bias[N])``, fp32 accumulation.
 
     ``b`` may be row-major ``[K, N]`` or the transpose of an ``nn.Linear`` weight (``weight.t()`` with
@@ -44,6 +44,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
     K step inside the main loop; K a multiple of 128). The bias (``out_dtype`` or float32) is added
     after scaling, in fp32. On Hopper ``b`` is best the transpose of an ``[N, K]`` weight (K-major, as
     the tensor cores read FP8). The scales are read on the device when the kernel runs (no host sync).
+    ``use_fast_accum`` (torch's, default False): tensorwise and rowwise let the tensor cores accumulate
+    across K steps, faster but with fewer bits kept over a long K (Hopper's FP8 MMA accumulates in
+    reduced precision); by default each K step's product is added to the fp32 accumulator. Blockwise
+    scaling always adds each K step's scaled product in fp32.
 
     On the CPU this runs in Triton's interpreter (``TRITON_INTERPRET=1``), which computes bfloat16
     wrongly: there bfloat16 inputs run in float32, a bfloat16 output is computed in float32, and the
@@ -53,7 +57,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
     float8 operand and one not, scales of a wrong dtype, device or shape, blockwise scales with K not a
     multiple of 128, an ``out_dtype`` other than bfloat16, float16 or float32.
     """
-    key = _plan_key(a, b, bias, out, config, scale_a, scale_b, out_dtype)
+    key = _plan_key(a, b, bias, out, config, scale_a, scale_b, out_dtype, use_fast_accum)
     plan = _plans.get(key) if key is not None else None
     if plan is not None:
         # Seen before with tensors alike in every property the launch depends on: skip the checks
@@ -80,7 +84,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
     if b.shape[0] != k:
         raise ValueError(f"a is [M={m}, K={k}] but b is {list(b.shape)}: b must be [K={k}, N]")
     n = b.shape[1]
-    scales = scaling.dense_scales("matmul", m, n, k, scale_a, scale_b) if scaled else None
+    scales = (scaling.dense_scales("matmul", m, n, k, scale_a, scale_b, fast_accum=use_fast_accum) if scaled
+              else None)
     if scaled and bias is not None and bias.dtype == torch.float32:
         bias = common.check_bias(bias, n, torch.float32, a.device)
     else:
@@ -99,7 +104,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
         # The interpreter's bfloat16 loads, dots and stores are wrong: compute in float32, round once.
         if scaled:
             wide = matmul(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32,
-                          bias=None if bias is None else bias.float(), config=config)
+                          bias=None if bias is None else bias.float(), config=config, use_fast_accum=use_fast_accum)
         else:
             wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
         return out.copy_(wide)
@@ -135,7 +140,7 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
-def _plan_key(a, b, bias, out, config, scale_a, scale_b, out_dtype) -> tuple | None:
+def _plan_key(a, b, bias, out, config, scale_a, scale_b, out_dtype, fast_accum) -> tuple | None:
     """Everything about the arguments that the launch depends on, or None to take the checked path."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 2 or b.dim() != 2:
         return None
@@ -144,20 +149,20 @@ def _plan_key(a, b, bias, out, config, scale_a, scale_b, out_dtype) -> tuple | N
             return None
     layout = gemm_launch.layout
     return (layout(a), layout(b), layout(bias), layout(out), layout(scale_a), layout(scale_b), out_dtype, config,
-            common.interpreting(), a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+            bool(fast_accum), common.interpreting(), a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` of shape ``[..., K]`` and ``weight`` ``[N, K]``, like
     ``torch.nn.functional.linear``, without transposing the weight in memory.
 
     FP8 (see ``matmul``): float8 ``x`` and ``weight`` with ``scale_a`` for the rows of ``x`` flattened to
     ``[M, K]`` (one element, ``[M, 1]`` or ``[M, K/128]``) and ``scale_b`` of ``weight.t()`` (one
     element, ``[1, N]``, or ``[K/128, ceil(N/128)]``: the transpose of the weight's ``[N/128, K/128]``
-    block scales)."""
+    block scales); ``use_fast_accum`` as ``matmul``'s."""
     lead = x.shape[:-1]
     y = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias=bias, scale_a=scale_a, scale_b=scale_b,
-               out_dtype=out_dtype)
+               out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return y.reshape(*lead, weight.shape[0])

@@ -49,11 +49,17 @@ class Scales:
     """Per row of ``a``, per K block."""
     b_strides: tuple[int, int, int]
     """Per expert (0 for ``matmul``), per K block, per column (rowwise) or 128-column block (blockwise)."""
+    fast_accum: bool = False
+    """torch's ``use_fast_accum``: the tensor cores accumulate across K steps (tensorwise and rowwise;
+    blockwise always adds each K step's scaled product in fp32)."""
 
     @property
     def kernel_mode(self) -> str:
-        """The kernels' ``SCALING`` switch: ``"block"`` inside the K loop, else ``"outer"`` in the epilogue."""
-        return "block" if self.scaling == "blockwise" else "outer"
+        """The kernels' ``SCALING`` switch: ``"block"`` inside the K loop, else ``"outer"`` (or
+        ``"outer_fast"``) in the epilogue."""
+        if self.scaling == "blockwise":
+            return "block"
+        return "outer_fast" if self.fast_accum else "outer"
 
 
 def is_fp8(t: object) -> bool:
@@ -114,8 +120,13 @@ def _blockwise_k(op: str, k: int) -> int:
     return k // BLOCK
 
 
-def dense_scales(op: str, m: int, n: int, k: int, scale_a: torch.Tensor, scale_b: torch.Tensor) -> Scales:
+def dense_scales(op: str, m: int, n: int, k: int, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+                 fast_accum: bool = False) -> Scales:
     """The scaling of ``matmul``'s ``a [m, k] @ b [k, n]`` from its scales' shapes (the module's table)."""
+    return dataclasses.replace(_dense_scales(op, m, n, k, scale_a, scale_b), fast_accum=bool(fast_accum))
+
+
+def _dense_scales(op: str, m: int, n: int, k: int, scale_a: torch.Tensor, scale_b: torch.Tensor) -> Scales:
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
     if scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 2 and scale_b.dim() <= 2:
         return Scales("tensorwise", scale_a, scale_b, (0, 0), (0, 0, 0))
@@ -134,8 +145,14 @@ def dense_scales(op: str, m: int, n: int, k: int, scale_a: torch.Tensor, scale_b
 
 
 def grouped_scales(op: str, rows_a: int, experts: int, n: int, k: int, scale_a: torch.Tensor,
-                   scale_b: torch.Tensor) -> Scales:
+                   scale_b: torch.Tensor, *, fast_accum: bool = False) -> Scales:
     """The scaling of ``grouped_gemm`` with ``a [rows_a, k]`` and ``b [experts, k, n]``."""
+    return dataclasses.replace(_grouped_scales(op, rows_a, experts, n, k, scale_a, scale_b),
+                               fast_accum=bool(fast_accum))
+
+
+def _grouped_scales(op: str, rows_a: int, experts: int, n: int, k: int, scale_a: torch.Tensor,
+                    scale_b: torch.Tensor) -> Scales:
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
     nb = math.ceil(n / BLOCK)
     if scale_a.numel() == 1 and scale_a.dim() <= 2 and sb in ((experts,), (experts, 1, 1)):
