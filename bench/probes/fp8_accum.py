@@ -3,7 +3,8 @@
 Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_accum.py OUT``. For a few GEMM suite shapes,
 tensorwise and rowwise: ``tileweave.matmul`` and ``torch._scaled_mm``, each with ``use_fast_accum``
 False (each K step's product summed in fp32) and True (the tensor cores accumulate across K steps);
-blockwise: ours (the default config, and 128 x 128 tiles with warp specialisation) against
+tensorwise also ``use_fast_accum=False`` on two other tile configs (``EXACT_CONFIGS``); blockwise: ours
+(the default config, and 128 x 128 tiles with warp specialisation) against
 ``torch.nn.functional.scaled_mm``. Times in ms (CUDA events, median of 5 batches of 20 calls, bf16
 output); ``err``: relative error of a float32 output against float64 of the dequantised inputs (torch's
 where it takes a float32 output). Writes ``OUT/fp8_accum.json`` and prints a table."""
@@ -20,6 +21,11 @@ from tileweave.tune.configs import GemmConfig
 
 SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 4096, 512))
 WS = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, warp_specialize=True)
+# use_fast_accum=False on other tiles than the default's: 128 x 128 (more programs, shorter MMA per stall)
+# and 128 x 256 with warp specialisation (whether a waiting warp group leaves the MMA to the other)
+EXACT_CONFIGS = {"mid": GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8),
+                 "big_ws": GemmConfig(block_m=128, block_n=256, block_k=128, group_m=16, num_stages=3, num_warps=8,
+                                      warp_specialize=True)}
 
 
 def _ms(fn) -> float:
@@ -69,6 +75,10 @@ def main() -> None:
                             a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=fast), ref)
                     except RuntimeError:
                         row[f"torch_{tag}_err"] = None
+            if scaling == "tensorwise":
+                for name, config in EXACT_CONFIGS.items():
+                    row[f"ours_exact_{name}_ms"] = _ms(lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb,
+                                                                                config=config))
             if scaling == "blockwise":
                 row["ours_ws_ms"] = _ms(lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, config=WS))
                 row["ours_ws_err"] = _err(tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, config=WS,

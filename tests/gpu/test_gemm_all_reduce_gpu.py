@@ -94,7 +94,8 @@ FP8_CASES = [
 @pytest.mark.skipif(not __import__("torch").cuda.is_available()
                     or __import__("torch").cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
 def test_fp8_gemm_all_reduce_gpu():
-    tol = {"bfloat16": 1e-2, "float32": 1e-5}
+    # float32: Hopper's FP8 MMA keeps fewer bits than fp32 within a K step (as in test_fp8_gpu.py)
+    tol = {"bfloat16": 1e-2, "float32": 3e-4}
     for rows in run_ranks(RANKS, scenarios.fp8_check, FP8_CASES, gpus=True, timeout_s=300):
         for row in rows:
             scaling, policy, out_dtype, norm = row["case"]

@@ -101,22 +101,15 @@ def _mainloop(a_src, b_src, a_ptr, b_ptr, row_a, rows_a, col_b, N, K, k_lo, k_hi
               B_NK: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SCALING: tl.constexpr):
     # K steps [k_lo, k_hi) of one tile (all of them, 0 to cdiv(K, BK), except under stream-K).
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if SCALING == "block":
-        # (clamped: a stream-K share may be empty, k_lo == the K step count)
-        k0 = (tl.minimum(k_lo, tl.cdiv(K, BK) - 1) * BK) // 128
-        sa = _scale_rows(scales, row_a, rows_a, k0, BM)
-        sb = _scale_cols(scales, col_b, N, k0, BN, True)
     for ki in range(k_lo, k_hi):
         a = _load_block(a_src, a_ptr, row_a, ki * BK, rows_a, K, stride_am, stride_ak, BM, BK, USE_TMA)
         b = _load_b(b_src, b_ptr, col_b, ki * BK, N, K, stride_bk, stride_bn, BN, BK, B_NK, USE_TMA)
         if SCALING == "block":
-            # DeepSeek-V3's promotion: each step's fp32 product scaled, then accumulated in fp32. The next
-            # step's scales are loaded first, so that their latency hides behind this step's MMA.
-            kn = (tl.minimum(ki + 1, k_hi - 1) * BK) // 128
-            sa_next = _scale_rows(scales, row_a, rows_a, kn, BM)
-            sb_next = _scale_cols(scales, col_b, N, kn, BN, True)
+            # DeepSeek-V3's promotion: each step's fp32 product scaled, then accumulated in fp32.
+            kb = (ki * BK) // 128
+            sa = _scale_rows(scales, row_a, rows_a, kb, BM)
+            sb = _scale_cols(scales, col_b, N, kb, BN, True)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            sa, sb = sa_next, sb_next
         elif SCALING == "outer":
             # Each K step's product added to the fp32 accumulator (torch's use_fast_accum=False); the
             # tensor cores' own FP8 accumulation keeps fewer bits over a long K.

@@ -107,8 +107,6 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
     b_base = b_ptr + expert.to(tl.int64) * stride_be
     b_ptrs = b_base + offs_k[:, None] * stride_bk + b_cols[None, :] * stride_bn
     acc = tl.zeros((BM, BNB), dtype=tl.float32)
-    if SCALING == "block":
-        scale = _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, 0, True)
     for ki in range(0, tl.cdiv(K, BK)):
         kk = ki * BK + offs_k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
@@ -123,11 +121,7 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
             b = tl.load(b_ptrs, mask=(kk < K)[:, None] & mask_b[None, :], other=0.0)
             b_ptrs += BK * stride_bk
         if SCALING == "block":
-            # the next step's scales loaded before this step's product, their latency behind its MMA
-            kn = (tl.minimum(ki + 1, tl.cdiv(K, BK) - 1) * BK) // 128
-            scale_next = _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, kn, True)
-            acc += tl.dot(a, b) * scale
-            scale = scale_next
+            acc += tl.dot(a, b) * _ab_scales(scales, src, mask_m, expert, b_cols, mask_b, (ki * BK) // 128, True)
         elif SCALING == "outer":  # each K step's product added in fp32 (torch's use_fast_accum=False)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BK)
         else:
