@@ -44,6 +44,18 @@ def _param_errors(model: nn.Module, ref: nn.Module) -> dict:
     return errors
 
 
+def _mesh(device: str, world: int):
+    """The 1-D mesh of the ranks. Where they share GPUs (``tileweave.testing.shared_gpu``), its group
+    gets the sharing backend too: the mesh makes a group of its own, which the world's backend does not
+    cover."""
+    mesh = init_device_mesh(device.split(":")[0], (world,))
+    if device.startswith("cuda") and world > torch.cuda.device_count():
+        from tileweave.testing import shared_gpu
+
+        shared_gpu.install(torch.device(device), mesh.get_group())
+    return mesh
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -58,7 +70,7 @@ def styles_mlp_check(rank: int, world: int, batch: int, seq: int, layout: str, i
     hidden, ffn, device = 16, 24, device_name()
     full = _seeded(nn.Sequential(nn.Linear(hidden, ffn), nn.SiLU(), nn.Linear(ffn, hidden)), "mlp").to(device)
     ref = copy.deepcopy(full).double()
-    mesh = init_device_mesh(device.split(":")[0], (world,))
+    mesh = _mesh(device, world)
     sequence = layout != "replicate"
     plan = {"0": ColwiseParallel(input_layouts=Shard(1), use_local_output=layout != "dtensor"),
             "2": RowwiseParallel(output_layouts=Shard(1), use_local_output=layout != "dtensor")}
@@ -98,7 +110,7 @@ def styles_llama_check(rank: int, world: int, batch: int, seq: int) -> dict:
     torch.manual_seed(0)
     full = _seeded(Llama(c), "llama").to(device)
     ref = copy.deepcopy(full).double()
-    mesh = init_device_mesh(device.split(":")[0], (world,))
+    mesh = _mesh(device, world)
     model = parallelize_module(full, mesh, llama_tp_plan(full))
     tokens = _llama_data(c, batch, seq, "tokens").to(device)
     g = randn((batch, seq, c.vocab), torch.float32, "llama-g", device=device)
