@@ -49,6 +49,9 @@ def probe(rank, world, models, tokens, routings=("uniform",)):
                 layer(x)
 
         def fwd_bwd():
+            # as the benchmark's layer-bwd: gradients written, not accumulated into earlier ones
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
             layer(x).backward(inp.dout_shard)
 
         entry = {"model": model, "T": t, "routing": routing, "fwd_ms": _time(fwd), "fwd_bwd_ms": _time(fwd_bwd)}
