@@ -26,3 +26,14 @@ def test_block_benchmark_variants_compute_the_block():
             assert result[key] < 1e-5, (key, result)
         assert result["ours_path"] == "ag fused, rs chunked", result
         assert result["floor_shape"] and result["restored"], result
+
+
+@pytest.mark.parametrize("world, heads, kv_heads", [(2, 4, 2), (3, 6, 3)])
+def test_block_loads_a_transformers_llama_layer(world, heads, kv_heads):
+    # A Llama decoder layer of transformers in float64 is the reference: its state dict loads by its
+    # own names (rotate-half query and key rows), the outputs agree, full_state_dict gives it back, and
+    # a wrong shape or an unknown tensor is refused by name.
+    for result in run_ranks(world, scenarios.block_hf_layer_check, 2, 6, heads, kv_heads):
+        assert result["y"] < 1e-5 and result["round_trip"] == 0 and result["names"], result
+        assert "'mlp.up_proj.weight' must have shape" in result["bad_shape"], result
+        assert "mlp.bias" in result["extra"], result

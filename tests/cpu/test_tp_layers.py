@@ -68,3 +68,36 @@ def test_mlp_on_shared_ops_with_options_from_the_environment():
         assert result["shared_options"] == ["pull=True", "stream_k=None"], result
     for result in run_ranks(2, scenarios.tp_mlp_check, 48, 32, 64, True, env={"TILEWEAVE_RS_PULL": "0"}):
         assert result["shared_options"] == ["pull=False", "stream_k=None"], result
+
+
+def _load_refusals(rank: int, world: int) -> dict:
+    import torch
+
+    from tileweave.nn import ColumnParallelLinear, RowParallelLinear
+
+    out = {}
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls(8 * world, 4 * world, bias=False)
+        good = {"weight": torch.randn(4 * world, 8 * world)}
+        cases = {"shape": {"weight": good["weight"][:, 1:]}, "extra": dict(good, bias=torch.zeros(4 * world)),
+                 "missing": {}}
+        for case, state in cases.items():
+            try:
+                layer.load_full_state_dict(state)
+                out[(cls.__name__, case)] = "no error"
+            except (ValueError, KeyError) as e:
+                out[(cls.__name__, case)] = f"{type(e).__name__}: {e}"
+        layer.load_full_state_dict(good)
+        out[(cls.__name__, "round_trip")] = bool(torch.equal(layer.full_state_dict()["weight"], good["weight"]))
+    return out
+
+
+def test_linears_refuse_a_wrong_state_by_name():
+    # A weight of the wrong shape, a tensor the layer has no place for (a bias for a bias-free layer)
+    # and a missing weight are refused, naming the tensor; a good state round-trips.
+    for result in run_ranks(2, _load_refusals):
+        for cls in ("ColumnParallelLinear", "RowParallelLinear"):
+            assert "'weight' must have shape" in result[(cls, "shape")], result
+            assert "ValueError" in result[(cls, "extra")] and "bias" in result[(cls, "extra")], result
+            assert "KeyError" in result[(cls, "missing")] and "weight" in result[(cls, "missing")], result
+            assert result[(cls, "round_trip")], result

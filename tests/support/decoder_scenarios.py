@@ -62,8 +62,8 @@ def inference_linears_check(rank: int, world: int, m: int, k: int, hidden: int, 
         w1, b1 = _randn((hidden, k), "w1", it) / k ** 0.5, _randn((hidden,), "b1", it)
         w2, b2 = _randn((n, hidden), "w2", it) / hidden ** 0.5, _randn((n,), "b2", it)
         x_full, g_full = _randn((m, k), "x", it), _randn((m, n), "g", it)
-        col.load_full_state_dict({"weight": w1.to(dt), "bias": b1.to(dt)})
-        row.load_full_state_dict({"weight": w2.to(dt), "bias": b2.to(dt)})
+        col.load_full_state_dict({"weight": w1.to(dt), **({"bias": b1.to(dt)} if bias else {})})
+        row.load_full_state_dict({"weight": w2.to(dt), **({"bias": b2.to(dt)} if bias else {})})
         for p in (*col.parameters(), *row.parameters()):
             p.grad = None
         x = x_full.to(device=device, dtype=dt).requires_grad_(True)

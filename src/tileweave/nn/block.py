@@ -15,13 +15,21 @@ overlap), for comparison.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_interleaved, to_rotate_half
 from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear, TPOps
+from tileweave.nn.shards import gather_shards
+
+STATE_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+               "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+"""The block's tensors, as a Hugging Face Llama decoder layer names them (``[out, in]`` weights)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +118,8 @@ class TPTransformerBlock(nn.Module):
         super().__init__()
         self.config = config
         self.group = group if group is not None else dist.group.WORLD
-        w = dist.get_world_size(self.group)
+        w = self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         for name in ("heads", "kv_heads", "ffn"):
             if getattr(config, name) % w:
                 raise ValueError(f"BlockConfig.{name}={getattr(config, name)} must be divisible by the TP size {w}")
@@ -151,19 +160,59 @@ class TPTransformerBlock(nn.Module):
         return h + self.down(F.silu(gate) * up)
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """From unsharded weights named like Llama's: ``q``, ``k``, ``v``, ``o``, ``gate``, ``up``,
-        ``down`` (each ``[out, in]``), ``attn_norm``, ``mlp_norm``."""
-        w, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+    def load(self, read: Reader, prefix: str = "") -> None:
+        """This rank's shards of the block's tensors ``prefix + name``, named like a Hugging Face Llama
+        decoder layer's (``STATE_NAMES``), shapes checked by ``read`` (``tileweave.nn.checkpoint``). The
+        query and key rows come in the checkpoint's rotate-half layout and are interleaved for this
+        block's RoPE."""
+        c, hd, w, r = self.config, self.config.head_dim, self.world, self.rank
+        h, hl, kvl, fl = c.hidden, self.local_heads, self.local_kv_heads, c.ffn // w
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            n = t.shape[0] // w
-            return t[r * n:(r + 1) * n]
+        def rows(name: str, total: int, local: int) -> torch.Tensor:
+            return read(prefix + name, (total, h), 0, r * local, (r + 1) * local)
 
-        self.attn_norm.weight.copy_(state["attn_norm"])
-        self.mlp_norm.weight.copy_(state["mlp_norm"])
-        self.qkv.weight.copy_(torch.cat([rows(state["q"]), rows(state["k"]), rows(state["v"])]))
-        self.gate_up.weight.copy_(torch.cat([rows(state["gate"]), rows(state["up"])]))
-        self.o.load_full_state_dict({"weight": state["o"]})
-        self.down.load_full_state_dict({"weight": state["down"]})
+        self.attn_norm.weight.copy_(read(prefix + "input_layernorm.weight", (h,)))
+        self.mlp_norm.weight.copy_(read(prefix + "post_attention_layernorm.weight", (h,)))
+        q = to_interleaved(rows("self_attn.q_proj.weight", c.heads * hd, hl * hd), hd)
+        k = to_interleaved(rows("self_attn.k_proj.weight", c.kv_heads * hd, kvl * hd), hd)
+        v = rows("self_attn.v_proj.weight", c.kv_heads * hd, kvl * hd)
+        self.qkv.weight.copy_(torch.cat([q, k, v]))
+        self.gate_up.weight.copy_(torch.cat([rows("mlp.gate_proj.weight", c.ffn, fl),
+                                             rows("mlp.up_proj.weight", c.ffn, fl)]))
+        self.o.weight.copy_(read(prefix + "self_attn.o_proj.weight", (h, c.heads * hd), 1, r * hl * hd,
+                                 (r + 1) * hl * hd))
+        self.down.weight.copy_(read(prefix + "mlp.down_proj.weight", (h, c.ffn), 1, r * fl, (r + 1) * fl))
 
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Take this rank's shards from the unsharded tensors of ``full_state_dict``'s names and layout
+        (a Hugging Face Llama decoder layer's, without its ``model.layers.N.`` prefix). Raises
+        ``ValueError`` naming a tensor of the wrong shape or one the block has no place for, ``KeyError``
+        for a missing one."""
+        used: set[str] = set()
+        reader = dict_reader(state, "TPTransformerBlock.load_full_state_dict")
+
+        def read(name, *args):
+            used.add(name)
+            return reader(name, *args)
+
+        self.load(read)
+        check_unused(state, used, "TPTransformerBlock.load_full_state_dict")
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights named like a Hugging Face Llama decoder layer's (``STATE_NAMES``), query
+        and key rows in the rotate-half layout: what ``load_full_state_dict`` takes. Collective: every
+        rank of the group must call it."""
+        c, hd, w = self.config, self.config.head_dim, self.world
+        hl, kvl, fl = self.local_heads, self.local_kv_heads, c.ffn // w
+        qkv = gather_shards(self.qkv.weight, 0, self.group).view(w, (hl + 2 * kvl) * hd, c.hidden)
+        q, k, v = (part.reshape(-1, c.hidden) for part in qkv.split([hl * hd, kvl * hd, kvl * hd], dim=1))
+        gate, up = (part.reshape(-1, c.hidden)
+                    for part in gather_shards(self.gate_up.weight, 0, self.group).view(w, 2 * fl, c.hidden)
+                    .split([fl, fl], dim=1))
+        return {"input_layernorm.weight": self.attn_norm.weight.detach().clone(),
+                "self_attn.q_proj.weight": to_rotate_half(q, hd), "self_attn.k_proj.weight": to_rotate_half(k, hd),
+                "self_attn.v_proj.weight": v, "self_attn.o_proj.weight": gather_shards(self.o.weight, 1, self.group),
+                "post_attention_layernorm.weight": self.mlp_norm.weight.detach().clone(),
+                "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
+                "mlp.down_proj.weight": gather_shards(self.down.weight, 1, self.group)}

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tileweave.nn import inference
+from tileweave.nn.checkpoint import Reader, check_unused, dict_reader
 from tileweave.nn.shards import gather_shards
 from tileweave.ops import functional
 from tileweave.ops.all_gather.op import AllGatherGemm
@@ -207,6 +208,12 @@ class _TPLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(shape[0], device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
 
+    def _reader(self, state: dict[str, torch.Tensor]) -> Reader:
+        # dict_reader over an unsharded state, tensors the layer has no place for refused first
+        owner = f"{type(self).__name__}.load_full_state_dict"
+        check_unused(state, {"weight"} | ({"bias"} if self.bias is not None else set()), owner)
+        return dict_reader(state, owner)
+
 
 class ColumnParallelLinear(_TPLinear):
     """``nn.Linear(in_features, out_features)`` split by output features over a TP group, with
@@ -229,11 +236,14 @@ class ColumnParallelLinear(_TPLinear):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Take this rank's rows from an unsharded ``{"weight": [out, in], "bias": [out]}``."""
-        rows = slice(self.rank * self.weight.shape[0], (self.rank + 1) * self.weight.shape[0])
-        self.weight.copy_(state["weight"][rows])
+        """Take this rank's rows from an unsharded ``{"weight": [out, in], "bias": [out]}``. Raises
+        ``ValueError`` naming a tensor of the wrong shape or one the layer has no place for, ``KeyError``
+        for a missing one."""
+        read = self._reader(state)
+        n = self.weight.shape[0]
+        self.weight.copy_(read("weight", (self.out_features, self.in_features), 0, self.rank * n, (self.rank + 1) * n))
         if self.bias is not None:
-            self.bias.copy_(state["bias"][rows])
+            self.bias.copy_(read("bias", (self.out_features,), 0, self.rank * n, (self.rank + 1) * n))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -268,11 +278,14 @@ class RowParallelLinear(_TPLinear):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Take this rank's columns from an unsharded ``{"weight": [out, in], "bias": [out]}``."""
-        cols = slice(self.rank * self.weight.shape[1], (self.rank + 1) * self.weight.shape[1])
-        self.weight.copy_(state["weight"][:, cols])
+        """Take this rank's columns from an unsharded ``{"weight": [out, in], "bias": [out]}``. Raises
+        ``ValueError`` naming a tensor of the wrong shape or one the layer has no place for, ``KeyError``
+        for a missing one."""
+        read = self._reader(state)
+        n = self.weight.shape[1]
+        self.weight.copy_(read("weight", (self.out_features, self.in_features), 1, self.rank * n, (self.rank + 1) * n))
         if self.bias is not None:
-            self.bias.copy_(state["bias"])
+            self.bias.copy_(read("bias", (self.out_features,)))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

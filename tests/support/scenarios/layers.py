@@ -83,6 +83,22 @@ def small_block_data(c, m: int, tag: str, device) -> tuple[dict, torch.Tensor, t
     return state, x_full, g_full
 
 
+def hf_block_state(state: dict, c) -> dict:
+    """``small_block_data``'s state (short names, each head's query and key rows in interleaved pairs as
+    ``references.transformer_block`` rotates them) as a Hugging Face Llama decoder layer names and lays it
+    out: rotate-half rows, row ``2i + j`` of a head becoming row ``j * head_dim / 2 + i``."""
+    hd = c.head_dim
+
+    def rotate_half(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(w.shape[0] // hd, hd // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    return {"input_layernorm.weight": state["attn_norm"], "self_attn.q_proj.weight": rotate_half(state["q"]),
+            "self_attn.k_proj.weight": rotate_half(state["k"]), "self_attn.v_proj.weight": state["v"],
+            "self_attn.o_proj.weight": state["o"], "post_attention_layernorm.weight": state["mlp_norm"],
+            "mlp.gate_proj.weight": state["gate"], "mlp.up_proj.weight": state["up"],
+            "mlp.down_proj.weight": state["down"]}
+
+
 def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "auto", heads: int = 4,
                    kv_heads: int = 2) -> dict:
     """The TP transformer block against the unsharded reference in float64: output, input gradient,
@@ -95,7 +111,11 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
 
     os.environ["TILEWEAVE_POLICY"] = policy  # read by the ops the block's layers create
     block = TPTransformerBlock(c, device=device)
-    block.load_full_state_dict(state)
+    hf_state = hf_block_state(state, c)
+    block.load_full_state_dict(hf_state)
+    saved = block.full_state_dict()
+    round_trip = max(rel_err(saved[name], t) for name, t in hf_state.items()) if saved.keys() == hf_state.keys() \
+        else float("inf")
     x = x_full[rows].clone().requires_grad_(True)
     y = block(x, batch)
     (y * g_full[rows]).sum().backward()
@@ -117,7 +137,7 @@ def tp_block_check(rank: int, world: int, batch: int, seq: int, policy: str = "a
         "o": d["o"][:, rank * c.hidden // world:(rank + 1) * c.hidden // world],
         "down": d["down"][:, rank * c.ffn // world:(rank + 1) * c.ffn // world],
     }
-    errors = {"y": rel_err(y, yr.detach()[rows]), "dx": rel_err(x.grad, xr.grad[rows])}
+    errors = {"y": rel_err(y, yr.detach()[rows]), "dx": rel_err(x.grad, xr.grad[rows]), "round_trip": round_trip}
     for name, ref in expect.items():
         errors[f"d_{name}"] = rel_err(getattr(block, name).weight.grad, ref)
     # Norm weights are replicated: each rank's gradient covers its tokens only; summed over ranks they
@@ -143,7 +163,7 @@ def block_bench_variants_check(rank: int, world: int, batch: int, seq: int) -> d
 
     os.environ["TILEWEAVE_POLICY"] = "fused"
     block = TPTransformerBlock(c, device=device)
-    block.load_full_state_dict(state)
+    block.load_full_state_dict(hf_block_state(state, c))
     row = B.BlockRow("llama3-8b", m)  # only its batch (M tokens as one sequence here) is used
     assert row.batch == batch
     inputs = B.BlockInputs(row=row, block=block, x=x_full[rows].clone().requires_grad_(True), dy=g_full[rows])
@@ -181,3 +201,48 @@ def block_bench_gpu_check(rank: int, world: int, m: int) -> dict:
         v = B.block_variant(name, x, rank=rank, world_size=world, reference=reference)
         out[name] = v.check(v.call(0)) if v.call is not None else v.note
     return out
+
+
+def block_hf_layer_check(rank: int, world: int, batch: int, seq: int, heads: int, kv_heads: int) -> dict:
+    """The block loaded from a ``transformers`` Llama decoder layer's state dict, against that layer in
+    float64 on the whole batch (causal attention, its own RoPE); the errors of a wrong shape and of an
+    unknown tensor; the full state dict's names and values against the layer's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    hidden, ffn = 8 * heads, 48
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, rope_theta=10000.0, rms_norm_eps=1e-5, num_hidden_layers=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(5)  # the same layer on every rank
+    layer = LlamaDecoderLayer(config, layer_idx=0).double().eval()
+    with torch.no_grad():
+        for t in layer.parameters():
+            t.copy_(torch.randn(t.shape, dtype=torch.float64) / (t.shape[-1] ** 0.5 if t.dim() == 2 else 4) + (t.dim() == 1))
+    hf_state = {name: t.float() for name, t in layer.state_dict().items()}
+    c = BlockConfig(hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, rope_theta=10000.0, norm_eps=1e-5)
+    block = TPTransformerBlock(c)
+    block.load_full_state_dict(hf_state)
+    x = randn((batch, seq, hidden), torch.float32, "hf-block-x")
+    m = batch * seq
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+    with torch.no_grad():
+        y = block(x.reshape(m, hidden)[rows].contiguous(), batch)
+        xd = x.double()
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        mask = torch.full((seq, seq), float("-inf"), dtype=torch.float64).triu(1)[None, None].expand(batch, 1, seq, seq)
+        out = layer(xd, attention_mask=mask, position_ids=positions,
+                    position_embeddings=LlamaRotaryEmbedding(config)(xd, positions))
+        want = (out[0] if isinstance(out, tuple) else out).reshape(m, hidden)[rows]
+    saved = block.full_state_dict()
+    errors = {"y": rel_err(y, want), "names": sorted(saved) == sorted(hf_state),
+              "round_trip": max(rel_err(saved[n], hf_state[n]) for n in hf_state if n in saved)}
+    bad = dict(hf_state, **{"mlp.up_proj.weight": hf_state["mlp.up_proj.weight"][:, :-1]})
+    extra = dict(hf_state, **{"mlp.bias": torch.zeros(hidden)})
+    for key, state in (("bad_shape", bad), ("extra", extra)):
+        try:
+            TPTransformerBlock(c).load_full_state_dict(state)
+            errors[key] = "no error"
+        except ValueError as e:
+            errors[key] = str(e)
+    return errors
