@@ -363,8 +363,9 @@ def test_a_group_without_this_rank_is_refused():
 
 
 def test_cuda_graph_capture_rules():
-    # Under capture: the unfused path for a signature an eager call agreed on (the one-shot path's too);
-    # the fused paths only on graphable ops; a first call never.
+    # Under capture: the unfused path for a signature an eager call agreed on (where the eager call
+    # took a fused path with epochs, NCCL instead, as policy "auto" does); the fused paths only on
+    # graphable ops, policy "fused" otherwise refused with one message; a first call never.
     for outcomes in run_ranks(2, scenarios.capture_rules_check):
         for name, outcome in outcomes.items():
             policy, call, when = name.split(" ", 2)
@@ -374,6 +375,7 @@ def test_cuda_graph_capture_rules():
                 assert outcome.startswith("ok") and float(outcome.split()[1]) < 1e-5, (name, outcome)
             elif policy == "fused":
                 assert outcome.startswith("error") and "cannot be captured" in outcome, (name, outcome)
+                assert "graphable=True" in outcome and "policy='auto' or 'fallback'" in outcome, (name, outcome)
             elif when == "before eager":  # the agreement is a collective: never under capture
                 assert outcome.startswith("error") and "before capturing" in outcome, (name, outcome)
             else:

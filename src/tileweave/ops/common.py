@@ -182,14 +182,18 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-CAPTURE_FUSED = ("its fused path cannot be captured in a CUDA graph with this op object: its flags carry "
-                 "host-side epochs that a replay would not advance. Construct it with graphable=True "
-                 "(constant-valued flags, replayable: AllGatherGemm with any transport, GemmReduceScatter "
-                 "with transport='chunked'), capture with policy='fallback', or capture at shapes where "
-                 "policy='auto' takes the unfused path (tileweave.last_path says which)")
+def capture_refused(op: str, *, graphable_ops: bool = False) -> TileweaveError:
+    """The error of a fused path called under CUDA-graph capture with ``policy="fused"``: its flags carry
+    host-side epochs that a replay would not advance. ``graphable_ops``: the op also has a graphable
+    form (the dense pair)."""
+    graphable = (", or construct it with graphable=True (constant-valued flags, replayable: AllGatherGemm "
+                 "with any transport, GemmReduceScatter with transport='chunked')") if graphable_ops else ""
+    return TileweaveError(f"{op}: the fused path cannot be captured in a CUDA graph (its flags carry host-side "
+                          "epochs that a replay would not advance): capture with policy='auto' or 'fallback', "
+                          f"which take NCCL under capture{graphable}")
 
 
 def check_not_capturing(op: str, t: torch.Tensor) -> None:
     """Raise if ``t``'s stream is being captured: ``op``'s path there carries epochs."""
     if capturing(t):
-        raise TileweaveError(f"{op}: {CAPTURE_FUSED}")
+        raise capture_refused(op)

@@ -24,7 +24,7 @@ from tileweave.ops.compute.gemm_launch import launch, launch_cached
 from tileweave.ops.compute.oneshot_launch import OneshotPlan
 from tileweave.ops.skeleton import Call, TPOp, first_launch, meeting, option
 from tileweave.ops.workspace import Memory, Workspace, agree
-from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.runtime.backend import Backend
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
@@ -211,17 +211,18 @@ class DenseOp(TPOp):
     def _planned(self, key: tuple | None, capturing: bool) -> Plan | None:
         """The plan of ``key`` if one was decided, checked against CUDA-graph capture: the first call of
         a signature must be eager (its agreement is a collective of Python objects), and a path whose
-        flags carry epochs cannot be captured unless the op is graphable."""
+        flags carry epochs is not captured unless the op is graphable: NCCL runs instead, or under
+        ``policy="fused"`` the call raises."""
         plan = self._plans.get(key) if key is not None else None
         if capturing:
             if plan is None and self.policy == "fused" and not self.graphable:
-                raise TileweaveError(f"{self.op_name}: {common.CAPTURE_FUSED}")
+                raise common.capture_refused(self.op_name, graphable_ops=True)
             if plan is None:
                 self.require_eager("checks it with the other ranks")
             if plan.epochs and not self.graphable:
-                if plan.path != "oneshot":
-                    raise TileweaveError(f"{self.op_name}: {common.CAPTURE_FUSED}")
-                return self._nccl_plan(plan.backend)  # the one-shot path's epochs: NCCL, as every rank does
+                if self.policy == "fused":
+                    raise common.capture_refused(self.op_name, graphable_ops=True)
+                return self._nccl_plan(plan.backend)  # epochs a replay would not advance: NCCL, as every rank does
         return plan
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, shape: tuple,

@@ -377,7 +377,7 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
         finally:
             common.capturing = real
 
-    for policy in ("fallback", "fused"):
+    for policy in ("fallback", "fused", "auto"):
         ops = {"ag": tileweave.AllGatherGemm(policy=policy), "rs": tileweave.GemmReduceScatter(policy=policy)}
         for name, call in calls.items():
             op = ops[name.split("_")[0]]

@@ -14,7 +14,7 @@ from tileweave.ops.moe.paths import choose_path
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.skeleton import TPOp
 from tileweave.ops.workspace import Memory, agree
-from tileweave.runtime.backend import Backend, TileweaveError
+from tileweave.runtime.backend import Backend
 
 
 class MoEOp(TPOp):
@@ -51,9 +51,7 @@ class MoEOp(TPOp):
                 return "fallback"
             if capturing:
                 if self.policy == "fused":
-                    raise TileweaveError(f"{self.op_name}: the fused path cannot be captured in a CUDA graph (its "
-                                         "flags carry epochs that a replay would not advance): capture with "
-                                         "policy='auto' or 'fallback', which take NCCL there")
+                    raise common.capture_refused(self.op_name)
                 return "fallback"
             if self.policy != "auto":
                 return self.policy
