@@ -185,9 +185,10 @@ def capturing(t: torch.Tensor) -> bool:
 def capture_refused(op: str, *, graphable_ops: bool = False) -> TileweaveError:
     """The error of a fused path called under CUDA-graph capture with ``policy="fused"``: its flags carry
     host-side epochs that a replay would not advance. ``graphable_ops``: the op also has a graphable
-    form (the dense pair)."""
+    form (the dense pair, ``GemmAllReduce``)."""
     graphable = (", or construct it with graphable=True (constant-valued flags, replayable: AllGatherGemm "
-                 "with any transport, GemmReduceScatter with transport='chunked')") if graphable_ops else ""
+                 "with any transport, GemmReduceScatter with transport='chunked', GemmAllReduce)") if graphable_ops \
+        else ""
     return TileweaveError(f"{op}: the fused path cannot be captured in a CUDA graph (its flags carry host-side "
                           "epochs that a replay would not advance): capture with policy='auto' or 'fallback', "
                           f"which take NCCL under capture{graphable}")

@@ -402,4 +402,11 @@ def capture_rules_check(rank: int, world: int) -> dict[str, str]:
         captured = tileweave.last_path(op_name)
         calls[name](op)
         outcomes[f"oneshot-paths {name} capture-then-eager"] = f"{captured} {tileweave.last_path(op_name)}"
+    # gemm_all_reduce: its fused transports under capture, after an eager call of the signature
+    ar_ref = sum(x.double() @ y.double() for x, y in zip(a_all, b_all))
+    for policy in ("fused", "auto"):
+        op = tileweave.GemmAllReduce(policy=policy)
+        call = lambda op: rel_err(op(a_all[rank], b_all[rank]), ar_ref)  # noqa: E731
+        call(op)
+        attempt(f"{policy} ar after eager", call, op)
     return outcomes

@@ -106,6 +106,8 @@ class GemmAllReduce(TPOp):
         m, n = a.shape[0], b.shape[1]
         capturing = common.capturing(a)
         if capturing and path in ("oneshot", "twoshot") and not self.graphable:
+            if self.policy == "fused":
+                raise common.capture_refused(OP, graphable_ops=True)
             path = "fallback"  # NCCL captures; the epochs of the fused transports would not advance on replay
         y = out if out is not None else torch.empty((m, n), dtype=dtype, device=a.device)
         resid = torch.empty((m, n), dtype=dtype, device=a.device) if norm_weight is not None else None
