@@ -22,6 +22,13 @@ FAMILIES = {
     "qwen2": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=96),
     # Qwen3: QK-norm, head_dim apart from hidden / heads; one key/value head for three ranks
     "qwen3": dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=1, head_dim=16, intermediate_size=96),
+    # Mixtral: 4 experts, top 2, weights renormalised; expert width 48 (24 or 16 per rank)
+    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # Qwen3-MoE: QK-norm, head_dim 16, 4 experts of width 36, top 2 without renormalising
+    "qwen3_moe": dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                      intermediate_size=96, moe_intermediate_size=36, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=False),
 }
 VOCAB = 120
 
@@ -35,7 +42,9 @@ def make_model(family: str, directory: str, *, seed: int = 0, shard: bool = Fals
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
     config_cls, model_cls = classes[family]
     config = config_cls(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                         eos_token_id=None, bos_token_id=None, pad_token_id=None, **FAMILIES[family])
@@ -45,11 +54,13 @@ def make_model(family: str, directory: str, *, seed: int = 0, shard: bool = Fals
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            elif p.dim() >= 2:  # linears [out, in], fused experts [E, out, in]
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
             else:  # biases
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
+    if family in ("mixtral", "qwen3_moe"):
+        model.set_experts_implementation("eager")  # the default grouped_mm takes no float64
     return model.double().eval()
 
 
