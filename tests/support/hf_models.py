@@ -198,3 +198,42 @@ def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
     graphed = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
     again = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
     return {"eager": eager, "graphed": graphed, "again": again, "want": want}
+
+
+def moe_graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
+    """``graph_check`` for a mixture of experts: a random Mixtral written as a checkpoint (by rank 0),
+    loaded with ``from_pretrained`` in float32; greedy tokens of a left-padded batch with the decode step
+    (``TPMoE.replicated``) eager and replayed from a CUDA graph, and the float64 reference's tokens
+    (``tileweave.testing.decoder_reference`` with Mixtral's experts)."""
+    import os
+
+    os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
+    from tileweave.models import from_pretrained
+    from tileweave.nn.decoder import DecoderConfig, MoEConfig
+    from tileweave.testing.decoder_reference import random_state_dict, reference_generate
+
+    moe = MoEConfig(experts=4, top_k=2)
+    dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=64 * world,
+                         rope_theta=10000.0, norm_eps=1e-5, moe=moe)
+    state = random_state_dict(dims, seed=5)
+    if rank == 0:
+        write_checkpoint(state, {"model_type": "mixtral", "vocab_size": dims.vocab, "hidden_size": dims.hidden,
+                                 "intermediate_size": dims.ffn, "num_hidden_layers": dims.layers,
+                                 "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+                                 "num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+                                 "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
+                                 "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
+    dist.barrier()
+    model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    want = [reference_generate(state, dims, ids[b:b + 1, int((mask[b] == 0).sum()):], steps)[0].tolist()
+            for b in range(ids.shape[0])]
+    cuda = ids.cuda(), mask.cuda()
+    eager = model.generate(cuda[0], steps, attention_mask=cuda[1]).cpu().tolist()
+    graphed = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    again = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    return {"eager": eager, "graphed": graphed, "again": again, "want": want}
