@@ -77,8 +77,8 @@ def _with(base: dict, **changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(model_type="mixtral"), "model_type='mixtral'"),
-    (dict(model_type="qwen3_moe"), "model_type='qwen3_moe'"),
+    (dict(model_type="qwen2_moe"), "model_type='qwen2_moe'"),
+    (dict(model_type="deepseek_v3"), "model_type='deepseek_v3'"),
     (dict(model_type="gemma2"), "model_type='gemma2'"),
     (dict(num_local_experts=8), "num_local_experts=8"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),

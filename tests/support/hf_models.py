@@ -22,6 +22,13 @@ FAMILIES = {
     "qwen2": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, intermediate_size=96),
     # Qwen3: QK-norm, head_dim apart from hidden / heads; one key/value head for three ranks
     "qwen3": dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=1, head_dim=16, intermediate_size=96),
+    # Mixtral: 4 experts, top 2, weights renormalised; expert width 48 (24 or 16 per rank)
+    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                    num_local_experts=4, num_experts_per_tok=2),
+    # Qwen3-MoE: QK-norm, head_dim 16, 4 experts of width 36, top 2 without renormalising
+    "qwen3_moe": dict(hidden_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                      intermediate_size=96, moe_intermediate_size=36, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=False),
 }
 VOCAB = 120
 
@@ -35,7 +42,9 @@ def make_model(family: str, directory: str, *, seed: int = 0, shard: bool = Fals
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
     config_cls, model_cls = classes[family]
     config = config_cls(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-6,
                         eos_token_id=None, bos_token_id=None, pad_token_id=None, **FAMILIES[family])
@@ -45,11 +54,13 @@ def make_model(family: str, directory: str, *, seed: int = 0, shard: bool = Fals
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            elif p.dim() >= 2:  # linears [out, in], fused experts [E, out, in]
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
             else:  # biases
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "1GB")
+    if family in ("mixtral", "qwen3_moe"):
+        model.set_experts_implementation("eager")  # the default grouped_mm takes no float64
     return model.double().eval()
 
 
@@ -176,6 +187,45 @@ def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
     dist.barrier()
     model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
     g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    want = [reference_generate(state, dims, ids[b:b + 1, int((mask[b] == 0).sum()):], steps)[0].tolist()
+            for b in range(ids.shape[0])]
+    cuda = ids.cuda(), mask.cuda()
+    eager = model.generate(cuda[0], steps, attention_mask=cuda[1]).cpu().tolist()
+    graphed = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    again = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
+    return {"eager": eager, "graphed": graphed, "again": again, "want": want}
+
+
+def moe_graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
+    """``graph_check`` for a mixture of experts: a random Mixtral written as a checkpoint (by rank 0),
+    loaded with ``from_pretrained`` in float32; greedy tokens of a left-padded batch with the decode step
+    (``TPMoE.replicated``) eager and replayed from a CUDA graph, and the float64 reference's tokens
+    (``tileweave.testing.decoder_reference`` with Mixtral's experts)."""
+    import os
+
+    os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
+    from tileweave.models import from_pretrained
+    from tileweave.nn.decoder import DecoderConfig, MoEConfig
+    from tileweave.testing.decoder_reference import random_state_dict, reference_generate
+
+    moe = MoEConfig(experts=4, top_k=2)
+    dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=64 * world,
+                         rope_theta=10000.0, norm_eps=1e-5, moe=moe)
+    state = random_state_dict(dims, seed=5)
+    if rank == 0:
+        write_checkpoint(state, {"model_type": "mixtral", "vocab_size": dims.vocab, "hidden_size": dims.hidden,
+                                 "intermediate_size": dims.ffn, "num_hidden_layers": dims.layers,
+                                 "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+                                 "num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k,
+                                 "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
+                                 "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
+    dist.barrier()
+    model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
     ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0

@@ -35,13 +35,14 @@ from torch import nn
 
 from tileweave.nn import generation
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_rotate_half
-from tileweave.nn.decoder_layer import (DecoderConfig, DecoderOps, RopeScaling, RowNorm, Step, TPDecoderLayer,
-                                        rms_norm, rope_tables)
+from tileweave.nn.decoder_layer import (DecoderConfig, DecoderOps, MoEConfig, RopeScaling, RowNorm, Step,
+                                        TPDecoderLayer, rms_norm, rope_tables)
 from tileweave.nn.kv_cache import KVCache
+from tileweave.nn.moe_decoder_layer import TPMoEDecoderLayer
 from tileweave.nn.shards import gather_shards
 
-__all__ = ["DecoderConfig", "DecoderOps", "KVCache", "RopeScaling", "RowNorm", "Step", "TPDecoder",
-           "TPDecoderLayer", "rms_norm"]
+__all__ = ["DecoderConfig", "DecoderOps", "KVCache", "MoEConfig", "RopeScaling", "RowNorm", "Step", "TPDecoder",
+           "TPDecoderLayer", "TPMoEDecoderLayer", "rms_norm"]
 
 
 class TPDecoder(nn.Module):
@@ -81,7 +82,8 @@ class TPDecoder(nn.Module):
         self.ops = ops if ops is not None else DecoderOps()
         kw = dict(device=device, dtype=dtype)
         self.embed = nn.Parameter(torch.randn(config.vocab, config.hidden, **kw))
-        self.layers = nn.ModuleList(TPDecoderLayer(config, self.world, self.rank, **kw)
+        layer = TPDecoderLayer if config.moe is None else TPMoEDecoderLayer
+        self.layers = nn.ModuleList(layer(config, self.world, self.rank, group=self.group, **kw)
                                     for _ in range(config.layers))
         self.norm = nn.Parameter(torch.ones(config.hidden, **kw))
         self.lm_head = nn.Parameter(torch.empty(config.vocab // self.world, config.hidden, **kw))
@@ -237,8 +239,5 @@ class TPDecoder(nn.Module):
             out[a + "o_proj.weight"] = gather_shards(layer.o, 1, g)
             out[p + "input_layernorm.weight"] = layer.attn_norm.detach().clone()
             out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.detach().clone()
-            gate, up = layer.gate_up.chunk(2)
-            out[p + "mlp.gate_proj.weight"] = gather_shards(gate, 0, g)
-            out[p + "mlp.up_proj.weight"] = gather_shards(up, 0, g)
-            out[p + "mlp.down_proj.weight"] = gather_shards(layer.down, 1, g)
+            out.update(layer.mlp_full_state(p, g))
         return out

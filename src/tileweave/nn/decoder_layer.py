@@ -26,6 +26,7 @@ from tileweave.nn import inference
 from tileweave.nn.block import BlockConfig, rope
 from tileweave.nn.checkpoint import Reader, to_interleaved
 from tileweave.nn.kv_cache import KVCache
+from tileweave.nn.shards import gather_shards
 from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter
 
 
@@ -43,6 +44,32 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if not self.factor > 0 or not self.high_freq_factor > self.low_freq_factor > 0:
             raise ValueError(f"RopeScaling needs factor > 0 and high_freq_factor > low_freq_factor > 0, got {self}")
+
+
+MOE_NAMINGS = ("mixtral", "qwen3_moe")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A decoder whose MLPs are mixtures of SwiGLU experts (``tileweave.nn.moe.TPMoE``), in every layer;
+    each expert is ``DecoderConfig.ffn`` wide (Mixtral 8x7B: 8 experts, top 2, ffn 14336)."""
+
+    experts: int
+    """Experts per layer."""
+    top_k: int
+    """Experts per token, from 1 to ``experts``."""
+    normalize_topk: bool = True
+    """Divide each token's k routing weights by their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    naming: str = "mixtral"
+    """The checkpoint's names of the expert tensors: ``"mixtral"`` (``block_sparse_moe.gate``,
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``: gate, up, down) or ``"qwen3_moe"`` (``mlp.gate``,
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``)."""
+
+    def __post_init__(self) -> None:
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"MoEConfig needs experts >= 1 and top_k in [1, experts], got {self}")
+        if self.naming not in MOE_NAMINGS:
+            raise ValueError(f"MoEConfig.naming must be one of {MOE_NAMINGS}, got {self.naming!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +94,8 @@ class DecoderConfig(BlockConfig):
     """The LM head is the embedding matrix (its checkpoint has no ``lm_head.weight``)."""
     rope_scaling: RopeScaling | None = None
     """Llama 3.1's frequency scaling; None: plain RoPE."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLPs in every layer (then ``ffn`` is one expert's width); None: dense MLPs."""
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "max_seq"):
@@ -163,7 +192,8 @@ def local_heads(config: DecoderConfig, world: int, rank: int) -> tuple[int, int,
 class TPDecoderLayer(nn.Module):
     """One layer's weights (this rank's shards) and its two ways to run (``tileweave.nn.decoder``)."""
 
-    def __init__(self, config: DecoderConfig, world: int, rank: int = 0, *, device=None, dtype=None) -> None:
+    def __init__(self, config: DecoderConfig, world: int, rank: int = 0, *, group: dist.ProcessGroup | None = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         c, hd = config, config.head_dim
         self.config = config
@@ -181,9 +211,17 @@ class TPDecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(hd, **kw)) if c.qk_norm else None
         self.o = nn.Parameter(torch.empty(c.hidden, self.local_heads * hd, **kw))
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden, **kw))
-        self.gate_up = nn.Parameter(torch.empty(2 * self.local_ffn, c.hidden, **kw))
-        self.down = nn.Parameter(torch.empty(c.hidden, self.local_ffn, **kw))
-        for w in (self.qkv, self.o, self.gate_up, self.down):
+        for w in (self.qkv, self.o):
+            nn.init.normal_(w, std=w.shape[1] ** -0.5)
+        self.init_mlp(group, kw)
+
+    def init_mlp(self, group: dist.ProcessGroup | None, kw: dict) -> None:
+        """The MLP's weights: this rank's ``gate | up`` rows and ``down`` columns (a subclass's own MLP
+        replaces this and the other ``mlp_*`` methods)."""
+        hidden = self.config.hidden
+        self.gate_up = nn.Parameter(torch.empty(2 * self.local_ffn, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(hidden, self.local_ffn, **kw))
+        for w in (self.gate_up, self.down):
             nn.init.normal_(w, std=w.shape[1] ** -0.5)
 
     def attention(self, qkv: torch.Tensor, cache: KVCache, index: int, step: Step) -> torch.Tensor:
@@ -214,8 +252,13 @@ class TPDecoderLayer(nn.Module):
         qkv = inference.column_parallel_linear(normed, self.qkv, self.qkv_bias, group)
         attn = self.attention(qkv, cache, index, step)
         normed, resid = ops.row_parallel_norm(attn, self.o, resid, self.mlp_norm, eps, group)
+        return self.mlp_replicated(normed, resid, next_norm, ops, group)
+
+    def mlp_replicated(self, normed: torch.Tensor, resid: torch.Tensor, next_norm: torch.Tensor, ops: DecoderOps,
+                       group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP on replicated rows: ``(rms_norm(h) * next_norm, h)`` with ``h = resid + mlp(normed)``."""
         gate, up = inference.column_parallel_linear(normed, self.gate_up, None, group).chunk(2, dim=1)
-        return ops.row_parallel_norm(F.silu(gate) * up, self.down, resid, next_norm, eps, group)
+        return ops.row_parallel_norm(F.silu(gate) * up, self.down, resid, next_norm, self.config.norm_eps, group)
 
     def forward_sequence_parallel(self, x_shard: torch.Tensor, cache: KVCache, index: int, step: Step,
                                   ops: DecoderOps, group: dist.ProcessGroup) -> torch.Tensor:
@@ -225,15 +268,19 @@ class TPDecoderLayer(nn.Module):
         qkv = ops.all_gather_gemm(rms_norm(x_shard, self.attn_norm, eps), self.qkv.t(), group, **bias)
         attn = self.attention(qkv, cache, index, step)
         h = x_shard + ops.gemm_reduce_scatter(attn, self.o.t(), group)
-        gate, up = ops.all_gather_gemm(rms_norm(h, self.mlp_norm, eps), self.gate_up.t(), group).chunk(2, dim=1)
-        return h + ops.gemm_reduce_scatter(F.silu(gate) * up, self.down.t(), group)
+        return h + self.mlp_sequence_parallel(rms_norm(h, self.mlp_norm, eps), ops, group)
+
+    def mlp_sequence_parallel(self, x_shard: torch.Tensor, ops: DecoderOps, group: dist.ProcessGroup) -> torch.Tensor:
+        """The MLP of this rank's rows ``x_shard_m [M/W, H]`` (normed) -> ``[M/W, H]``."""
+        gate, up = ops.all_gather_gemm(x_shard, self.gate_up.t(), group).chunk(2, dim=1)
+        return ops.gemm_reduce_scatter(F.silu(gate) * up, self.down.t(), group)
 
     @torch.no_grad()
     def load(self, read: Reader, prefix: str) -> None:
         """This rank's shards of the layer's checkpoint tensors ``prefix + name`` (Hugging Face names:
         ``self_attn.q_proj.weight``, ..., ``mlp.down_proj.weight``), shapes checked by ``read``."""
         c, hd, hl, kvl = self.config, self.config.head_dim, self.local_heads, self.local_kv_heads
-        h, q0, kv0, f0 = c.hidden, self.rank * hl, self.kv_start, self.rank * self.local_ffn
+        h, q0, kv0 = c.hidden, self.rank * hl, self.kv_start
         a = prefix + "self_attn."
         self.attn_norm.copy_(read(prefix + "input_layernorm.weight", (h,)))
         self.mlp_norm.copy_(read(prefix + "post_attention_layernorm.weight", (h,)))
@@ -255,7 +302,20 @@ class TPDecoderLayer(nn.Module):
             self.q_norm.copy_(to_interleaved(read(a + "q_norm.weight", (hd,)), hd))
             self.k_norm.copy_(to_interleaved(read(a + "k_norm.weight", (hd,)), hd))
         self.o.copy_(read(a + "o_proj.weight", (h, c.heads * hd), 1, q0 * hd, (q0 + hl) * hd))
-        m = prefix + "mlp."
+        self.load_mlp(read, prefix)
+
+    def load_mlp(self, read: Reader, prefix: str) -> None:
+        """This rank's shards of the MLP's tensors (``mlp.gate_proj.weight``, ...)."""
+        c, f0, m = self.config, self.rank * self.local_ffn, prefix + "mlp."
+        h = c.hidden
         self.gate_up.copy_(torch.cat([read(m + "gate_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn),
                                       read(m + "up_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn)]))
         self.down.copy_(read(m + "down_proj.weight", (h, c.ffn), 1, f0, f0 + self.local_ffn))
+
+    @torch.no_grad()
+    def mlp_full_state(self, prefix: str, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+        """The MLP's unsharded tensors under their checkpoint names (collective)."""
+        gate, up = self.gate_up.chunk(2)
+        m = prefix + "mlp."
+        return {m + "gate_proj.weight": gather_shards(gate, 0, group), m + "up_proj.weight": gather_shards(up, 0, group),
+                m + "down_proj.weight": gather_shards(self.down, 1, group)}

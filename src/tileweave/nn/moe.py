@@ -36,6 +36,22 @@ Kept for backward, per rank: the gathered input ``[T, H]`` (unless ``save_gather
 again) and layer 0's pre-activations ``[T*k, 2*F_loc]`` (on ops without epilogues: layer 0's output
 ``[T*k, 2*F_loc]`` and the SwiGLU output ``[T*k, F_loc]``).
 
+**Replicated mode** (``replicated``: decode, and prefill batches too small to shard), forward only: every
+rank holds all T tokens ``x [T, H]`` (the same on every rank, as the decoder's replicated activations),
+and the experts stay sharded on F:
+
+    wt, ids = topk(softmax(x @ router.T), k)             # [T, k], the same on every rank
+    plan = build_plan(ids, world_size=1)                  # local: every rank has the same ids
+    h = silu(gate) * up, gate | up = x[tok(p)] @ w0[e(p)].T  # [T*k, F_loc], rows gathered by the plan
+    partial[t] = sum_j wt[t, j] * (h @ w1[e].T)[p(t, j)]  # [T, H], this rank's F_loc share
+    out = sum over ranks of partial                       # all-reduce, rank order
+
+No collective builds the plan: the router is replicated, so every rank routes its identical tokens
+alike. The sum over ranks is ``GemmAllReduce.all_reduce`` (``tileweave.ops.functional.all_reduce_sum``):
+the one-shot or two-shot transport (partials summed in fp32 in rank order, bitwise the same on every
+rank) or NCCL, by the op's rule; with ``TILEWEAVE_GRAPHABLE=1`` the call can be captured in a CUDA graph
+(nothing in this mode reads a device value on the host), as the dense decoder's decode step is.
+
 Every rank must call the layer, its backward and the state-dict methods in the same order, like any
 collective. Neither pass reads expert counts on the host on tileweave's ops (the layer's plan skips
 the host check of the ids: its router makes them); on other ops (``ops=``) the weight gradients read
@@ -53,6 +69,13 @@ from torch import nn
 
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, FusedExperts, MoEOps
 from tileweave.nn.shards import gather_shards
+from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
+from tileweave.ops.compute.topk_reduce import topk_reduce
+from tileweave.ops.functional import all_reduce_sum
+from tileweave.ops.moe.plan import build_plan
+from tileweave.ops.workspace import agree
+from tileweave.runtime.agreement import describe
+from tileweave.runtime.backend import get_backend
 
 
 def route(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +140,49 @@ class TPMoE(nn.Module):
             gate, up = y.split(self.ffn_local, dim=1)
             h = (F.silu(gate) * up).contiguous()
             return ExpertsDown.apply(h, w1, weights, plan, self.group, self.ops)
+
+    @torch.no_grad()
+    def replicated(self, x: torch.Tensor, *, residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6):
+        """Replicated mode (module docstring), forward only: ``x [T, hidden]``, the same on every rank, ->
+        the layer's output ``[T, hidden]``, bitwise the same on every rank. With ``residual [T, hidden]``
+        the output plus it; with ``norm_weight [hidden]`` too, ``(rms_norm(resid) * norm_weight, resid)``
+        with ``resid = residual + output`` (the norm of the next layer, fused into the all-reduce).
+        ``x``, ``residual`` and ``norm_weight`` have the parameters' dtype. Collective; the ranks first
+        exchange their arguments' shapes, so a bad argument raises the same error on every rank, before
+        any kernel."""
+        def check() -> None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+                raise ValueError(f"TPMoE.replicated: x must be [T, hidden={self.hidden}], got "
+                                 f"{describe(x)}")
+            if x.dtype != self.w0.dtype or x.device != self.w0.device:
+                raise ValueError(f"TPMoE.replicated: x is {x.dtype} on {x.device}, the experts are "
+                                 f"{self.w0.dtype} on {self.w0.device}")
+
+        if self.world > 1:
+            device = x.device if isinstance(x, torch.Tensor) else self.w0.device
+            agree(get_backend(self.group, device), "TPMoE.replicated", {"x": describe(x)}, check,
+                  hint="; every rank must pass the same tokens")
+        else:
+            check()
+        partial = self.replicated_partial(x)
+        if residual is None and norm_weight is None:
+            return all_reduce_sum(partial, self.group)
+        return all_reduce_sum(partial, self.group, residual=residual, norm_weight=norm_weight, eps=eps)
+
+    @torch.no_grad()
+    def replicated_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share ``[T, hidden]`` of the replicated mode's output (before the sum over ranks),
+        in ``x``'s dtype: the routing, a local plan, both grouped GEMMs and the top-k sum over this rank's
+        F_loc features. Local: no communication, no host read of a device value; no checks."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        weights, ids = route(logits, self.top_k, normalize=self.normalize_topk)
+        plan = build_plan(ids, num_experts=self.num_experts, world_size=1, validate=False)
+        e = self.num_experts
+        h = grouped_gemm(x, self.w0.transpose(1, 2), plan.offsets, a_rows=plan.row_token, experts=e,
+                         epilogue=SwiGLU())                                   # [T*k, F_loc]
+        z = grouped_gemm(h, self.w1.transpose(1, 2), plan.offsets, experts=e)  # [T*k, H]
+        return topk_reduce(z, plan.pair_row, weights, out_dtype=x.dtype)
 
     def _autocast(self, x_shard: torch.Tensor):
         """Under autocast, the experts run in the autocast dtype (the ops take one dtype for all operands;

@@ -80,6 +80,20 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup |
     return _into(out, normed), resid
 
 
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                   residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                   eps: float = 1e-6, out: torch.Tensor | None = None):
+    """The sum over ranks of each rank's partial ``x [M, N]``, on the op shared with ``gemm_all_reduce``
+    (``GemmAllReduce.all_reduce``: its paths, its graphable protocol under ``TILEWEAVE_GRAPHABLE=1``, its
+    fixed summation order); returns ``[M, N]``, or ``(normed, resid)`` with ``norm_weight``. Not under
+    ``torch.compile``."""
+    group = group if group is not None else dist.group.WORLD
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("all_reduce_sum has no custom op: call it outside the compiled region")
+    return shared_all_reduce(group, x.device).all_reduce(x, residual=residual, norm_weight=norm_weight, eps=eps,
+                                                         out=out)
+
+
 def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
                         group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
                         return_gathered: bool = False, epilogue=None):

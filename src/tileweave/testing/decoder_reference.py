@@ -13,7 +13,11 @@ layout ``[out, in]``; ``p = model.layers.i.``):
     p.mlp.gate_proj.weight / p.mlp.up_proj.weight [F, H], p.mlp.down_proj.weight [H, F]
 
 ``dims`` is any object with the attributes ``vocab, hidden, layers, heads, kv_heads, ffn, rope_theta,
-norm_eps`` (``tileweave.nn.decoder.DecoderConfig`` is one).
+norm_eps`` (``tileweave.nn.decoder.DecoderConfig`` is one). With a ``moe`` attribute that is not None
+(``experts``, ``top_k``, ``normalize_topk``), the MLPs are Mixtral's mixtures of experts instead:
+``p.block_sparse_moe.gate.weight [E, H]`` and per expert ``e`` ``p.block_sparse_moe.experts.e.w1.weight``
+(gate) and ``w3`` (up) ``[F, H]``, ``w2`` (down) ``[H, F]``; every expert runs on every token, weighted by
+its routing weight (0 where it is not among the token's top k).
 """
 
 from __future__ import annotations
@@ -43,9 +47,18 @@ def random_state_dict(dims, *, seed: int, dtype: torch.dtype = torch.float32) ->
         state[p + "self_attn.v_proj.weight"] = linear(dims.kv_heads * hd, dims.hidden)
         state[p + "self_attn.o_proj.weight"] = linear(dims.hidden, dims.heads * hd)
         state[p + "post_attention_layernorm.weight"] = norm()
-        state[p + "mlp.gate_proj.weight"] = linear(dims.ffn, dims.hidden)
-        state[p + "mlp.up_proj.weight"] = linear(dims.ffn, dims.hidden)
-        state[p + "mlp.down_proj.weight"] = linear(dims.hidden, dims.ffn)
+        moe = getattr(dims, "moe", None)
+        if moe is None:
+            state[p + "mlp.gate_proj.weight"] = linear(dims.ffn, dims.hidden)
+            state[p + "mlp.up_proj.weight"] = linear(dims.ffn, dims.hidden)
+            state[p + "mlp.down_proj.weight"] = linear(dims.hidden, dims.ffn)
+            continue
+        state[p + "block_sparse_moe.gate.weight"] = linear(moe.experts, dims.hidden)
+        for e in range(moe.experts):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            state[q + "w1.weight"] = linear(dims.ffn, dims.hidden)
+            state[q + "w3.weight"] = linear(dims.ffn, dims.hidden)
+            state[q + "w2.weight"] = linear(dims.hidden, dims.ffn)
     state["model.norm.weight"] = norm()
     state["lm_head.weight"] = linear(dims.vocab, dims.hidden)
     return {k: v.to(dtype) for k, v in state.items()}
@@ -81,6 +94,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _experts(m: torch.Tensor, w: dict[str, torch.Tensor], p: str, moe) -> torch.Tensor:
+    """Mixtral's sparse MLP of ``m [B, S, H]``: softmax routing, top k (renormalised with
+    ``normalize_topk``), every expert computed densely and weighted by its token's routing weight."""
+    probs = torch.softmax(m @ w[p + "gate.weight"].T, dim=-1)                   # [B, S, E]
+    top, ids = probs.topk(moe.top_k, dim=-1)
+    if moe.normalize_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    coef = torch.zeros_like(probs).scatter(-1, ids, top)                        # 0 for experts not chosen
+    out = torch.zeros_like(m)
+    for e in range(moe.experts):
+        q = f"{p}experts.{e}."
+        gate, up = m @ w[q + "w1.weight"].T, m @ w[q + "w3.weight"].T
+        out = out + coef[..., e:e + 1] * ((gate * torch.sigmoid(gate) * up) @ w[q + "w2.weight"].T)
+    return out
+
+
 def reference_logits(state: dict[str, torch.Tensor], dims, tokens: torch.Tensor,
                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Logits ``[B, S, V]`` of every position of ``tokens [B, S]`` (int64), computed in ``dtype``."""
@@ -96,6 +125,9 @@ def reference_logits(state: dict[str, torch.Tensor], dims, tokens: torch.Tensor,
         v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(b, s, dims.kv_heads, hd)
         x = x + _attend(q, k, v).reshape(b, s, dims.heads * hd) @ w[p + "self_attn.o_proj.weight"].T
         m = _rms(x, w[p + "post_attention_layernorm.weight"], dims.norm_eps)
+        if getattr(dims, "moe", None) is not None:
+            x = x + _experts(m, w, p + "block_sparse_moe.", dims.moe)
+            continue
         gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
         x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
     return _rms(x, w["model.norm.weight"], dims.norm_eps) @ w["lm_head.weight"].T

@@ -44,8 +44,14 @@ def run(backend: Backend, a: torch.Tensor, b: torch.Tensor, bias, residual, norm
         y: torch.Tensor, resid: torch.Tensor | None, scales: tuple | None = None) -> None:
     """The whole call on the unfused path; writes ``y`` (and ``resid`` with a norm). ``scales``: the
     scaled FP8 GEMM's ``(scale_a, scale_b)`` (tileweave's, its partial in ``y``'s dtype on GPUs, fp32
-    on the CPU)."""
-    if scales is not None:
+    on the CPU). ``b`` None: ``a`` is this rank's partial itself (``GemmAllReduce.all_reduce``)."""
+    if b is None:
+        # a fresh tensor (the all-reduce works in place), fp32 on the CPU as the GEMM form's
+        partial = a.clone() if a.is_cuda else a.to(torch.float32, copy=True)
+        if backend.world_size > 1:
+            dist.all_reduce(partial, group=backend.group)
+        total = partial.float()
+    elif scales is not None:
         partial = matmul(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=y.dtype if a.is_cuda else torch.float32)
         if backend.world_size > 1:
             dist.all_reduce(partial, group=backend.group)

@@ -103,7 +103,25 @@ class GemmAllReduce(TPOp):
         path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
         dtype = scaling.out_dtype_of(OP, a, out_dtype)
         bias = common.check_bias(bias, b.shape[1], dtype, a.device)
-        m, n = a.shape[0], b.shape[1]
+        return self._run(backend, path, a, b, bias, residual, norm_weight, eps, out, scales, dtype)
+
+    def all_reduce(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
+        """The sum over ranks of each rank's partial ``x [M, N]`` (a result that is not one GEMM, such as
+        an expert layer's), with ``__call__``'s epilogue: ``(+ residual)``, and with ``norm_weight`` the
+        pair ``(normed, resid)``. The same paths, protocol and guarantees as ``__call__`` (module
+        docstring): the fused transports copy ``x`` into this rank's slot where ``__call__`` runs its GEMM,
+        then sum the slots in rank order in fp32; ``x``, ``residual``, ``norm_weight`` and the result share
+        one dtype (float16, bfloat16, float32). Graphable like ``__call__`` on a graphable op."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor [M, N], got {type(x).__name__}")
+        backend = self.backend_for(x.device)
+        path = self._plan(backend, x, None, None, residual, norm_weight, eps, out, None, None)
+        return self._run(backend, path, x, None, None, residual, norm_weight, eps, out, None, x.dtype)
+
+    def _run(self, backend: Backend, path: str, a, b, bias, residual, norm_weight, eps, out, scales, dtype):
+        """The call on ``path``; ``b`` None: ``a`` is this rank's partial (``all_reduce``)."""
+        m, n = a.shape[0], a.shape[1] if b is None else b.shape[1]
         capturing = common.capturing(a)
         if capturing and path in ("oneshot", "twoshot") and not self.graphable:
             if self.policy == "fused":
@@ -135,14 +153,22 @@ class GemmAllReduce(TPOp):
         path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
         then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
         that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
+        summed = b is None  # all_reduce: ``a`` is the partial itself
         m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
-        n = b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
+        if summed:
+            n = a.shape[1] if a.dim() == 2 else 0
+        else:
+            n = b.shape[1] if isinstance(b, torch.Tensor) and b.dim() == 2 else 0
+        # The path depends on (M, N, dtype) and the epilogue alone, so both forms share their plans.
         key = (m, n, a.dtype, a.device, bias is not None, residual is not None, norm_weight is not None, out_dtype)
 
         def propose() -> str:
             common.check_no_grad(OP, a, b, bias, residual, norm_weight,
-                                 names=("a", "b", "bias", "residual", "norm_weight"))
-            dtype = _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
+                                 names=("x" if summed else "a", "b", "bias", "residual", "norm_weight"))
+            if summed:
+                dtype = _check_sum(a, residual, norm_weight, eps, out)
+            else:
+                dtype = _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
             return self._plans.get(key) or self._propose(backend, a, m, n, norm_weight is not None, dtype)
 
         if key not in self._plans and common.capturing(a):
@@ -152,7 +178,9 @@ class GemmAllReduce(TPOp):
             path = propose()
         else:
             # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
-            signature = {"a": describe(a, dims=(0,)), "b": describe(b, dims=(-1,)), "bias": describe(bias),
+            signature = {"form": "all_reduce" if summed else "gemm",
+                         "a": describe(a, dims=(0, 1) if summed else (0,)), "b": describe(b, dims=(-1,)),
+                         "bias": describe(bias),
                          "residual": describe(residual), "norm_weight": describe(norm_weight),
                          "policy": repr(self.policy), "graphable": repr(self.graphable),
                          "out_dtype": repr(out_dtype), "scales": "given" if scales is not None else "none"}
@@ -220,6 +248,12 @@ def _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> to
         raise ValueError(f"a must have unit stride along one dimension, got strides {a.stride()}")
     if b.stride(1) != 1 and b.stride(0) != 1:
         raise ValueError(f"b must have unit stride along one dimension, got strides {b.stride()}")
+    _check_epilogue(a, n, dtype, bias, residual, norm_weight, eps, out)
+    return dtype
+
+
+def _check_epilogue(a, n: int, dtype: torch.dtype, bias, residual, norm_weight, eps, out) -> None:
+    m = a.shape[0]
     common.check_bias(bias, n, dtype, a.device)
     if residual is not None:
         _check_like("residual", residual, (m, n), dtype, a.device)
@@ -234,7 +268,18 @@ def _check(a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> to
         common.check_out(out, (m, n), dtype, a.device)
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {out.stride()}")
-    return dtype
+
+
+def _check_sum(x, residual, norm_weight, eps, out) -> torch.dtype:
+    """``all_reduce``'s arguments (``_check``'s rules for the epilogue); returns the dtype."""
+    common.check_matrix("x", x)
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"x is on {x.device}; gemm_all_reduce runs on CUDA GPUs (or on the CPU with emulated "
+                         "ranks for testing)")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    _check_epilogue(x, x.shape[1], x.dtype, None, residual, norm_weight, eps, out)
+    return x.dtype
 
 
 def _check_like(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:

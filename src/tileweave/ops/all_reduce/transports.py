@@ -141,10 +141,11 @@ class FusedTransport:
     def run(self, path: str, a, b, bias, residual, norm_weight, eps: float, y: torch.Tensor,
             resid: torch.Tensor | None, scales: tuple | None = None) -> None:
         """One call: its GEMM into this call's slot (in ``y``'s dtype; scaled FP8 with ``scales``, the
-        pair ``(scale_a, scale_b)``), then the path's kernel; ``y`` (and ``resid``)."""
+        pair ``(scale_a, scale_b)``; ``b`` None: ``a`` is the partial, copied in), then the path's kernel;
+        ``y`` (and ``resid``)."""
         self.errors.raise_pending(self.backend)
         backend = self.backend
-        m, n = a.shape[0], b.shape[1]
+        m, n = y.shape
         norm = norm_weight is not None
         if self.graphable:
             index, value = 0, 1
@@ -156,7 +157,9 @@ class FusedTransport:
             index, value = self.epoch & 1, self.epoch
         slot = self._slot(index, y.dtype, m * n * (2 if norm and path == "twoshot" else 1))
         part = slot[:m * n].view(m, n)
-        if scales is not None:
+        if b is None:
+            part.copy_(a)
+        elif scales is not None:
             matmul(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=y.dtype, out=part)
         elif backend.interpreter:
             # torch's GEMM, not tileweave's: interpreted, tileweave.matmul (tested on its own) costs about a
