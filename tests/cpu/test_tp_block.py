@@ -37,3 +37,12 @@ def test_block_loads_a_transformers_llama_layer(world, heads, kv_heads):
         assert result["y"] < 1e-5 and result["round_trip"] == 0 and result["names"], result
         assert "'mlp.up_proj.weight' must have shape" in result["bad_shape"], result
         assert "mlp.bias" in result["extra"], result
+
+
+@pytest.mark.parametrize("world, batch", [(2, 3), (3, 2)])
+def test_layers_and_block_take_sequence_sharded_inputs(world, batch):
+    # [B, S/W, H] in, the positions [r*S/W, (r+1)*S/W) of every sequence: the TP linears (and their
+    # replicated form on [B, S, H]) and the block, forward and backward, against float64.
+    for result in run_ranks(world, scenarios.seq_sharded_check, batch, 4 * world):
+        for key, err in result.items():
+            assert err < 1e-5, (key, result)

@@ -24,7 +24,7 @@ from torch import nn
 
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_interleaved, to_rotate_half
 from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear, TPOps
-from tileweave.nn.shards import gather_shards
+from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
 
 STATE_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
@@ -106,7 +106,8 @@ def split_heads(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_d
 
 
 class TPTransformerBlock(nn.Module):
-    """One block; ``forward(x_shard_m [M/W, hidden], batch)`` returns ``[M/W, hidden]``.
+    """One block; ``forward(x_shard_m [M/W, hidden], batch)`` returns ``[M/W, hidden]`` (and
+    ``forward(x_shard [B, S/W, hidden])`` the sequence-sharded ``[B, S/W, hidden]``).
 
     Rows of the full ``[M, hidden]`` activation are ``batch`` sequences of ``M / batch`` tokens, rank r
     holding rows ``[r*M/W, (r+1)*M/W)``.
@@ -146,16 +147,36 @@ class TPTransformerBlock(nn.Module):
         for layer in (self.qkv, self.o, self.gate_up, self.down):
             layer.ops = ops
 
-    def forward(self, x_shard: torch.Tensor, batch: int) -> torch.Tensor:
+    def forward(self, x_shard: torch.Tensor, batch: int | None = None) -> torch.Tensor:
+        """``x_shard [M/W, H]`` with ``batch`` (the class docstring) -> ``[M/W, H]``; or ``x_shard [B, S/W,
+        H]``, sharded on the sequence (positions ``[r*S/W, (r+1)*S/W)`` of each of the B sequences) ->
+        ``[B, S/W, H]`` (``batch`` None or B). With B > 1 the attention's input and output are copied
+        once each between the fused ops' rank-major row order and whole sequences."""
+        if x_shard.dim() == 3:
+            b, s_loc, h = x_shard.shape
+            if batch not in (None, b):
+                raise ValueError(f"TPTransformerBlock: x_shard {list(x_shard.shape)} holds {b} sequences, "
+                                 f"but batch={batch}")
+            return self._forward(x_shard.reshape(b * s_loc, h), b, s_loc).view(b, s_loc, h)
+        if batch is None:
+            raise ValueError("TPTransformerBlock: a 2-D x_shard [M/W, H] needs batch (the number of sequences)")
+        return self._forward(x_shard, batch, None)
+
+    def _forward(self, x_shard: torch.Tensor, batch: int, seq_shard: int | None) -> torch.Tensor:
+        # seq_shard: rows in rank-major order of [B, S/W] blocks (a sequence-sharded input), else None
         c, hd = self.config, self.config.head_dim
         qkv = self.qkv(self.attn_norm(x_shard))                       # [M, (hl + 2 kvl) hd]
         m = qkv.shape[0]
+        if seq_shard is not None:
+            qkv = from_rank_major(qkv, self.world, (batch, seq_shard), 1).reshape(m, -1)
         tables = self._rope(m // batch, qkv.device, qkv.dtype)
         q, k, v = split_heads(qkv, batch, self.local_heads, self.local_kv_heads, hd, c.rope_theta, tables)
         groups = self.local_heads // self.local_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x_shard + self.o(attn.transpose(1, 2).reshape(m, self.local_heads * hd))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)  # [B, S, hl, hd]
+        attn = attn.reshape(m, self.local_heads * hd) if seq_shard is None else \
+            to_rank_major(attn.reshape(batch, m // batch, -1), self.world, 1)
+        h = x_shard + self.o(attn)
         gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=1)
         return h + self.down(F.silu(gate) * up)
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from tileweave.nn import inference
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader
-from tileweave.nn.shards import gather_shards
+from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
 from tileweave.ops import functional
 from tileweave.ops.all_gather.op import AllGatherGemm
 
@@ -217,8 +217,8 @@ class _TPLinear(nn.Module):
 
 class ColumnParallelLinear(_TPLinear):
     """``nn.Linear(in_features, out_features)`` split by output features over a TP group, with
-    sequence-parallel input: takes ``x_shard_m [M/W, in]`` (or ``[..., M/W, in]`` flattened by the
-    caller), returns ``[M, out/W]``. See the module docstring for forward and backward.
+    sequence-parallel input: takes ``x_shard_m [M/W, in]`` (or ``[B, S/W, in]``), returns ``[M, out/W]``
+    (or ``[B, S, out/W]``). See the module docstring for forward and backward.
     ``sequence_parallel=False``: replicated input ``x [M, in]`` instead (``tileweave.nn.inference``)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
@@ -230,9 +230,16 @@ class ColumnParallelLinear(_TPLinear):
         self.save_gathered = save_gathered
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        """``x_shard [M/W, in]`` (rank r's block of the M token rows) -> ``[M, out/W]``; or ``[B, S/W,
+        in]`` (positions ``[r*S/W, (r+1)*S/W)`` of every sequence: sharded on the sequence dimension,
+        the one before the features) -> ``[B, S, out/W]``. Without sequence parallelism ``[..., in]`` ->
+        ``[..., out/W]``."""
+        flat = x_shard.reshape(-1, x_shard.shape[-1]) if x_shard.dim() > 2 else x_shard
         if not self.sequence_parallel:
-            return _run(inference.column_parallel_linear, x_shard, self.weight, self.bias, self.group)
-        return _run(_ColumnParallel.apply, x_shard, self.weight, self.bias, self.group, self.save_gathered, self.ops)
+            y = _run(inference.column_parallel_linear, flat, self.weight, self.bias, self.group)
+            return y.view(*x_shard.shape[:-1], y.shape[-1])
+        y = _run(_ColumnParallel.apply, flat, self.weight, self.bias, self.group, self.save_gathered, self.ops)
+        return y if x_shard.dim() <= 2 else from_rank_major(y, self.world, x_shard.shape[:-1], x_shard.dim() - 2)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -260,7 +267,8 @@ class ColumnParallelLinear(_TPLinear):
 
 class RowParallelLinear(_TPLinear):
     """``nn.Linear(in_features, out_features)`` split by input features over a TP group, with
-    sequence-parallel output: takes ``x [M, in/W]``, returns ``y_shard_m [M/W, out]``. The bias is
+    sequence-parallel output: takes ``x [M, in/W]`` (or ``[B, S, in/W]``), returns ``y_shard_m [M/W,
+    out]`` (or ``[B, S/W, out]``). The bias is
     whole on every rank and added once. See the module docstring for forward and backward.
     ``sequence_parallel=False``: returns the replicated ``y [M, out]`` (``tileweave.nn.inference``)."""
 
@@ -272,9 +280,21 @@ class RowParallelLinear(_TPLinear):
                          dtype=dtype, ops=ops, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, in/W]`` -> ``y_shard_m [M/W, out]`` (rank r's block of the M token rows); or ``[B, S,
+        in/W]`` -> ``[B, S/W, out]`` (positions ``[r*S/W, (r+1)*S/W)`` of every sequence; S divisible
+        by W). Without sequence parallelism ``[..., in/W]`` -> ``[..., out]``."""
         if not self.sequence_parallel:
-            return _run(inference.row_parallel_linear, x, self.weight, self.bias, self.group)
-        return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
+            y = _run(inference.row_parallel_linear, x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.group)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        if x.dim() <= 2:
+            return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
+        seq = x.shape[-2]
+        if seq % self.world:
+            raise ValueError(f"RowParallelLinear: x {list(x.shape)} has S={seq} positions per sequence, which "
+                             f"do not split over the {self.world} ranks of the TP group")
+        y = _run(_RowParallel.apply, to_rank_major(x, self.world, x.dim() - 2), self.weight, self.bias, self.group,
+                 self.ops)
+        return y.view(*x.shape[:-2], seq // self.world, y.shape[-1])
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

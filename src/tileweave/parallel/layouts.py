@@ -1,18 +1,14 @@
-"""Between torch's sequence-sharded layouts and the row order of the fused ops.
-
-A tensor ``[..., S, ..., H]`` sharded on its sequence dimension ``d`` (``Shard(d)``) holds, on rank r,
-the positions ``[r*S/W, (r+1)*S/W)`` of every sequence. The fused ops gather and scatter whole rows of
-a 2-D ``[M, H]``, rank r's rows as one block: the *rank-major* order ``[W, ..., S/W, ..., H]``. The two
-orders agree without a copy when every dimension before ``d`` has size 1 (``Shard(0)``, or a batch of
-one); otherwise the conversion below copies the full-sequence side once (autograd copies its gradient
-back the same way).
-"""
+"""Between torch's placements and the fused ops' row order: which dimension a placement shards here;
+the row orders themselves (``from_rank_major``, ``to_rank_major``) in ``tileweave.nn.shards``."""
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from tileweave.nn.shards import from_rank_major, to_rank_major
+
+__all__ = ["from_rank_major", "is_replicate", "shard_dim", "to_rank_major"]
 
 
 def shard_dim(placement: Placement, ndim: int) -> int | None:
@@ -25,16 +21,3 @@ def shard_dim(placement: Placement, ndim: int) -> int | None:
 
 def is_replicate(placement: Placement) -> bool:
     return isinstance(placement, Replicate)
-
-
-def from_rank_major(y: torch.Tensor, world: int, local_lead: torch.Size, dim: int) -> torch.Tensor:
-    """``y [W * prod(local_lead), N]`` in rank-major row order -> ``[*lead, N]``, where ``lead`` is
-    ``local_lead`` with dimension ``dim`` W times longer (a copy unless the dimensions before ``dim``
-    have size 1)."""
-    return y.view(world, *local_lead, y.shape[-1]).movedim(0, dim).flatten(dim, dim + 1)
-
-
-def to_rank_major(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
-    """``x [..., S, ..., K]`` -> ``[M, K]`` in rank-major row order for sequence dimension ``dim``
-    (a copy unless the dimensions before ``dim`` have size 1). ``S`` must be divisible by ``world``."""
-    return x.unflatten(dim, (world, x.shape[dim] // world)).movedim(dim, 0).reshape(-1, x.shape[-1])

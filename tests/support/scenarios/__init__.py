@@ -17,7 +17,7 @@ from support.scenarios.ops import (  # noqa: F401
 )
 from support.scenarios.layers import (  # noqa: F401
     tp_mlp_check, small_block_data, tp_block_check, block_bench_variants_check, block_bench_gpu_check,
-    block_hf_layer_check, hf_block_state,
+    block_hf_layer_check, hf_block_state, seq_sharded_check,
 )
 from support.scenarios.graphs import (  # noqa: F401
     captured, cuda_graph_unfused_gpu_check, cuda_graph_fused_gpu_check, tp_mlp_graph_gpu_check,

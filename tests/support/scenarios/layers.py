@@ -6,6 +6,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import tileweave
 from support import references
@@ -245,4 +246,55 @@ def block_hf_layer_check(rank: int, world: int, batch: int, seq: int, heads: int
             errors[key] = "no error"
         except ValueError as e:
             errors[key] = str(e)
+    return errors
+
+
+def seq_sharded_check(rank: int, world: int, batch: int, seq: int) -> dict:
+    """Inputs ``[B, S/W, H]`` sharded on the sequence (every sequence's positions ``[r*S/W, (r+1)*S/W)``):
+    a column- then row-parallel MLP (sequence-parallel, and replicated ``[B, S, H]``), and the TP block,
+    against the unsharded float64 computation: outputs, input gradients, the weight gradients."""
+    device = device_name()
+    hidden, ffn = 16, 8 * world
+    s_loc = seq // world
+    cols = slice(rank * s_loc, (rank + 1) * s_loc)
+    w_up = randn((ffn, hidden), torch.float32, "ss-up", device=device) / hidden ** 0.5
+    w_down = randn((hidden, ffn), torch.float32, "ss-down", device=device) / ffn ** 0.5
+    x_full = randn((batch, seq, hidden), torch.float32, "ss-x", device=device)
+    g_full = randn((batch, seq, hidden), torch.float32, "ss-g", device=device)
+    xr = x_full.double().requires_grad_(True)
+    wr_up, wr_down = w_up.double().requires_grad_(True), w_down.double().requires_grad_(True)
+    yr = F.silu(xr @ wr_up.t()) @ wr_down.t()
+    (yr * g_full.double()).sum().backward()
+    f = ffn // world
+    errors = {}
+    for parallel in (True, False):
+        up = ColumnParallelLinear(hidden, ffn, bias=False, sequence_parallel=parallel, device=device)
+        down = RowParallelLinear(ffn, hidden, bias=False, sequence_parallel=parallel, device=device)
+        up.load_full_state_dict({"weight": w_up})
+        down.load_full_state_dict({"weight": w_down})
+        x = (x_full[:, cols] if parallel else x_full).clone().requires_grad_(True)
+        y = down(F.silu(up(x)))
+        g = g_full[:, cols] if parallel else g_full
+        (y * g).sum().backward()
+        tag = "sp" if parallel else "rep"
+        errors[f"{tag}_shape"] = float(tuple(y.shape) != tuple(g.shape))
+        errors[f"{tag}_y"] = rel_err(y, yr.detach()[:, cols] if parallel else yr.detach())
+        errors[f"{tag}_dx"] = rel_err(x.grad, xr.grad[:, cols] if parallel else xr.grad)
+        errors[f"{tag}_d_up"] = rel_err(up.weight.grad, wr_up.grad[rank * f:(rank + 1) * f])
+        errors[f"{tag}_d_down"] = rel_err(down.weight.grad, wr_down.grad[:, rank * f:(rank + 1) * f])
+    c = BlockConfig(hidden=8 * 2 * world, heads=2 * world, kv_heads=world, ffn=16 * world, rope_theta=10000.0)
+    state, xb_flat, gb_flat = small_block_data(c, batch * seq, "ss-blk", device)
+    xb, gb = xb_flat.view(batch, seq, c.hidden), gb_flat.view(batch, seq, c.hidden)
+    block = TPTransformerBlock(c, device=device)
+    block.load_full_state_dict(hf_block_state(state, c))
+    x = xb[:, cols].clone().requires_grad_(True)
+    y = block(x)
+    (y * gb[:, cols]).sum().backward()
+    ref_state = {k: v.double() for k, v in state.items()}
+    xbr = xb_flat.double().requires_grad_(True)
+    ybr = references.transformer_block(xbr, ref_state, heads=c.heads, kv_heads=c.kv_heads, rope_theta=c.rope_theta,
+                                       norm_eps=c.norm_eps, batch=batch)
+    (ybr * gb_flat.double()).sum().backward()
+    errors["block_y"] = rel_err(y, ybr.detach().view(batch, seq, -1)[:, cols])
+    errors["block_dx"] = rel_err(x.grad, xbr.grad.view(batch, seq, -1)[:, cols])
     return errors
