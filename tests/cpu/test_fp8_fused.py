@@ -72,3 +72,5 @@ def test_bad_fp8_arguments_are_refused_by_name_on_every_rank():
                 assert "the arguments of rank 1" in got, (kind, name, got)
     assert "policy='oneshot' does not take float8" in outcomes[0]["ag: oneshot"]
     assert "return_gathered and gathered_out are not supported" in outcomes[0]["ag: return_gathered"]
+    for layer in ("moe layer 0", "moe layer 1"):
+        assert "do not take float8 inputs yet" in outcomes[0][layer], outcomes[0][layer]
