@@ -24,11 +24,11 @@ FP8: with float8 ``a`` and ``b`` (e4m3fn or e5m2) and float32 ``scale_a``, ``sca
 operands (``matmul``'s shapes: one element each; rowwise ``[M, 1]`` and ``[1, N]``; blockwise ``[M,
 K_loc/128]``, this rank's K blocks, and ``[K_loc/128, ceil(N/128)]``), each rank's partial is ``(a *
 scale_a) @ (b * scale_b)``, accumulated in fp32; the result, the bias and ``out`` are ``out_dtype``
-(bfloat16 by default, float16, float32). Every path takes them: the partials travel in ``out_dtype``
-and are summed in fp32 in rank order, the own partial added in fp32 before the one rounding (the
-chunked and one-shot paths; the pulling path with two or more blocks rounds the own partial's sum with
-the pulled one once, in fp32; the unfused path sums in NCCL, in ``out_dtype``, as for bfloat16 inputs).
-The GEMMs are tileweave's ``matmul``. Every rank must pass scales of the same shapes.
+(bfloat16 by default, float16, float32). Every path takes them, its GEMMs on tileweave's ``matmul``:
+the partials travel in ``out_dtype`` and are summed in fp32 in rank order; the chunked transports
+(pushing and pulling) keep the own rows' partial in fp32 and round once after adding the arrived ones,
+the one-shot path sums every partial as rounded to ``out_dtype``, the unfused path sums in NCCL in
+``out_dtype`` (as for bfloat16 inputs). Every rank must pass scales of the same shapes.
 
 Capture in a CUDA graph (``graphable=True``): the pushing chunked transport with constant-valued flags
 (``chunked``'s docstring).
