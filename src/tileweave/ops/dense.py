@@ -278,7 +278,9 @@ class DenseOp(TPOp):
             if plan.epochs and not self.graphable:
                 if plan.path != "oneshot":
                     raise TileweaveError(f"{self.op_name}: {common.CAPTURE_FUSED}")
-                return self._nccl_plan(plan.backend)  # the one-shot path's epochs: NCCL, as every rank does
+                # The one-shot path's epochs: NCCL, as every rank does (with the signature's float8 scaling).
+                return dataclasses.replace(self._nccl_plan(plan.backend), scaling=plan.scaling,
+                                           out_dtype=plan.out_dtype)
         return plan
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, shape: tuple,
