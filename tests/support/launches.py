@@ -344,6 +344,11 @@ def _collective_calls(rank: int, world: int) -> dict[str, Callable[[], object]]:
     return {
         "all_gather_gemm, mesh, bias": lambda: AllGatherGemm(group, policy="fused", transport="mesh")(
             _randn(8, 64) + rank, _randn(48, 64).t(), bias=_randn(48)),
+        **{f"all_gather_gemm, fp8 {scaling}, {transport}": lambda scaling=scaling, transport=transport: AllGatherGemm(
+            group, policy="fused", transport=transport)(
+                _fp8(8, 256), _fp8(48, 256).t(), out_dtype=torch.float16,
+                **dict(zip(("scale_a", "scale_b"), _fp8_scales(scaling, 8, 48, 256))))
+           for scaling, transport in zip(SCALINGS, ("mesh", "ring", "mesh"))},
         "all_gather_gemm, one-shot": lambda: AllGatherGemm(group, policy="oneshot")(
             _randn(3, 64) + rank, _randn(40, 64).t()),
         "gemm_reduce_scatter, one-shot, bias": lambda: GemmReduceScatter(group, policy="oneshot")(
@@ -380,6 +385,13 @@ def _collective_h200_calls(rank: int, world: int) -> dict[str, Callable[[], obje
         "all_gather_gemm, stream-K tail, H200 config": lambda: AllGatherGemm(
             group, policy="fused", transport="mesh", stream_k=True, config=mid)(
                 _randn(128, 64) + rank, _randn(384, 64).t()),
+        # FP8 with the configs the op picks on an H200 (fp16 out here, bf16 there).
+        **{f"all_gather_gemm, fp8 {scaling}, H200 config": lambda scaling=scaling: AllGatherGemm(
+            group, policy="fused", transport="mesh",
+            config=choose_fp8_config(8192, 7168, 4096, torch.bfloat16, num_sms=H200_SMS, scaling=scaling))(
+                _fp8(128, 256), _fp8(256, 256).t(), out_dtype=torch.float16,
+                **dict(zip(("scale_a", "scale_b"), _fp8_scales(scaling, 128, 256, 256))))
+           for scaling in SCALINGS},
     }
 
 

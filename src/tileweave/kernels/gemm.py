@@ -23,7 +23,11 @@ one K loop (``_mainloop``). The variants are compile-time switches:
   with ``sa = scale_a[row, k // 128]`` (1 x 128 blocks of A) and ``sb = scale_b[k // 128, col // 128]``
   (128 x 128 blocks of B): a K step (``BK`` dividing 128) never straddles two scale blocks. The scales
   travel as one tuple ``scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk,
-  stride_sbn)``, rows of ``scale_a`` indexed like the rows of the A source a tile reads.
+  stride_sbn)``, rows of ``scale_a`` indexed like the rows of the A source a tile reads. With
+  ``ALL_GATHER`` the own chunk's rows take ``scale_a`` (this rank's shard's scales, any of the three
+  forms) and the peers' rows the gathered a-scales ``gathered_scale_ptr`` (``[W * Mc, KB]``, strides
+  ``stride_gsm``, ``stride_gsk``: one row per gathered row, so a tensorwise scale, which differs per
+  rank, arrives as its rank's rows all holding it), which the transport moves beside the rows.
 
 Synchronisation comes from ``tileweave.kernels.sync``; every wait is bounded and records an error
 code instead of hanging (the host raises ``CollectiveTimeout``).
@@ -274,11 +278,11 @@ def _metadata(grid, kernel, args):
 @triton.jit(launch_metadata=_metadata, do_not_specialize=["epoch", "max_spin", "rank"])
 def fused_gemm_kernel(
         a_ptr, gathered_ptr, b_ptr, c_ptr, bias_ptr, ready_ptr, err_ptr, part_ptr, locks_ptr,
-        scale_a_ptr, scale_b_ptr,
+        scale_a_ptr, scale_b_ptr, gathered_scale_ptr,
         epoch, max_spin,
         m_chunk, N, K, rank,
         stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-        stride_sam, stride_sak, stride_sbk, stride_sbn,
+        stride_sam, stride_sak, stride_sbk, stride_sbn, stride_gsm, stride_gsk,
         BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
         P: tl.constexpr, WORLD: tl.constexpr, ALL_GATHER: tl.constexpr, RING: tl.constexpr,
         STREAM_K: tl.constexpr, B_NK: tl.constexpr, HAS_BIAS: tl.constexpr, USE_TMA: tl.constexpr,
@@ -292,11 +296,12 @@ def fused_gemm_kernel(
     ``locks_ptr`` the per-tile arrival counts of ``_stream_k_tail`` (zero between calls); with
     ``ALL_GATHER`` the host has checked that the partial wave's tiles all lie in the last chunk.
     ``SCALING`` (None, ``"outer"``, ``"outer_fast"``, ``"block"``): ``scale_a_ptr`` and ``scale_b_ptr`` with their
-    strides (unused without it). Scaled AllGather+GEMM needs the peers' a-scales gathered beside their
-    rows, which this kernel does not read yet: the two switches do not combine.
+    strides (unused without it); with ``ALL_GATHER`` also ``gathered_scale_ptr``, the a-scales of the
+    gathered rows (the module docstring), complete for src's rows once ``ready_ptr[src]`` is.
     """
-    tl.static_assert(SCALING is None or not ALL_GATHER, "scaled AllGather+GEMM is not implemented")
     scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn)
+    # The peers' rows of the gather buffer take the gathered a-scales, indexed by the same rows.
+    g_scales = (gathered_scale_ptr, scale_b_ptr, stride_gsm, stride_gsk, stride_sbk, stride_sbn)
     pid = tl.program_id(0)
     if USE_TMA:
         a_src = tl.make_tensor_descriptor(a_ptr, shape=[m_chunk, K], strides=[stride_am, 1], block_shape=[BM, BK])
@@ -344,13 +349,13 @@ def fused_gemm_kernel(
             _chunk_loop(pid, step, g_src, b_src, b2_src, c_desc, c2_desc, gathered_ptr, b_ptr, c_ptr, bias_ptr,
                         src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K,
                         K, 1, stride_bk, stride_bn, stride_cm, stride_cn,
-                        skip, tl.where(step == WORLD - 1, rem, 0), scales, BM, BN, BN2, BK, GROUP_M, P, B_NK,
+                        skip, tl.where(step == WORLD - 1, rem, 0), g_scales, BM, BN, BN2, BK, GROUP_M, P, B_NK,
                         HAS_BIAS, USE_TMA, C_TMA, FLATTEN, WARP_SPECIALIZE, PRECISION, SCALING)
         if STREAM_K:
             # The last chunk's `rem` tiles, by K steps over every program (after its flag: `skip`).
             _stream_k_tail(pid, g_src, b_src, c_desc, gathered_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,
                            src * m_chunk, gathered_rows, src * m_chunk, m_chunk, N, K, tiles_per_chunk - rem, skip,
-                           K, 1, stride_bk, stride_bn, stride_cm, stride_cn, scales,
+                           K, 1, stride_bk, stride_bn, stride_cm, stride_cn, g_scales,
                            BM, BN, BK, GROUP_M, P, B_NK, HAS_BIAS, USE_TMA, C_TMA, PRECISION, SCALING)
     elif STREAM_K:
         _stream_k_tail(pid, a_src, b_src, c_desc, a_ptr, b_ptr, c_ptr, bias_ptr, part_ptr, locks_ptr,

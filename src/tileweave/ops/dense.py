@@ -6,7 +6,10 @@ kernel's first launch, the one-shot paths' slots and error word, the end of a ca
 The dense ops agree at a signature's first call (``_decide``), not at every call as the MoE ops and
 ``GemmAllReduce`` do: their small shapes are bound by host time, and a repeat call's checks run on this
 rank alone (shape, dtype and device are the plan's key, so only values such as a bias or ``out`` are
-checked again).
+checked again). A signature's first call runs its argument checks inside that agreement, so that a bad
+argument on one rank raises the same error on every rank (the operands being 2-D tensors, which the
+agreed shapes need, is checked before, on this rank). Float8 calls (``dense_fp8``) add their scales'
+shapes, ``out_dtype`` and ``use_fast_accum`` to the signature.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime import settings
-from tileweave.ops import common
+from tileweave.ops import common, dense_fp8
+from tileweave.ops.compute import scaling
 from tileweave.ops.compute.gemm_launch import launch, launch_cached
 from tileweave.ops.compute.oneshot_launch import OneshotPlan
 from tileweave.ops.skeleton import Call, TPOp, first_launch, meeting, option
@@ -44,6 +48,16 @@ class Plan:
     """Whether the transport's flags carry epochs, which a CUDA-graph replay would not advance."""
     first: bool = True
     """The first launch is still to come: every rank compiles, then meets (``launch_fused``)."""
+    scaling: str | None = None
+    """Float8 calls: the scaling of the signature's scales (``dense_fp8.Scaled.scaling``)."""
+    out_dtype: torch.dtype | None = None
+    """Float8 calls: the output dtype."""
+
+    def scaled(self, scale_a, scale_b, use_fast_accum) -> dense_fp8.Scaled | None:
+        """A repeat call's float8 arguments (its signature's checks passed at the first call)."""
+        if self.scaling is None:
+            return None
+        return dense_fp8.Scaled(scale_a, scale_b, self.out_dtype, bool(use_fast_accum), self.scaling)
 
 
 def _check_transport(op: "DenseOp", transport) -> None:
@@ -61,6 +75,8 @@ class DenseOp(TPOp):
     """Base of ``AllGatherGemm`` and ``GemmReduceScatter``: one group, one workspace, one plan cache."""
 
     policies = ("auto", "fused", "oneshot", "fallback")
+    a_name = "a"
+    """What the errors call the first operand."""
     transports: tuple[str, ...] = ()
     transport_env = ""
     """The ``tileweave.runtime.settings`` variable that picks the shared op's transport."""
@@ -137,25 +153,44 @@ class DenseOp(TPOp):
     oneshot_run: Callable = staticmethod(lambda call, *args: None)
     """The one-shot transport (``policy="oneshot"``)."""
 
-    def _plan_call(self, a, b, bias, out) -> tuple[Plan, torch.Tensor | None, torch.Tensor | None]:
-        """``(plan, bias, out)`` of a call: its signature's plan, decided now if it is the first call
-        (collectively); the arguments checked unless a plan exists and the call has neither bias nor
-        ``out`` (the signature's first call checked them)."""
+    def _plan_call(self, a, b, bias, out, fp8: tuple = (None, None, None, False)) -> tuple:
+        """``(plan, bias, out, scaled)`` of a call: its signature's plan, decided now if it is the first
+        call (collectively, with the checks); the arguments checked unless a plan exists and the call has
+        neither bias nor ``out`` (the signature's first call checked them). ``fp8``: the call's
+        ``(scale_a, scale_b, out_dtype, use_fast_accum)``; ``scaled``: them checked, None without float8."""
         common.check_no_grad(self.op_name, a, b, bias, names=("a", "b", "bias"))
-        key = self.signature(a, b, bias)
+        key = self.signature(a, b, bias, *fp8)
         plan = self._planned(key, common.capturing(a)) if key is not None else None
-        if plan is None or bias is not None or out is not None:
-            bias, out = self._check(a, b, bias, out)
-        if plan is None:
-            plan = self._plans[key] = self._make_plan(a, b, bias)
-        return plan, bias, out
+        if plan is not None:
+            if bias is not None or out is not None:
+                bias, out, _ = self._check(a, b, bias, out, fp8)
+            return plan, bias, out, plan.scaled(fp8[0], fp8[1], fp8[3])
+        if not isinstance(a, torch.Tensor):
+            self._check(a, b, bias, out, fp8)  # raises: a's device names the backend to agree on
+        plan, (bias, out, scaled) = self._make_plan(a, b, bias, out, fp8)
+        if key is not None:
+            self._plans[key] = plan
+        return plan, bias, out, scaled
 
-    def _make_plan(self, a, b, bias) -> Plan:
-        """The plan of a new signature: the GEMM alone in a group of one, else the path ``_decide``
-        agrees on and its transport."""
+    def _make_plan(self, a, b, bias, out, fp8: tuple) -> tuple[Plan, tuple]:
+        """``(plan, checked)`` of a new signature: the GEMM alone in a group of one, else the path
+        ``_decide`` agrees on and its transport; ``checked``: ``_check``'s result, which ran inside the
+        agreement (every rank raises what one rank's checks raised)."""
         backend = self.backend_for(a.device)
+        checked = []
+
+        def check() -> dense_fp8.Scaled | None:
+            checked.append(self._check(a, b, bias, out, fp8))
+            return checked[-1][2]
+
         if backend.world_size == 1:
-            return Plan("local", self.local_run, backend)
+            scaled = check()
+            return self._with_scaling(Plan("local", self.local_run, backend), scaled), checked[0]
+        for name, t in ((self.a_name, a), ("b", b)):  # what the agreed shapes are made of (check_matrix's words)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
         m, n, k, shape = self._gemm_shape(a, b, backend.world_size)
 
         def auto() -> str:
@@ -163,30 +198,48 @@ class DenseOp(TPOp):
                 return "fallback"
             return "fallback" if self._auto_route(m, n, k, a.dtype, backend) == "fallback" else "fused"
 
-        path, config = self._decide(backend, m, n, k, a.dtype, shape, bias is not None, auto)
+        fp8_shape = () if not dense_fp8.wanted(a, b, *fp8[:3]) else (
+            describe_scale(fp8[0]), describe_scale(fp8[1]), str(fp8[2]), bool(fp8[3]))
+        path, config = self._decide(backend, m, n, k, a.dtype, shape + fp8_shape, bias is not None, auto, check)
+        scaled = checked[0][2]
         if path == "oneshot":
-            return Plan("oneshot", self.oneshot_run, backend, epochs=True)
-        if path == "fallback":
-            return self._nccl_plan(backend)
-        return self._fused_plan(backend, config, m, n, k, a.dtype)
+            plan = Plan("oneshot", self.oneshot_run, backend, epochs=True)
+        elif path == "fallback":
+            plan = self._nccl_plan(backend)
+        else:
+            plan = self._fused_plan(backend, config, m, n, k, a.dtype)
+        return self._with_scaling(plan, scaled), checked[0]
+
+    @staticmethod
+    def _with_scaling(plan: Plan, scaled: dense_fp8.Scaled | None) -> Plan:
+        if scaled is not None:
+            plan.scaling, plan.out_dtype = scaled.scaling, scaled.out_dtype
+        return plan
 
     def _nccl_plan(self, backend: Backend) -> Plan:
         return Plan("fallback", self.nccl_run, backend)
 
-    def _check(self, a, b, bias, out) -> tuple:
-        """``(bias, out)`` as the transports take them, after checking every argument."""
+    def _check(self, a, b, bias, out, fp8: tuple) -> tuple:
+        """``(bias, out, scaled)`` as the transports take them, after checking every argument
+        (``scaled``: ``dense_fp8.check``'s)."""
         raise NotImplementedError
 
-    def _check_operands(self, a, b, a_name: str, rows: str, depth: str, cols: str) -> int:
-        """Check the GEMM's operands ``a [rows, depth]`` (called ``a_name``) and ``b [depth, cols]``, and
-        return the group size."""
-        common.check_matrix(a_name, a)
-        common.check_matrix("b", b, dtype=a.dtype, device=a.device)
-        common.check_runs_dtype(self.op_name, a_name, a)
+    def _check_operands(self, a, b, a_name: str, rows: str, depth: str, cols: str, fp8: tuple) -> tuple:
+        """Check the GEMM's operands ``a [rows, depth]`` (called ``a_name``) and ``b [depth, cols]`` and the
+        float8 arguments ``fp8``; return the group size and ``dense_fp8.check``'s result."""
+        if scaling.is_fp8(a) or scaling.is_fp8(b):
+            for name, t in ((a_name, a), ("b", b)):
+                if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                    raise ValueError(f"{self.op_name}: {name} must be a 2-D tensor, got {common.describe(t)}")
+        else:
+            common.check_matrix(a_name, a)
+            common.check_matrix("b", b, dtype=a.dtype, device=a.device)
+            common.check_runs_dtype(self.op_name, a_name, a)
         if b.shape[0] != a.shape[1]:
             raise ValueError(f"{a_name} is [{rows}={a.shape[0]}, {depth}={a.shape[1]}] but b is {list(b.shape)}: "
                              f"b must be [{depth}={a.shape[1]}, {cols}]")
-        return self.backend_for(a.device).world_size
+        scaled = dense_fp8.check(self.op_name, a, b, *fp8, m=a.shape[0], n=b.shape[1], k=a.shape[1])
+        return self.backend_for(a.device).world_size, scaled
 
     def _gemm_shape(self, a, b, world: int) -> tuple[int, int, int, tuple]:
         """``(m, n, k, shape)``: the local GEMM's dims and what every rank must have alike."""
@@ -201,12 +254,16 @@ class DenseOp(TPOp):
         raise NotImplementedError
 
     @staticmethod
-    def signature(a, b, bias) -> tuple | None:
-        """The plan cache's key of a call: shapes, dtypes, devices and whether it has a bias; None for
-        arguments that are not tensors (they take the checks, which name what is wrong)."""
+    def signature(a, b, bias, scale_a=None, scale_b=None, out_dtype=None, use_fast_accum=False) -> tuple | None:
+        """The plan cache's key of a call: shapes, dtypes, devices, whether it has a bias, and for float8
+        calls the scales' shapes, strides, dtypes and devices, ``out_dtype`` and ``use_fast_accum``; None
+        for arguments that are not tensors (they take the checks, which name what is wrong)."""
         if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
             return None
-        return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, bias is not None)
+        fp8 = dense_fp8.key(scale_a, scale_b, out_dtype, use_fast_accum)
+        if fp8 is None:
+            return None
+        return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, bias is not None, *fp8)
 
     def _planned(self, key: tuple | None, capturing: bool) -> Plan | None:
         """The plan of ``key`` if one was decided, checked against CUDA-graph capture: the first call of
@@ -222,23 +279,32 @@ class DenseOp(TPOp):
             if plan.epochs and not self.graphable:
                 if self.policy == "fused":
                     raise common.capture_refused(self.op_name, graphable_ops=True)
-                return self._nccl_plan(plan.backend)  # epochs a replay would not advance: NCCL, as every rank does
+                # Epochs a replay would not advance: NCCL, as every rank does (with the signature's
+                # float8 scaling).
+                return dataclasses.replace(self._nccl_plan(plan.backend), scaling=plan.scaling,
+                                           out_dtype=plan.out_dtype)
         return plan
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, shape: tuple,
-                has_bias: bool, auto: Callable[[], str]) -> tuple[str, GemmConfig]:
+                has_bias: bool, auto: Callable[[], str],
+                check: Callable[[], dense_fp8.Scaled | None]) -> tuple[str, GemmConfig]:
         """``(path, config)`` of a new signature: the policy's path, or under "auto" ``auto()``'s, with
         rank 0's config, after checking with every rank that it was called with the same ``shape``
-        (collective: every rank decides the same signature at the same call). ``m, n, k``: the local
-        GEMM's."""
-        proposal = self.config or select_config(m, n, k, dtype, backend.device, num_sms=backend.num_sms,
-                                                interpreter=backend.interpreter, stream_k=False)
-        # The fused kernel deals out whole tiles (a tile's flags assume one producer), but for a
-        # consumer's partial last wave (``_stream_k_tail``).
-        proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0)
-        proposal = dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
+        (collective: every rank decides the same signature at the same call), and that ``check()`` (this
+        rank's argument checks) passed on every rank. ``m, n, k``: the local GEMM's."""
+
+        def propose() -> GemmConfig:
+            scaled = check()
+            fp8 = {} if scaled is None else {"out_dtype": scaled.out_dtype, "scaling": scaled.scaling}
+            proposal = self.config or select_config(m, n, k, dtype, backend.device, num_sms=backend.num_sms,
+                                                    interpreter=backend.interpreter, stream_k=False, **fp8)
+            # The fused kernel deals out whole tiles (a tile's flags assume one producer), but for a
+            # consumer's partial last wave (``_stream_k_tail``).
+            proposal = dataclasses.replace(proposal, stream_k=False, block_n2=0)
+            return dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
+
         path = auto() if self.policy == "auto" or not backend.peer_access else self.policy
-        config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), proposal)
+        config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), propose)
         if not (m > 0 and n > 0 and k > 0):
             path = "fallback"
         return path, config
@@ -247,6 +313,12 @@ class DenseOp(TPOp):
         """Whether the fused kernel shares its partial last wave of tiles by K steps (a subclass's
         choice; none by default)."""
         return False
+
+
+def describe_scale(s) -> object:
+    """What the ranks compare of a scale: its shape, dtype and device type (``agreement.describe``)."""
+    return None if s is None else common.describe(s) if not isinstance(s, torch.Tensor) else \
+        (tuple(s.shape), str(s.dtype), s.device.type)
 
 
 # -- what the dense transports share ------------------------------------------------------------------

@@ -24,14 +24,30 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _no_fp8_compiled(op: str, scale_a, scale_b, out_dtype) -> None:
+    if scale_a is not None or scale_b is not None or out_dtype is not None:
+        raise NotImplementedError(f"{op} in FP8 (scale_a, scale_b, out_dtype) under torch.compile: its custom op "
+                                  "takes bf16/fp16/fp32 only; call it outside the compiled region")
+
+
 def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                     bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    return_gathered: bool = False):
+                    return_gathered: bool = False, scale_a: torch.Tensor | None = None,
+                    scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    use_fast_accum: bool = False):
     """Functional form of :class:`AllGatherGemm`: ``AllGather_M(a_shard [M/W, K]) @ b [K, N_loc]
     (+ bias)``, ``[M, N_loc]``, and with ``return_gathered`` also the gathered ``[M, K]`` input, a fresh
     tensor here (the workspace is shared by every caller of this function), which the op's copy stream
-    fills. Under ``torch.compile`` this is the custom op ``torch.ops.tileweave.all_gather_gemm``."""
+    fills. FP8 with ``scale_a``, ``scale_b``, ``out_dtype``, ``use_fast_accum`` (``tileweave.ops.all_gather.op``),
+    without ``return_gathered``. Under ``torch.compile`` this is the custom op
+    ``torch.ops.tileweave.all_gather_gemm``, not yet in FP8."""
     group = group if group is not None else dist.group.WORLD
+    if scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum:
+        if torch.compiler.is_compiling():
+            _no_fp8_compiled("all_gather_gemm", scale_a, scale_b, out_dtype)
+        return AllGatherGemm.shared(group, a_shard.device)(
+            a_shard, b, bias=bias, out=out, return_gathered=return_gathered, scale_a=scale_a, scale_b=scale_b,
+            out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     if torch.compiler.is_compiling():
         if return_gathered:
             result, gathered = registry.all_gather_gemm_gathered_op(a_shard, b, bias, group.group_name)
@@ -46,14 +62,22 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
 
 
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                        bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
     """Functional form of :class:`GemmReduceScatter`: this rank's ``[M/W, N]`` rows of the sum over ranks
-    of ``a [M, K_loc] @ b [K_loc, N]`` (+ bias). Under ``torch.compile`` this is the custom op
-    ``torch.ops.tileweave.gemm_reduce_scatter``."""
+    of ``a [M, K_loc] @ b [K_loc, N]`` (+ bias); FP8 with ``scale_a``, ``scale_b``, ``out_dtype``,
+    ``use_fast_accum`` (``tileweave.ops.reduce_scatter.op``). Under ``torch.compile`` this is the custom
+    op ``torch.ops.tileweave.gemm_reduce_scatter``, not yet in FP8."""
     group = group if group is not None else dist.group.WORLD
+    fp8 = scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum
     if torch.compiler.is_compiling():
+        _no_fp8_compiled("gemm_reduce_scatter", scale_a, scale_b, out_dtype)
         return _into(out, registry.gemm_reduce_scatter_op(a, b, bias, group.group_name))
-    return GemmReduceScatter.shared(group, a.device)(a, b, bias=bias, out=out)
+    if not fp8:
+        return GemmReduceScatter.shared(group, a.device)(a, b, bias=bias, out=out)
+    return GemmReduceScatter.shared(group, a.device)(a, b, bias=bias, out=out, scale_a=scale_a, scale_b=scale_b,
+                                                     out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None = None, *,
@@ -71,9 +95,7 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup |
         return shared_all_reduce(group, a.device)(a, b, bias=bias, residual=residual, norm_weight=norm_weight,
                                                   eps=eps, out=out, scale_a=scale_a, scale_b=scale_b,
                                                   out_dtype=out_dtype)
-    if scale_a is not None or scale_b is not None or out_dtype is not None:
-        raise NotImplementedError("gemm_all_reduce in FP8 (scale_a, scale_b, out_dtype) under torch.compile: "
-                                  "its custom op takes bf16/fp16/fp32 only; call it outside the compiled region")
+    _no_fp8_compiled("gemm_all_reduce", scale_a, scale_b, out_dtype)
     if norm_weight is None:
         return _into(out, registry.gemm_all_reduce_op(a, b, bias, residual, group.group_name))
     normed, resid = registry.gemm_all_reduce_norm_op(a, b, bias, residual, norm_weight, float(eps), group.group_name)

@@ -15,7 +15,9 @@ from tileweave.ops.skeleton import Call
 from tileweave.ops.workspace import oneshot_slots
 
 
-def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out):
+def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out, scaled=None):
+    if scaled is not None:  # the op's checks refuse it first; a plan never gets here with float8
+        raise TypeError("all_gather_gemm's one-shot path does not take float8 inputs")
     backend = call.backend
     call.memory.return_lent()
     mc, k = a_shard.shape

@@ -23,6 +23,21 @@ GEMM each rank tells every peer that its gather buffer may be refilled (``releas
 waits for that before pushing the next call's shard, so no barrier is needed between calls.
 ``policy="oneshot"``: one kernel copies the peers' shards out of their buffers, then one GEMM.
 
+FP8: with float8 ``a_shard`` and ``b`` (e4m3fn or e5m2) and float32 ``scale_a``, ``scale_b`` (``matmul``'s
+shapes for this rank's ``a_shard [M/W, K] @ b``: one element each, a tensorwise ``scale_a`` that may
+differ per rank; rowwise ``[M/W, 1]`` and ``[1, N_loc]``; blockwise ``[M/W, K/128]`` and ``[K/128,
+ceil(N_loc/128)]``), the result is ``AllGather_M(a_shard * scale_a) @ (b * scale_b)`` in ``out_dtype``
+(bfloat16 by default, float16, float32), fp32 accumulation: each gathered row keeps its source rank's
+scale. The float8 rows travel (half the bytes of bfloat16) and each shard's a-scales beside them, in
+the gathered form of ``tileweave.ops.dense_fp8`` (a row per row; a tensorwise scale as its shard's
+rows each holding it): the push copies a shard's scales into a second region of the peer's gather
+buffer, ``[M, KB]`` float32 after the rows, before it raises the ready flag, so one flag covers both;
+the kernel reads a peer's rows' scales from there, its own rows' from ``scale_a``. The chunked transport
+runs tileweave's ``matmul`` per shard, the unfused path all-gathers rows (as bytes) and scales over
+NCCL, then one ``matmul``. Refused with float8: ``policy="oneshot"`` (its kernel gathers rows only),
+``return_gathered`` and ``gathered_out`` (the gathered input would need its scales beside it), and
+``all_gather``. Every rank must pass scales of the same shapes.
+
 Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag values
 written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a producer
 waits until its RELEASED word for a consumer is 1, sets it to 0, pushes, and sets the consumer's READY
@@ -40,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime import settings
-from tileweave.ops import common
+from tileweave.ops import common, dense_fp8
 from tileweave.ops.all_gather import nccl, oneshot
 from tileweave.ops.all_gather.push import run_chunked, run_mesh, run_ring, start
 from tileweave.ops.dense import DenseOp, Plan, programs
@@ -90,6 +105,7 @@ class AllGatherGemm(DenseOp):
     """
 
     op_name = OP
+    a_name = "a_shard"
     transports = TRANSPORTS
     transport_env = settings.AG_TRANSPORT
     default_transport = "auto"
@@ -103,7 +119,9 @@ class AllGatherGemm(DenseOp):
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, return_gathered: bool = False,
-                 gathered_out: torch.Tensor | None = None):
+                 gathered_out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 use_fast_accum: bool = False):
         """See the module docstring. Returns ``out`` or ``(out, gathered)``; ``gathered`` is a view of
         the workspace, valid until the next call of this object (or of ``gather_buffer``) on this rank:
         the call lends the buffer to the caller and releases it to the peers only then, so a peer that
@@ -116,22 +134,35 @@ class AllGatherGemm(DenseOp):
         Errors: ``TypeError``/``ValueError`` naming the argument, raised before any communication;
         ``TileweaveError`` when the ranks' shapes differ (at a signature's first call, on every rank);
         ``CollectiveTimeout`` when a bounded wait for a peer expired (one call late unless
-        ``TILEWEAVE_DEBUG=1`` or on the CPU)."""
+        ``TILEWEAVE_DEBUG=1`` or on the CPU). FP8 (``scale_a``, ``scale_b``, ``out_dtype``,
+        ``use_fast_accum`` as ``matmul``'s): the module docstring; a bad float8 argument raises on every
+        rank at a signature's first call, whichever rank passed it."""
+        if (return_gathered or gathered_out is not None) and dense_fp8.wanted(a_shard, b, scale_a, scale_b, out_dtype):
+            raise TypeError(f"{OP}: return_gathered and gathered_out are not supported with float8 inputs (the "
+                            "gathered rows would need their scales beside them); gather separately, or pass "
+                            "neither")
         if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
             # Before the plan: a bad argument must raise on every rank before any collective.
             _check_gathered_out(gathered_out, a_shard, self.backend_for(a_shard.device).world_size)
-        plan, bias, out = self._plan_call(a_shard, b, bias, out)
+        plan, bias, out, scaled = self._plan_call(a_shard, b, bias, out, (scale_a, scale_b, out_dtype, use_fast_accum))
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
             gathered_out = gathered_like(a_shard, plan.backend.world_size)
         call = self._call(plan, common.capturing(a_shard))
+        if scaled is not None:
+            return plan.run(call, a_shard, b, bias, out, False, None, scaled)
         return plan.run(call, a_shard, b, bias, out, return_gathered, gathered_out)
 
-    def _check(self, a_shard, b, bias, out) -> tuple:
-        w = self._check_operands(a_shard, b, "a_shard", "M/W", "K", "N_loc")
-        n, dtype, device = b.shape[1], a_shard.dtype, a_shard.device
-        return common.check_bias(bias, n, dtype, device), common.check_out(out, (a_shard.shape[0] * w, n), dtype, device)
+    def _check(self, a_shard, b, bias, out, fp8) -> tuple:
+        w, scaled = self._check_operands(a_shard, b, "a_shard", "M/W", "K", "N_loc", fp8)
+        if scaled is not None and self.policy == "oneshot" and w > 1:
+            raise TypeError(f"{OP}: policy='oneshot' does not take float8 inputs (its kernel gathers the rows "
+                            "without their scales); use policy='auto', 'fused' or 'fallback'")
+        n, device = b.shape[1], a_shard.device
+        dtype = a_shard.dtype if scaled is None else scaled.out_dtype
+        return (common.check_bias(bias, n, dtype, device),
+                common.check_out(out, (a_shard.shape[0] * w, n), dtype, device), scaled)
 
     local_run = staticmethod(nccl.run_local)
     nccl_run = staticmethod(nccl.run)

@@ -8,7 +8,13 @@ Consumers. ``run_mesh`` / ``run_ring`` (path "fused"): the persistent GEMM (``ti
 ``ALL_GATHER``) computes its own rows straight from ``a_shard`` while the shards travel, then each
 peer's rows once that peer's ready flag carries this call's value. ``run_chunked`` (path "chunked"):
 cuBLAS, one GEMM for the own rows while the shards travel, then one per peer's rows once the caller's
-stream has waited for that peer's ready flag (a stream memory op, no SM spins)."""
+stream has waited for that peer's ready flag (a stream memory op, no SM spins).
+
+Float8 calls: each copy of a shard's rows is followed by a copy of its a-scales (the gathered form of
+``tileweave.ops.dense_fp8``, ``[M/W, KB]`` float32) into the scale region of the same gather buffer,
+``[M, KB]`` at ``scale_offset`` after the rows, and only then by the ready flag: one flag covers both.
+The kernel reads the gathered scales of the peers' rows (``gathered_scales``); the chunked consumer
+runs tileweave's scaled ``matmul`` per shard."""
 
 from __future__ import annotations
 
@@ -17,10 +23,14 @@ from typing import Callable
 
 import torch
 
+from tileweave.ops.compute.matmul import matmul
+from tileweave.ops.compute.scaling import dense_scales
 from tileweave.ops.dense import finish_kernel, launch_fused, programs
 from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspace
 from tileweave.runtime.backend import Backend
+
+OP_NAME = "all_gather_gemm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +47,23 @@ class PushPlan:
     """Each peer's RELEASED flag for us."""
     arrivals: tuple
     """Our READY flags, one per peer."""
+    gathered_scales: torch.Tensor | None = None
+    """Float8 calls: our ``[M, KB]`` region of gathered a-scales (rows as in ``gathered``)."""
+    scale_pushes: tuple = ()
+    """Float8 calls, per copy of ``pushes``: (destination rows in a peer's scale region, the source: None
+    for our shard's scales, else our rows of the forwarded chunk's)."""
 
 
-def push_plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool) -> PushPlan:
-    """The plan of ``[mc, k]`` shards on ``ws`` (kept in the workspace's plans)."""
-    key = ("ag", mc, k, dtype, ring)
+def scale_offset(rows_bytes: int) -> int:
+    """Where a gather buffer's scale region starts: after ``rows_bytes`` of rows, 256-byte aligned."""
+    return -(-rows_bytes // 256) * 256
+
+
+def push_plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dtype, ring: bool,
+              kb: int = 0) -> PushPlan:
+    """The plan of ``[mc, k]`` shards on ``ws`` (kept in the workspace's plans), with ``[mc, kb]``
+    float32 a-scales beside them when ``kb``."""
+    key = ("ag", mc, k, dtype, ring, kb)
     plan = ws.plans.get(key)
     if plan is not None:
         return plan
@@ -66,32 +88,55 @@ def push_plan(ws: Workspace, backend: Backend, mc: int, k: int, dtype: torch.dty
             peer = (rank - i) % w  # nearest consumer first: rank r - i computes our rows at its step i
             pushes.append((ws.data.view(peer, dtype, (mc * w, k))[rows(rank)], ws.flag_address(rank, RELEASED, peer),
                            ws.flag_address(peer, READY, rank), None, None))
+    gathered_scales, scale_pushes = None, ()
+    if kb:
+        offset = scale_offset(mc * w * k * dtype.itemsize)
+
+        def scales_of(r: int) -> torch.Tensor:
+            return ws.data.view(r, torch.float32, (mc * w, kb), offset=offset)
+
+        gathered_scales = scales_of(rank)
+        if ring:
+            nxt = (rank + 1) % w
+            scale_pushes = tuple((scales_of(nxt)[rows((rank - i + 1) % w)],
+                                  None if i == 1 else gathered_scales[rows((rank - i + 1) % w)]) for i in range(1, w))
+        else:
+            scale_pushes = tuple((scales_of((rank - i) % w)[rows(rank)], None) for i in range(1, w))
     plan = ws.plans[key] = PushPlan(
         gathered=gathered, own_slot=gathered[rows(rank)], pushes=tuple(pushes),
         releases=tuple(ws.flag_address(p, RELEASED, rank) for p in range(w) if p != rank),
-        arrivals=tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank))
+        arrivals=tuple(ws.flag_address(rank, READY, src) for src in range(w) if src != rank),
+        gathered_scales=gathered_scales, scale_pushes=scale_pushes)
     return plan
 
 
-def start(memory: Memory, backend: Backend, a_shard: torch.Tensor, ring: bool, constant: bool) -> tuple:
+def start(memory: Memory, backend: Backend, a_shard: torch.Tensor, ring: bool, constant: bool,
+          shard_scales: torch.Tensor | None = None) -> tuple:
     """``(workspace, plan, a_shard, flag values)`` of a new call, its copies queued on the copy stream:
     ``a_shard`` into every peer's gather buffer (``memory``'s workspace, grown to hold ``[M, K]``), or
-    forwarded along the ring. ``constant``: the graphable protocol's flag values."""
+    forwarded along the ring; ``shard_scales`` (contiguous ``[M/W, KB]`` float32) beside it. ``constant``:
+    the graphable protocol's flag values."""
     mc, k = a_shard.shape
-    ws = memory.workspace(backend, mc * backend.world_size * k * a_shard.element_size())
+    w = backend.world_size
+    rows_bytes = mc * w * k * a_shard.element_size()
+    kb = 0 if shard_scales is None else shard_scales.shape[1]
+    ws = memory.workspace(backend, scale_offset(rows_bytes) + 4 * mc * w * kb if kb else rows_bytes)
     a_shard = a_shard if a_shard.is_contiguous() else a_shard.contiguous()
-    plan = push_plan(ws, backend, mc, k, a_shard.dtype, ring)
+    plan = push_plan(ws, backend, mc, k, a_shard.dtype, ring, kb)
     ws.epoch += 1
     values = FlagValues(ws.epoch, constant)
     # Each copy waits until its destination was released for this call (``FlagValues.claim``), and is
     # followed by the destination's ready flag; a ring forwards a chunk once it has it.
     backend.comm_begin()
-    for slot, released, ready, arrived, source in plan.pushes:
+    for i, (slot, released, ready, arrived, source) in enumerate(plan.pushes):
         if released is not None:
             values.claim(backend, released)
         if arrived is not None:
             backend.comm_wait(arrived, values.ready)
         backend.comm_copy(slot, a_shard if source is None else source)
+        if kb:
+            scale_slot, scale_source = plan.scale_pushes[i]
+            backend.comm_copy(scale_slot, shard_scales if scale_source is None else scale_source)
         backend.comm_write(ready, values.ready)
     return ws, plan, a_shard, values
 
@@ -111,21 +156,24 @@ def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_
 
 
 def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
-               ring: bool = False):
+               scaled=None, ring: bool = False):
     """One call on the push transport: the pushes, ``consume(call, ws, push_plan, a_shard, b, bias, out,
-    ready)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer (or its
-    loan to the caller, for ``return_gathered``)."""
+    ready, scaled)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer
+    (or its loan to the caller, for ``return_gathered``). ``scaled``: a float8 call's
+    ``dense_fp8.Scaled``, whose a-scales travel with the rows."""
     backend = call.backend
     mc, k = a_shard.shape
     w = backend.world_size
     if out is None:
-        out = torch.empty((mc * w, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device)
-    ws, pushes, a_shard, values = start(call.memory, backend, a_shard, ring, call.graphable)
+        dtype = a_shard.dtype if scaled is None else scaled.out_dtype
+        out = torch.empty((mc * w, b.shape[1]), dtype=dtype, device=a_shard.device)
+    shard_scales = None if scaled is None else scaled.shard_rows(mc)
+    ws, pushes, a_shard, values = start(call.memory, backend, a_shard, ring, call.graphable, shard_scales)
     if gathered_out is not None:
         copy_out(backend, ws, pushes, a_shard, gathered_out, values.ready)
     elif return_gathered and pushes.own_slot.data_ptr() != a_shard.data_ptr():
         backend.comm_copy(pushes.own_slot, a_shard)
-    consume(call, ws, pushes, a_shard, b, bias, out, values.ready)
+    consume(call, ws, pushes, a_shard, b, bias, out, values.ready, scaled)
     # Released only once our copy stream is done too: a ring forwards chunks out of this buffer, and a
     # peer must not refill it while a forward still reads it. A gathered view returned to the caller is
     # released by this rank's next call instead.
@@ -146,23 +194,30 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
 
 # -- the consumers -------------------------------------------------------------------------------------
 
-def _kernel(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, ring: bool) -> None:
+def _kernel(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, scaled, ring: bool) -> None:
     backend, config = call.backend, call.plan.config
+    fp8 = {}
+    if scaled is not None:
+        # The own rows' scales as the caller gave them (this rank's a_shard); the peers' gathered.
+        mc, k = a_shard.shape
+        fp8 = {"scales": dense_scales(OP_NAME, mc, b.shape[1], k, scaled.scale_a, scaled.scale_b,
+                                      fast_accum=scaled.fast_accum),
+               "gathered_scales": pushes.gathered_scales}
     launch_fused(call, a=a_shard, gathered=pushes.gathered, b=b, c=out, bias=bias, config=config,
                  m_chunk=a_shard.shape[0], rank=backend.rank, world=backend.world_size,
                  programs=programs(config, backend), ready=ws.flag_slice(READY), err=ws.err,
-                 epoch=ready, max_spin=call.spin, ring=ring)
+                 epoch=ready, max_spin=call.spin, ring=ring, **fp8)
 
 
-def _mesh(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
-    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, ring=False)
+def _mesh(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, scaled=None) -> None:
+    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, scaled, ring=False)
 
 
-def _ring(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
-    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, ring=True)
+def _ring(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, scaled=None) -> None:
+    _kernel(call, ws, pushes, a_shard, b, bias, out, ready, scaled, ring=True)
 
 
-def _gemms(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
+def _gemms(call: Call, ws, pushes, a_shard, b, bias, out, ready: int, scaled=None) -> None:
     backend = call.backend
     w, rank = backend.world_size, backend.rank
     mc = a_shard.shape[0]
@@ -172,24 +227,30 @@ def _gemms(call: Call, ws, pushes, a_shard, b, bias, out, ready: int) -> None:
         if step:
             backend.main_wait(ws.flag_address(rank, READY, src), ready)
         lhs = a_shard if step == 0 else pushes.gathered[rows]
-        if bias is not None:
+        if scaled is not None:
+            # A peer's rows with its gathered scales; a tensorwise shard's first row holds its scale.
+            sa = scaled.scale_a if step == 0 else pushes.gathered_scales[rows]
+            if step and scaled.scaling == "tensorwise":
+                sa = sa[:1]
+            matmul(lhs, b, bias=bias, out=out[rows], **scaled.matmul_args(scale_a=sa))
+        elif bias is not None:
             torch.addmm(bias, lhs, b, out=out[rows])
         else:
             torch.mm(lhs, b, out=out[rows])
 
 
-def run_mesh(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+def run_mesh(call: Call, a_shard, b, bias, out, return_gathered, gathered_out, scaled=None):
     """The fused kernel; every rank pushes its shard to every peer (NVSwitch-class nodes: each pair has
     its own links)."""
-    return run_pushed(call, _mesh, a_shard, b, bias, out, return_gathered, gathered_out)
+    return run_pushed(call, _mesh, a_shard, b, bias, out, return_gathered, gathered_out, scaled)
 
 
-def run_ring(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
+def run_ring(call: Call, a_shard, b, bias, out, return_gathered, gathered_out, scaled=None):
     """The fused kernel; each rank forwards every chunk to rank+1 once it has it (one stream of data per
     link: PCIe or partial meshes)."""
-    return run_pushed(call, _ring, a_shard, b, bias, out, return_gathered, gathered_out, ring=True)
+    return run_pushed(call, _ring, a_shard, b, bias, out, return_gathered, gathered_out, scaled, ring=True)
 
 
-def run_chunked(call: Call, a_shard, b, bias, out, return_gathered, gathered_out):
-    """cuBLAS per shard, on the mesh push."""
-    return run_pushed(call, _gemms, a_shard, b, bias, out, return_gathered, gathered_out)
+def run_chunked(call: Call, a_shard, b, bias, out, return_gathered, gathered_out, scaled=None):
+    """cuBLAS per shard (tileweave's scaled ``matmul`` for float8), on the mesh push."""
+    return run_pushed(call, _gemms, a_shard, b, bias, out, return_gathered, gathered_out, scaled)

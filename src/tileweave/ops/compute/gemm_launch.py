@@ -73,16 +73,19 @@ def launch(*, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
            config: GemmConfig, m_chunk: int, programs: int, rank: int = 0, world: int = 1,
            gathered: torch.Tensor | None = None, ready: torch.Tensor | None = None,
            err: torch.Tensor | None = None, epoch: int = 0, max_spin: int = 0, ring: bool = False,
-           scales: Scales | None = None, compile_only: bool = False) -> LaunchPlan:
+           scales: Scales | None = None, gathered_scales: torch.Tensor | None = None,
+           compile_only: bool = False) -> LaunchPlan:
     """Launch ``fused_gemm_kernel``: the plain GEMM ``c = a @ b (+ bias)``, or with ``gathered`` (the
     ``[W * m_chunk, K]`` gather buffer, ``ready`` its flags, ``err`` the error word) AllGather+GEMM's
-    consumer; with ``scales`` (checked by ``scaling.dense_scales``) float8 ``a`` and ``b`` scaled.
-    Returns what a later call can replay. ``compile_only`` compiles the kernel these arguments need (on
-    a GPU) without launching it."""
+    consumer; with ``scales`` (checked by ``scaling.dense_scales`` for ``a [m_chunk, K]``) float8 ``a``
+    and ``b`` scaled, and with ``gathered`` also ``gathered_scales``, the float32 a-scales of the gathered
+    rows (``[W * m_chunk, 1]``, or ``[W * m_chunk, K/128]`` for blockwise scales). Returns what a later
+    call can replay. ``compile_only`` compiles the kernel these arguments need (on a GPU) without
+    launching it."""
     triton_launch.install_allocator()
     all_gather = gathered is not None
-    if scales is not None and all_gather:
-        raise ValueError("scaled (float8) AllGather+GEMM is not implemented: the kernel reads no gathered a-scales")
+    if scales is not None and all_gather and gathered_scales is None:
+        raise ValueError("scaled (float8) AllGather+GEMM needs gathered_scales: the a-scales of the gathered rows")
     if scales is not None and scales.kernel_mode == "block":
         if BLOCK % config.block_k:
             raise ValueError(f"blockwise scales need GemmConfig.block_k to divide {BLOCK}, got {config.block_k}")
@@ -116,9 +119,9 @@ def launch(*, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     parts, locks = stream_k_buffers(c.device, *stream_k) if stream_k else (c, c)
     tensors = (a, gathered if all_gather else a, b, c, bias if bias is not None else c,
                ready if ready is not None else c, err if err is not None else c, parts, locks,
-               *_scale_tensors(scales, c))
+               *_scale_tensors(scales, gathered_scales, c))
     ints = (m_chunk, n, k, rank, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-            *_scale_strides(scales))
+            *_scale_strides(scales, gathered_scales))
     constexprs = (config.block_m, config.block_n, config.block_n2, config.block_k, config.group_m, programs, world,
                   all_gather, ring, stream_k is not None, b_nk, bias is not None, use_tma, c_tma, config.flatten,
                   config.warp_specialize, precision, None if scales is None else scales.kernel_mode)
@@ -128,18 +131,24 @@ def launch(*, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
                       programs=programs, b_copied=b is not b_in, stream_k=stream_k)
 
 
-def _scale_tensors(scales: Scales | None, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (c, c) if scales is None else (scales.a, scales.b)
+def _scale_tensors(scales: Scales | None, gathered_scales: torch.Tensor | None,
+                   c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if scales is None:
+        return c, c, c
+    return scales.a, scales.b, scales.a if gathered_scales is None else gathered_scales
 
 
-def _scale_strides(scales: Scales | None) -> tuple[int, int, int, int]:
-    return (0, 0, 0, 0) if scales is None else (*scales.a_strides, *scales.b_strides[1:])
+def _scale_strides(scales: Scales | None, gathered_scales: torch.Tensor | None) -> tuple[int, ...]:
+    if scales is None:
+        return 0, 0, 0, 0, 0, 0
+    gathered = (0, 0) if gathered_scales is None else gathered_scales.stride()
+    return (*scales.a_strides, *scales.b_strides[1:], *gathered)
 
 
 def relaunch(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
              bias: torch.Tensor | None, *, gathered: torch.Tensor | None = None,
              ready: torch.Tensor | None = None, err: torch.Tensor | None = None, epoch: int = 0,
-             max_spin: int = 0, scales: Scales | None = None) -> None:
+             max_spin: int = 0, scales: Scales | None = None, gathered_scales: torch.Tensor | None = None) -> None:
     """A launch again, for tensors that match the ones ``plan`` was made from in shape, strides, dtype,
     device and 16-byte alignment, and the same workspace buffers (the caller's cache key guarantees
     it, scales included); ``epoch`` and ``max_spin`` may change."""
@@ -148,7 +157,8 @@ def relaunch(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
         b = b.contiguous()
     parts, locks = stream_k_buffers(c.device, *plan.stream_k) if plan.stream_k else (c, c)
     tensors = (a, a if gathered is None else gathered, b, c, c if bias is None else bias,
-               c if ready is None else ready, c if err is None else err, parts, locks, *_scale_tensors(scales, c))
+               c if ready is None else ready, c if err is None else err, parts, locks,
+               *_scale_tensors(scales, gathered_scales, c))
     unspecialized = (wrap_int32(epoch), max_spin)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         # Pointers go to the launcher as ints: given a tensor, Triton's launcher calls its data_ptr()
@@ -182,7 +192,8 @@ def launch_cached(**launch_args) -> None:
         return
     get = launch_args.get
     relaunch(plan, launch_args["a"], launch_args["b"], launch_args["c"], get("bias"), gathered=get("gathered"),
-             ready=get("ready"), err=get("err"), epoch=get("epoch", 0), max_spin=get("max_spin", 0))
+             ready=get("ready"), err=get("err"), epoch=get("epoch", 0), max_spin=get("max_spin", 0),
+             scales=get("scales"), gathered_scales=get("gathered_scales"))
 
 
 _fused_plans: dict[tuple, LaunchPlan] = {}
@@ -200,10 +211,13 @@ def _fixed(t: torch.Tensor | None) -> tuple | None:
 
 
 def _fused_key(*, a, b, c, bias=None, config, m_chunk, programs, rank=0, world=1, gathered=None, ready=None,
-               err=None, epoch=0, max_spin=0, ring=False, compile_only=False) -> tuple:
+               err=None, epoch=0, max_spin=0, ring=False, scales=None, gathered_scales=None,
+               compile_only=False) -> tuple:
+    scaled = None if scales is None else (scales.kernel_mode, scales.a_strides, scales.b_strides, layout(scales.a),
+                                          layout(scales.b), _fixed(gathered_scales))
     return (config, m_chunk, rank, world, programs, ring, -(1 << 31) <= max_spin < (1 << 31),
             layout(a), layout(b), layout(c), layout(bias), _fixed(gathered), _fixed(ready), _fixed(err),
-            a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+            a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32, scaled)
 
 
 _compiled: dict[tuple, object] = {}

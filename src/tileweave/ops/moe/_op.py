@@ -100,6 +100,9 @@ def check_plan(plan: MoEPlan, *, world: int, tokens: int | None, experts: int, d
 
 
 def check_activation(name: str, t: torch.Tensor, shape_doc: str) -> None:
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} is {t.dtype}: the MoE ops do not take float8 inputs yet (grouped_gemm, "
+                        "the dense pair and gemm_all_reduce do); dequantize to bfloat16 first")
     common.check_matrix(name, t)
     if t.stride(1) != 1:
         raise ValueError(f"{name} {shape_doc} must have unit stride along its last dimension, got strides "

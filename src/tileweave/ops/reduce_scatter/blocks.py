@@ -48,11 +48,13 @@ def block_rows(mc: int, blocks: int) -> tuple[slice, ...]:
 
 
 def block_plan(call: Call, a, m: int, n: int, nbytes: int, kind: str, build: Callable, *, send_bytes: int = 0,
-               blocks: int = 0) -> tuple[Workspace, tuple]:
+               blocks: int = 0, dtype=None) -> tuple[Workspace, tuple]:
     """The workspace (``nbytes`` of symmetric data, the block flags and ``send_bytes`` of private send
     buffer) and the plan of a chunked call of ``kind`` for this shape, built once by
     ``build(ws, backend, rows per owner, n, dtype, blocks per owner)``. ``blocks``: 0 for
-    :func:`blocks_for`'s, with the op's ``chunk_rows`` (``call.options``)."""
+    :func:`blocks_for`'s, with the op's ``chunk_rows`` (``call.options``). ``dtype``: the partials'
+    (``a``'s when None)."""
+    dtype = dtype or a.dtype
     backend = call.backend
     ws = call.memory.workspace(backend, nbytes)
     ws.ensure_block_flags(BLOCK_FLAGS)
@@ -60,8 +62,8 @@ def block_plan(call: Call, a, m: int, n: int, nbytes: int, kind: str, build: Cal
         ws.ensure_local(send_bytes)  # before the plans: growing it drops them
     mc = m // backend.world_size
     blocks = blocks or blocks_for(mc, a.shape[1], n, chunk_rows=call.options.get("chunk_rows", 0))
-    key = (kind, m, n, a.dtype, blocks)
+    key = (kind, m, n, dtype, blocks)
     entry = ws.plans.get(key)
     if entry is None:
-        entry = ws.plans[key] = build(ws, backend, mc, n, a.dtype, blocks)
+        entry = ws.plans[key] = build(ws, backend, mc, n, dtype, blocks)
     return ws, entry

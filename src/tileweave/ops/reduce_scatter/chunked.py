@@ -9,30 +9,39 @@ overwrite it. Graphable: with constant-valued flags, a producer waits until its 
 owner is 1, sets it to 0, and after each block's copy sets the owner's arrival word for it to 1; the
 owner waits for arrival == 1, adds the block, and once all are in sets its arrival words back to 0 and
 then each producer's RELEASED word to 1. Memory: ``2 (W-1)/W x [M, N]`` (receive slots, send buffer).
+
+Float8 calls: every block's GEMM is tileweave's scaled ``matmul`` (the rows' a-scales with them), the
+sent partials in the output dtype; an own block's partial stays fp32 and is added to the arrived ones
+(fp32, rank order) before the one rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows
 from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import BLOCK_ARRIVAL, RELEASED, FlagValues, Workspace
 from tileweave.runtime.backend import Backend
 
 
-def run(call: Call, a, b, bias, out) -> None:
+def run(call: Call, a, b, bias, out, scaled=None) -> None:
     backend = call.backend
     w, rank = backend.world_size, backend.rank
     m, n = a.shape[0], b.shape[1]
     mc = m // w
-    nbytes = (w - 1) * mc * n * a.element_size()
-    ws, (sends, owns, arrivals, releases) = block_plan(call, a, m, n, nbytes, "rs-chunked", _plan, send_bytes=nbytes)
+    nbytes = (w - 1) * mc * n * out.element_size()
+    ws, (sends, owns, arrivals, releases) = block_plan(call, a, m, n, nbytes, "rs-chunked", _plan, send_bytes=nbytes,
+                                                       dtype=out.dtype)
     ws.epoch += 1
     values = FlagValues(ws.epoch, call.graphable)
     for released, per_block in sends:
         for j, (a_rows, part, dst, arrival) in enumerate(per_block):
-            torch.mm(a[a_rows], b, out=part)
+            if scaled is None:
+                torch.mm(a[a_rows], b, out=part)
+            else:
+                matmul(a[a_rows], b, out=part, **scaled.matmul_args(a_rows))
             backend.comm_begin()  # the copy stream waits for this block's GEMM
             if j == 0:
                 values.claim(backend, released)
@@ -42,6 +51,15 @@ def run(call: Call, a, b, bias, out) -> None:
     for rows, block_arrivals, slots in owns:
         for address in block_arrivals:
             backend.main_wait(address, values.ready)
+        if scaled is not None:
+            own_rows = slice(rank * mc + rows.start, rank * mc + rows.stop)
+            total = matmul(own[rows], b, **scaled.matmul_args(own_rows, out_dtype=torch.float32))
+            for slot in slots:  # in rank order, after the own partial: deterministic
+                total += slot.float()
+            if bias is not None:
+                total += bias.float()
+            out[rows].copy_(total)
+            continue
         if len(slots) == 1 and bias is None:
             partials = slots[0]
         else:  # in rank order: the sum is deterministic

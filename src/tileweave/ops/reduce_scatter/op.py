@@ -20,6 +20,16 @@ straight into its output (``pull``). ``policy="oneshot"``: one GEMM into a symme
 kernel that sums this rank's rows of every rank's partial (for the small rows, where the host's time to
 issue a call bounds the other paths). Every sum over ranks runs in rank order: bitwise deterministic.
 
+FP8: with float8 ``a`` and ``b`` (e4m3fn or e5m2) and float32 ``scale_a``, ``scale_b`` of this rank's
+operands (``matmul``'s shapes: one element each; rowwise ``[M, 1]`` and ``[1, N]``; blockwise ``[M,
+K_loc/128]``, this rank's K blocks, and ``[K_loc/128, ceil(N/128)]``), each rank's partial is ``(a *
+scale_a) @ (b * scale_b)``, accumulated in fp32; the result, the bias and ``out`` are ``out_dtype``
+(bfloat16 by default, float16, float32). Every path takes them, its GEMMs on tileweave's ``matmul``:
+the partials travel in ``out_dtype`` and are summed in fp32 in rank order; the chunked transports
+(pushing and pulling) keep the own rows' partial in fp32 and round once after adding the arrived ones,
+the one-shot path sums every partial as rounded to ``out_dtype``, the unfused path sums in NCCL in
+``out_dtype`` (as for bfloat16 inputs). Every rank must pass scales of the same shapes.
+
 Capture in a CUDA graph (``graphable=True``): the pushing chunked transport with constant-valued flags
 (``chunked``'s docstring).
 
@@ -88,28 +98,35 @@ class GemmReduceScatter(DenseOp):
     pull = option("pull", _check_pull)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """See the module docstring. Errors: ``TypeError``/``ValueError`` naming the argument, raised
-        before any communication; ``TileweaveError`` when the ranks' shapes differ (at a signature's first
-        call, on every rank); ``CollectiveTimeout`` when a bounded wait for a peer expired."""
-        plan, bias, out = self._plan_call(a, b, bias, out)
+                 out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 use_fast_accum: bool = False) -> torch.Tensor:
+        """See the module docstring (FP8: ``scale_a``, ``scale_b``, ``out_dtype``, ``use_fast_accum`` as
+        ``matmul``'s). Errors: ``TypeError``/``ValueError`` naming the argument, raised before any
+        communication (at a signature's first call on every rank, whichever rank's argument is bad);
+        ``TileweaveError`` when the ranks' shapes differ (at a signature's first call, on every rank);
+        ``CollectiveTimeout`` when a bounded wait for a peer expired."""
+        plan, bias, out, scaled = self._plan_call(a, b, bias, out, (scale_a, scale_b, out_dtype, use_fast_accum))
         if out is None:
-            out = torch.empty((a.shape[0] // plan.backend.world_size, b.shape[1]), dtype=a.dtype, device=a.device)
+            dtype = a.dtype if scaled is None else scaled.out_dtype
+            out = torch.empty((a.shape[0] // plan.backend.world_size, b.shape[1]), dtype=dtype, device=a.device)
         if plan.path == "chunked" and a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
         run = plan.run
         if run is pull.run and not out.is_contiguous():
             run = chunked.run  # the pulls land in out's rows: an out with padded rows takes the pushes
-        run(self._call(plan, common.capturing(a), chunk_rows=self.chunk_rows), a, b, bias, out)
+        run(self._call(plan, common.capturing(a), chunk_rows=self.chunk_rows), a, b, bias, out, scaled)
         return out
 
-    def _check(self, a, b, bias, out) -> tuple:
-        w = self._check_operands(a, b, "a", "M", "K_loc", "N")
+    def _check(self, a, b, bias, out, fp8) -> tuple:
+        w, scaled = self._check_operands(a, b, "a", "M", "K_loc", "N", fp8)
         m, n = a.shape[0], b.shape[1]
         if m % w:
             raise ValueError(f"gemm_reduce_scatter scatters the M={m} rows of a over {w} ranks: M must be "
                              f"divisible by the group size {w} (pad M to {-(-m // w) * w})")
-        return common.check_bias(bias, n, a.dtype, a.device), common.check_out(out, (m // w, n), a.dtype, a.device)
+        dtype = a.dtype if scaled is None else scaled.out_dtype
+        return (common.check_bias(bias, n, dtype, a.device), common.check_out(out, (m // w, n), dtype, a.device),
+                scaled)
 
     local_run = staticmethod(nccl.run_local)
     nccl_run = staticmethod(nccl.run)

@@ -14,27 +14,32 @@ With one block that would put the whole pull between the two GEMMs, so there the
 private buffer while the own rows' GEMM writes ``out``, and one add follows: the own partial is then
 rounded to the output dtype before the sum, like the peer's (the sum itself is in fp32, and the same on
 every run).
+
+Float8 calls: the GEMMs are tileweave's scaled ``matmul`` (the rows' a-scales with them), the peer's
+blocks in the output dtype; an own block's fp32 partial is added to the pulled one in fp32, rounded once
+(so the in-place accumulation becomes a read and a write of the block).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.reduce_scatter.blocks import BLOCK_FLAGS, block_plan, block_rows, blocks_for
 from tileweave.ops.skeleton import Call, finish_streams
 from tileweave.ops.workspace import BLOCK_ARRIVAL, BLOCK_LANDED, RELEASED, Workspace
 from tileweave.runtime.backend import Backend
 
 
-def run(call: Call, a, b, bias, out) -> None:
+def run(call: Call, a, b, bias, out, scaled=None) -> None:
     backend = call.backend
     rank = backend.rank
     m, n = a.shape[0], b.shape[1]
     mc = m // 2
-    nbytes = mc * n * a.element_size()
+    nbytes = mc * n * out.element_size()
     blocks = blocks_for(mc, a.shape[1], n, pull=True, chunk_rows=call.options.get("chunk_rows", 0))
     ws, entry = block_plan(call, a, m, n, nbytes, "rs-pull", _plan, send_bytes=nbytes if blocks == 1 else 0,
-                           blocks=blocks)
+                           blocks=blocks, dtype=out.dtype)
     rows_of, send, peer_send, announce, arrivals, landed, release_peer, released, recv = entry
     ws.epoch += 1
     epoch = ws.epoch
@@ -48,7 +53,10 @@ def run(call: Call, a, b, bias, out) -> None:
     peer_rows = a[(1 - rank) * mc:(2 - rank) * mc]
     for r, address, arrival, done in zip(rows_of, announce, arrivals, landed):
         # The bias goes into the peer's rows here, once (the owner's GEMM then adds onto them in place).
-        if bias is None:
+        if scaled is not None:
+            peer_r = slice((1 - rank) * mc + r.start, (1 - rank) * mc + r.stop)
+            matmul(peer_rows[r], b, bias=bias, out=send[r], **scaled.matmul_args(peer_r))
+        elif bias is None:
             torch.mm(peer_rows[r], b, out=send[r])
         else:
             torch.addmm(bias, peer_rows[r], b, out=send[r])
@@ -62,7 +70,15 @@ def run(call: Call, a, b, bias, out) -> None:
     if recv is None:
         for r, done in zip(rows_of, landed):
             backend.main_wait(done, epoch)
-            torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
+            if scaled is not None:
+                own_r = slice(rank * mc + r.start, rank * mc + r.stop)
+                out[r].copy_(matmul(own[r], b, **scaled.matmul_args(own_r, out_dtype=torch.float32)) + out[r].float())
+            else:
+                torch.addmm(out[r], own[r], b, out=out[r])  # in place: C is D, no copy of the partial
+    elif scaled is not None:
+        own_part = matmul(own, b, **scaled.matmul_args(slice(rank * mc, (rank + 1) * mc), out_dtype=torch.float32))
+        backend.main_wait(landed[0], epoch)
+        out.copy_(own_part + recv.float())
     else:
         torch.mm(own, b, out=out)  # while the copy stream pulls
         backend.main_wait(landed[0], epoch)
