@@ -6,7 +6,7 @@ steps with fresh routing and a straggling rank."""
 import pytest
 
 from tileweave.testing.emulated import run_ranks
-from support.moe_layer_scenarios import LayerCase, tp_moe_check, tp_moe_errors_check
+from support.moe_layer_scenarios import LayerCase, tp_moe_check, tp_moe_errors_check, tp_moe_seq_sharded_check
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 
@@ -56,3 +56,10 @@ def test_tp_moe_rejects_bad_arguments():
     assert "top_k must be an int from 1 to num_experts=4, got 5" in found["top_k"]
     assert "x_shard must be [T/W, hidden=16], got (4, 8)" in found["hidden"]
     assert "experts.gate must be [4, 16, 16], got [4, 16, 8]" in found["state"]
+
+
+def test_tp_moe_takes_sequence_sharded_inputs():
+    # [B, S/W, hidden] in and out, three sequences over two ranks, against float64 of all the tokens.
+    case = LayerCase(tokens=24, hidden=32, ffn=16, experts=4, top_k=2)
+    for result in run_ranks(2, tp_moe_seq_sharded_check, case, 3):
+        assert result["shape"] and result["out"] < 1e-5 and result["dx"] < 1e-5, result

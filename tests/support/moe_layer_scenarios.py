@@ -160,3 +160,23 @@ def tp_moe_errors_check(rank: int, world: int) -> dict:
         else:
             found[key] = "no error"
     return found
+
+
+def tp_moe_seq_sharded_check(rank: int, world: int, case: LayerCase, batch: int) -> dict:
+    """The layer on ``[B, S/W, hidden]`` (every sequence's positions ``[r*S/W, (r+1)*S/W)``) against
+    ``reference_moe`` of all ``B * S`` tokens: output and input gradient."""
+    state = layer_state(case)
+    layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk)
+    layer.load_full_state_dict(state)
+    x_full, dout = layer_tokens(case, 0)
+    seq = case.tokens // batch
+    cols = slice(rank * seq // world, (rank + 1) * seq // world)
+    xb, gb = x_full.view(batch, seq, -1), dout.view(batch, seq, -1)
+    x = xb[:, cols].clone().requires_grad_(True)
+    out = layer(x)
+    out.backward(gb[:, cols])
+    xr = x_full.double().requires_grad_(True)
+    ref = reference_moe(xr, {k: v.double() for k, v in state.items()}, case.top_k, normalize_topk=case.normalize_topk)
+    ref.backward(dout.double())
+    return {"shape": tuple(out.shape) == tuple(x.shape), "out": _rel_err(out, ref.detach().view(batch, seq, -1)[:, cols]),
+            "dx": _rel_err(x.grad, xr.grad.view(batch, seq, -1)[:, cols])}

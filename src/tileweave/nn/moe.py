@@ -125,8 +125,14 @@ class TPMoE(nn.Module):
         nn.init.uniform_(self.w1, -1 / math.sqrt(ffn), 1 / math.sqrt(ffn))
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        """``x_shard [T/W, hidden]`` -> ``[T/W, hidden]``; or ``[B, S/W, hidden]`` (sharded on the sequence)
+        -> ``[B, S/W, hidden]``: the layer acts on each token alone, so any split of the tokens over the
+        ranks serves."""
+        if x_shard.dim() == 3 and x_shard.shape[2] == self.hidden:
+            return self(x_shard.reshape(-1, self.hidden)).view(x_shard.shape)
         if x_shard.dim() != 2 or x_shard.shape[1] != self.hidden:
-            raise ValueError(f"TPMoE: x_shard must be [T/W, hidden={self.hidden}], got {tuple(x_shard.shape)}")
+            raise ValueError(f"TPMoE: x_shard must be [T/W, hidden={self.hidden}] or [B, S/W, hidden], got "
+                             f"{tuple(x_shard.shape)}")
         x_shard, w0, w1 = self._autocast(x_shard.contiguous())
         logits = F.linear(x_shard.float(), self.router.weight.float())
         weights, ids = route(logits, self.top_k, normalize=self.normalize_topk)
