@@ -54,12 +54,12 @@ def test_tp_moe_rejects_bad_arguments():
     found = run_ranks(2, tp_moe_errors_check)[1]
     assert "ffn=5 must be divisible by the TP group size 2" in found["ffn"]
     assert "top_k must be an int from 1 to num_experts=4, got 5" in found["top_k"]
-    assert "x_shard must be [T/W, hidden=16], got (4, 8)" in found["hidden"]
+    assert "x_shard must be [T/W, hidden=16] or [B, S/W, hidden], got (4, 8)" in found["hidden"]
     assert "experts.gate must be [4, 16, 16], got [4, 16, 8]" in found["state"]
 
 
 def test_tp_moe_takes_sequence_sharded_inputs():
     # [B, S/W, hidden] in and out, three sequences over two ranks, against float64 of all the tokens.
-    case = LayerCase(tokens=24, hidden=32, ffn=16, experts=4, top_k=2)
+    case = LayerCase(tokens=12, hidden=16, ffn=8, experts=4, top_k=2)
     for result in run_ranks(2, tp_moe_seq_sharded_check, case, 3):
         assert result["shape"] and result["out"] < 1e-5 and result["dx"] < 1e-5, result

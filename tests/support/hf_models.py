@@ -163,30 +163,15 @@ def write_checkpoint(state: dict[str, torch.Tensor], config: dict, directory: st
         json.dump(config, f)
 
 
-def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
-    """On GPUs: a random Llama written as a checkpoint (by rank 0), loaded with ``from_pretrained`` in
-    float32; greedy tokens of a left-padded batch with the decode step eager and replayed from a CUDA
-    graph, and the float64 reference's tokens of each sequence unpadded
-    (``tileweave.testing.decoder_reference``, which shares no code with the decoder)."""
-    import os
-
-    os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
+def _generate_three_ways(directory: str, state: dict, dims, steps: int, seed: int) -> dict:
+    """The checkpoint in ``directory`` loaded with ``from_pretrained`` in float32 on this rank's GPU:
+    greedy tokens of a left-padded batch with the decode step eager, replayed from a CUDA graph, and
+    replayed again; and the float64 reference's tokens of each sequence unpadded."""
     from tileweave.models import from_pretrained
-    from tileweave.nn.decoder import DecoderConfig
-    from tileweave.testing.decoder_reference import random_state_dict, reference_generate
+    from tileweave.testing.decoder_reference import reference_generate
 
-    dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=96 * world,
-                         rope_theta=10000.0, norm_eps=1e-5)
-    state = random_state_dict(dims, seed=3)
-    if rank == 0:
-        write_checkpoint(state, {"model_type": "llama", "vocab_size": dims.vocab, "hidden_size": dims.hidden,
-                                 "intermediate_size": dims.ffn, "num_hidden_layers": dims.layers,
-                                 "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
-                                 "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
-                                 "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
-    dist.barrier()
     model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
@@ -200,6 +185,30 @@ def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
     return {"eager": eager, "graphed": graphed, "again": again, "want": want}
 
 
+def graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
+    """On GPUs: a random Llama written as a checkpoint (by rank 0), loaded with ``from_pretrained`` in
+    float32; greedy tokens of a left-padded batch with the decode step eager and replayed from a CUDA
+    graph, and the float64 reference's tokens of each sequence unpadded
+    (``tileweave.testing.decoder_reference``, which shares no code with the decoder)."""
+    import os
+
+    os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
+    from tileweave.nn.decoder import DecoderConfig
+    from tileweave.testing.decoder_reference import random_state_dict
+
+    dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=96 * world,
+                         rope_theta=10000.0, norm_eps=1e-5)
+    state = random_state_dict(dims, seed=3)
+    if rank == 0:
+        write_checkpoint(state, {"model_type": "llama", "vocab_size": dims.vocab, "hidden_size": dims.hidden,
+                                 "intermediate_size": dims.ffn, "num_hidden_layers": dims.layers,
+                                 "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+                                 "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
+                                 "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
+    dist.barrier()
+    return _generate_three_ways(directory, state, dims, steps, 4)
+
+
 def moe_graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
     """``graph_check`` for a mixture of experts: a random Mixtral written as a checkpoint (by rank 0),
     loaded with ``from_pretrained`` in float32; greedy tokens of a left-padded batch with the decode step
@@ -208,9 +217,8 @@ def moe_graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
     import os
 
     os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # read by the shared ops when the model first calls them
-    from tileweave.models import from_pretrained
     from tileweave.nn.decoder import DecoderConfig, MoEConfig
-    from tileweave.testing.decoder_reference import random_state_dict, reference_generate
+    from tileweave.testing.decoder_reference import random_state_dict
 
     moe = MoEConfig(experts=4, top_k=2)
     dims = DecoderConfig(vocab=64 * world, hidden=128, layers=2, heads=4 * world, kv_heads=world, ffn=64 * world,
@@ -224,16 +232,16 @@ def moe_graph_check(rank: int, world: int, directory: str, steps: int) -> dict:
                                  "max_position_embeddings": 64, "rms_norm_eps": dims.norm_eps,
                                  "rope_theta": dims.rope_theta, "tie_word_embeddings": False}, directory)
     dist.barrier()
-    model = from_pretrained(directory, group=dist.group.WORLD, dtype=torch.float32)
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, dims.vocab, (3, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :5] = 0
-    want = [reference_generate(state, dims, ids[b:b + 1, int((mask[b] == 0).sum()):], steps)[0].tolist()
-            for b in range(ids.shape[0])]
-    cuda = ids.cuda(), mask.cuda()
-    eager = model.generate(cuda[0], steps, attention_mask=cuda[1]).cpu().tolist()
-    graphed = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
-    again = model.generate(cuda[0], steps, attention_mask=cuda[1], cuda_graph=True).cpu().tolist()
-    return {"eager": eager, "graphed": graphed, "again": again, "want": want}
+    return _generate_three_ways(directory, state, dims, steps, 6)
+
+
+def check_against_transformers(r: dict, ref: dict, real, family: str) -> None:
+    """Assert what every checkpoint test asserts of one rank's result ``r`` against transformers'
+    ``ref``: logits within 1e-5 on the real tokens (``real``, a mask), greedy tokens equal, and the full
+    state dict's names, values and round trip."""
+    logits = torch.tensor(r["logits"], dtype=torch.float64)
+    err = ((logits - ref["logits"])[real].norm() / ref["logits"][real].norm()).item()
+    assert err < 1e-5, (family, err)
+    assert r["greedy"] == ref["greedy"].tolist(), (r["greedy"], ref["greedy"])
+    assert r["state_names"] and r["state_equal"] and r["round_trip"], r
+    assert r["logits_after_round_trip"] == 0.0
