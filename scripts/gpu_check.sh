@@ -23,7 +23,7 @@
 #   OPS="gemm grouped" SECTION_ARGS="--dtype fp8 --scaling tensorwise,rowwise,blockwise" M=4096,8192 \
 #     BENCH_TIMEOUT=600 bash scripts/gpu_check.sh
 # (each FP8 scaling adds two variants per gemm row and a row per grouped case; --quick in SECTION_ARGS
-# shortens both sections).
+# shortens both sections; tensorwise-fast and rowwise-fast run ours and torch's with use_fast_accum=True).
 # ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
 # times ours before the baselines in each row.
 set -uo pipefail

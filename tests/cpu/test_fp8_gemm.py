@@ -304,7 +304,7 @@ def test_grouped_gemm_fp8_refuses_bad_scales_by_name():
 
 # -- the benchmark's FP8 rows ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise", "rowwise-fast"])
 def test_gemm_section_fp8_variants_verify(scaling):
     # The gemm section's FP8 rows on CPU tensors: ours must pass the check every row gets before timing;
     # torch's scaled matmul where this torch runs it on the CPU.
@@ -334,15 +334,16 @@ def test_grouped_benchmark_fp8_smoke(tmp_path):
 
     from tileweave.bench import grouped as bench
 
-    assert bench.main(["--smoke", "--dtype", "fp8", "--scaling", "rowwise,blockwise", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--smoke", "--dtype", "fp8", "--scaling", "rowwise,blockwise,rowwise-fast",
+                       "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "grouped.json").read_text())["rows"]
-    assert {r["dtype"] for r in rows} == {"float32", "fp8-rowwise", "fp8-blockwise"}
+    assert {r["dtype"] for r in rows} == {"float32", "fp8-rowwise", "fp8-blockwise", "fp8-rowwise-fast"}
     for r in rows:
         assert r["results"]["ours"]["rel_err"] < 1e-5, r
     per_shape = {}
     for r in rows:
         per_shape.setdefault((r["routing"], r["layer"]), set()).add((r["dtype"], r["max_rows_per_expert"]))
-    assert all(len({m for _, m in found}) == 1 and len(found) == 3 for found in per_shape.values())
+    assert all(len({m for _, m in found}) == 1 and len(found) == 4 for found in per_shape.values())
 
 
 def test_gemm_report_compares_fp8_rows_with_torch_per_scaling():

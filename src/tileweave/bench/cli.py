@@ -24,7 +24,7 @@ from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from tileweave.bench.fp8 import SCALINGS as FP8_SCALINGS, parse_scalings
+from tileweave.bench.fp8 import FAST as FP8_FAST, SCALINGS as FP8_SCALINGS, parse_scalings
 from tileweave.bench.report import BLOCK_VARIANTS
 from tileweave.bench.runner import BenchConfig
 from tileweave.bench.suite import (
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gemm section: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) against torch's "
                         "scaled matmul, beside the bf16 rows (default bf16)")
     p.add_argument("--scaling", default=",".join(FP8_SCALINGS),
-                   help="with --dtype fp8: comma list from " + ", ".join(FP8_SCALINGS) + " (default all)")
+                   help="with --dtype fp8: comma list from " + ", ".join(FP8_SCALINGS + FP8_FAST)
+                   + " (default the first three; '-fast': ours and torch's with use_fast_accum=True)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from " + ", ".join(RS_TRANSPORTS) + "; a comma "
                         "list times each next to one set of baselines (default chunked)")

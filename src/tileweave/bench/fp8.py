@@ -21,6 +21,9 @@ from typing import Callable
 import torch
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
+FAST = ("tensorwise-fast", "rowwise-fast")
+"""Also accepted by ``--scaling``: tensorwise and rowwise with ``use_fast_accum=True``, in ours and in
+torch's (the tensor cores accumulate across K steps); the plain names run both with the default, False."""
 E4M3_MAX = 448.0
 BLOCK = 128
 
@@ -32,10 +35,15 @@ def dtype_label(scaling: str | None) -> str:
 
 def parse_scalings(text: str) -> tuple[str, ...]:
     chosen = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [s for s in chosen if s not in SCALINGS]
+    bad = [s for s in chosen if s not in SCALINGS + FAST]
     if bad or not chosen or len(set(chosen)) != len(chosen):
-        raise ValueError(f"--scaling expects distinct names from {', '.join(SCALINGS)}; got {text!r}")
+        raise ValueError(f"--scaling expects distinct names from {', '.join(SCALINGS + FAST)}; got {text!r}")
     return chosen
+
+
+def split(scaling: str) -> tuple[str, bool]:
+    """``(the scaling of the scales, use_fast_accum)`` of a ``--scaling`` name."""
+    return scaling.removesuffix("-fast"), scaling.endswith("-fast")
 
 
 def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -107,11 +115,14 @@ def quantize_experts(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch
 def torch_scaled_mm(scaling: str) -> tuple[Callable | None, str]:
     """torch's scaled matmul for ``scaling`` as ``fn(a8, b, scale_a, scale_b) -> bf16``, or ``(None, why)``:
     ``torch._scaled_mm`` for tensorwise and rowwise, ``torch.nn.functional.scaled_mm`` with
-    ``BlockWise1x128`` / ``BlockWise128x128`` for blockwise (torch 2.10 and later)."""
+    ``BlockWise1x128`` / ``BlockWise128x128`` for blockwise (torch 2.10 and later); a ``-fast`` name
+    (``FAST``) with ``use_fast_accum=True``."""
+    scaling, fast = split(scaling)
     if scaling != "blockwise":
         if not hasattr(torch, "_scaled_mm"):
             return None, "torch._scaled_mm missing in this torch"
-        return (lambda a, b, sa, sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)), ""
+        return (lambda a, b, sa, sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                      use_fast_accum=fast)), ""
     fn = getattr(torch.nn.functional, "scaled_mm", None)
     kinds = getattr(torch.nn.functional, "ScalingType", None)
     if fn is None or kinds is None or not hasattr(kinds, "BlockWise1x128"):
@@ -122,10 +133,11 @@ def torch_scaled_mm(scaling: str) -> tuple[Callable | None, str]:
 
 def torch_scaled_grouped_mm(scaling: str) -> tuple[Callable | None, str]:
     """``torch._scaled_grouped_mm`` (rowwise only) as ``fn(a8_perm, b8, scale_a_perm [P], scale_b [E, N],
-    ends) -> bf16``, or ``(None, why)``."""
+    ends) -> bf16``, or ``(None, why)``; a ``-fast`` name with ``use_fast_accum=True``."""
+    scaling, fast = split(scaling)
     if scaling != "rowwise":
         return None, "torch._scaled_grouped_mm takes rowwise scales only"
     if not hasattr(torch, "_scaled_grouped_mm"):
         return None, "torch._scaled_grouped_mm missing in this torch"
-    return (lambda a, b, sa, sb, ends: torch._scaled_grouped_mm(a, b, sa, sb, offs=ends,
-                                                               out_dtype=torch.bfloat16)), ""
+    return (lambda a, b, sa, sb, ends: torch._scaled_grouped_mm(a, b, sa, sb, offs=ends, out_dtype=torch.bfloat16,
+                                                               use_fast_accum=fast)), ""

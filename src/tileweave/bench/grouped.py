@@ -194,12 +194,13 @@ def build_inputs(case: Case, *, seed: int, device: torch.device, b_layout: str) 
     if case.scaling is None:
         return inputs
     # FP8: the same data quantised (tokens once, before the gather), weights per expert from [E, N, K].
-    a8, scale_a, a_deq = fp8.quantize_rows(a, case.scaling)
-    w8, scale_b, w_deq = fp8.quantize_experts(b.transpose(1, 2), case.scaling)
+    base, _ = fp8.split(case.scaling)
+    a8, scale_a, a_deq = fp8.quantize_rows(a, base)
+    w8, scale_b, w_deq = fp8.quantize_experts(b.transpose(1, 2), base)
     gather = (lambda t: t.index_select(0, row_token)) if case.layer == 0 else (lambda t: t)
     inputs.update(a=a8, a_perm=gather(a8), b=w8.transpose(1, 2), scale_a=scale_a, scale_b=scale_b,
                   ref_a=gather(a_deq), ref_b=w_deq.transpose(1, 2))
-    if case.scaling == "rowwise":  # torch._scaled_grouped_mm's [P] scales of the permuted rows
+    if base == "rowwise":  # torch._scaled_grouped_mm's [P] scales of the permuted rows
         inputs["scale_a_perm"] = gather(scale_a).reshape(-1)
     return inputs
 
@@ -223,8 +224,10 @@ def _ours(case: Case, config: GroupedConfig | None) -> Callable[[dict], torch.Te
     rows = (lambda s: s["row_token"]) if case.layer == 0 else (lambda s: None)
     if case.scaling is None:
         return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=rows(s), config=config)
+    fast = fp8.split(case.scaling)[1]
     return lambda s: grouped_gemm(s["a"], s["b"], s["offsets"], a_rows=rows(s), config=config,
-                                  scale_a=s["scale_a"], scale_b=s["scale_b"], out_dtype=case.dtype)
+                                  scale_a=s["scale_a"], scale_b=s["scale_b"], out_dtype=case.dtype,
+                                  use_fast_accum=fast)
 
 
 class Unavailable(Exception):
@@ -365,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                         help="fp8: each case also in FP8 for every --scaling, beside the bf16 case (default bf16)")
     parser.add_argument("--scaling", default=",".join(fp8.SCALINGS),
-                        help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS) + " (default all)")
+                        help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS + fp8.FAST)
+                        + " (default the first three; '-fast': ours and torch's with use_fast_accum=True)")
     args = parser.parse_args(argv)
     try:
         scalings = (None, *fp8.parse_scalings(args.scaling)) if args.dtype == "fp8" else (None,)

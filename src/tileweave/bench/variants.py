@@ -364,10 +364,12 @@ class CopyEngineComm:
 def gemm_fp8_variants(a: list[torch.Tensor], w: list[torch.Tensor], scaling: str) -> list[Variant]:
     """torch's scaled matmul (``torch``) against ``tileweave.matmul`` (``ours``) on one single-GPU GEMM in
     FP8: ``a`` and the ``nn.Linear`` weights ``w`` quantised to e4m3 with ``scaling``'s scales
-    (``tileweave.bench.fp8``), bf16 output, both checked against float32 of the dequantised inputs."""
+    (``tileweave.bench.fp8``), bf16 output, both checked against float32 of the dequantised inputs; a
+    ``-fast`` scaling runs both with ``use_fast_accum=True``."""
     n = len(a)
-    qa = [fp8.quantize_rows(x, scaling) for x in a]
-    qw = [fp8.quantize_weight(x, scaling) for x in w]
+    base, fast = fp8.split(scaling)
+    qa = [fp8.quantize_rows(x, base) for x in a]
+    qw = [fp8.quantize_weight(x, base) for x in w]
     ref = qa[0][2] @ qw[0][2].t()
     qa = [q[:2] for q in qa]  # the dequantised copies only make the reference
     qw = [q[:2] for q in qw]
@@ -382,5 +384,5 @@ def gemm_fp8_variants(a: list[torch.Tensor], w: list[torch.Tensor], scaling: str
         return [theirs, Variant(name="ours", call=None, note=note)]
     ours = Variant(name="ours", check=_checker(ref), path=path_probe("matmul"),
                    call=lambda i: ours_fn(qa[i % n][0], qw[i % n][0].t(), scale_a=qa[i % n][1],
-                                          scale_b=qw[i % n][1]))
+                                          scale_b=qw[i % n][1], use_fast_accum=fast))
     return [theirs, ours]
