@@ -139,7 +139,8 @@ class TPMoE(nn.Module):
         with torch.autocast(x_shard.device.type, enabled=False):
             plan = self.ops.plan(ids, self.num_experts, self.group)
             if self.ops.swiglu and not torch.compiler.is_compiling():
-                return FusedExperts.apply(x_shard, w0, w1, weights, plan, self.group, self.ops, self.save_gathered)
+                return FusedExperts.apply(x_shard, w0, w1, weights, plan, self.group, self.ops, self.save_gathered,
+                                          torch.is_grad_enabled())
             # The gathered input serves only w0's gradient: not kept (nor copied out of the op) without one.
             keep = self.save_gathered and torch.is_grad_enabled() and w0.requires_grad
             y = ExpertsUp.apply(x_shard, w0, plan, self.group, self.ops, keep)

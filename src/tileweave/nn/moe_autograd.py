@@ -251,13 +251,16 @@ class ExpertsDown(torch.autograd.Function):
 class FusedExperts(torch.autograd.Function):
     """The expert MLP with the SwiGLU fused into layer 0 (module docstring): ``out_shard [T/W, H]`` from
     ``x_shard [T/W, H]``, ``w0 [E, 2*F_loc, H]`` (gate rows, then up rows), ``w1 [E, H, F_loc]`` and
-    ``topk_weights_shard [T/W, k]`` (fp32)."""
+    ``topk_weights_shard [T/W, k]`` (fp32). ``grad_enabled``: the caller's ``torch.is_grad_enabled()``
+    (inside ``forward`` grad mode is always off, and ``needs_input_grad`` says what the inputs require even
+    under ``torch.no_grad``): without it nothing is kept for a backward."""
 
     @staticmethod
-    def forward(ctx, x_shard, w0, w1, topk_weights_shard, plan: MoEPlan, group, ops: MoEOps, save_gathered: bool):
-        grads = any(ctx.needs_input_grad[:4])
+    def forward(ctx, x_shard, w0, w1, topk_weights_shard, plan: MoEPlan, group, ops: MoEOps, save_gathered: bool,
+                grad_enabled: bool = True):
+        grads = grad_enabled and any(ctx.needs_input_grad[:4])
         pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
-        keep = save_gathered and ctx.needs_input_grad[1]
+        keep = grads and save_gathered and ctx.needs_input_grad[1]
         result = ops.layer0(x_shard, w0.transpose(1, 2), plan, group, keep, epilogue=SwiGLU(pre=pre))
         h, gathered = result if keep else (result, None)
         out = ops.layer1(h, w1.transpose(1, 2), plan, topk_weights_shard, group)
@@ -287,4 +290,4 @@ class FusedExperts(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gathered = saved if ctx.keep else gather_rows(saved, group)
             dw0 = grouped_wgrad(dy, gathered, plan.offsets, experts=e, rhs_rows=plan.row_token)
-        return dx_shard, dw0, dw1, dweights, None, None, None, None
+        return dx_shard, dw0, dw1, dweights, None, None, None, None, None
