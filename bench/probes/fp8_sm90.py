@@ -1,0 +1,132 @@
+"""The Hopper FP8 kernel (``tileweave.ops.compute.fp8_sm90``) against ours on ``tl.dot`` and torch's.
+
+Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_sm90.py OUT``. First the check: odd shapes (M and
+N off the tiles, a bias, float32 and bfloat16 outputs), each scaling, exact and fast accumulation,
+against float64 of the dequantised inputs next to torch's error on the same inputs. Then, for a few
+GEMM suite shapes and each scaling: the Hopper kernel on several tile/buffer configs, ``tileweave.matmul``
+(the ``tl.dot`` kernel), ``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm``, exact
+(``use_fast_accum=False``) and fast. Times in ms (CUDA events, median of 5 batches of 20 calls, bf16
+output), every timed variant's output checked first. Writes ``OUT/fp8_sm90.json`` and prints a table."""
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+import tileweave
+from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm
+from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod
+
+SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 4096, 512), (16384, 8192, 8192))
+CHECK_SHAPES = ((1000, 1000, 384), (257, 520, 128), (4096, 4096, 8192))
+EXACT = {"s4": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8},
+         "s5": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8},
+         "s6g16": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 6, "GROUP_M": 16, "num_warps": 8}}
+FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8},
+        "s4": EXACT["s4"]}
+
+
+def _ms(fn) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 20)
+    return statistics.median(times)
+
+
+def _err(got, ref) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def _hopper(a8, w8, sa, sb, fast, out_dtype=torch.bfloat16, bias=None, config=None):
+    m, n = a8.shape[0], w8.shape[0]
+    scales = scaling_mod.dense_scales("probe", m, n, a8.shape[1], sa, sb, fast_accum=fast)
+    out = torch.empty(m, n, device="cuda", dtype=out_dtype)
+    assert fp8_sm90.suits(a8, w8.t(), out, scales)
+    fp8_sm90.launch(a8, w8.t(), out, bias, scales, config=config)
+    return out
+
+
+def _inputs(m, n, k, scaling):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a8, sa, a_deq = quantize_rows(x, scaling)
+    w8, sb, w_deq = quantize_weight(w, scaling)
+    return a8, sa, w8, sb, a_deq.double() @ w_deq.double().t()
+
+
+def check() -> list[dict]:
+    rows = []
+    for m, n, k in CHECK_SHAPES:
+        for scaling in ("tensorwise", "rowwise", "blockwise"):
+            a8, sa, w8, sb, ref = _inputs(m, n, k, scaling)
+            bias = torch.randn(n, device="cuda", dtype=torch.float32)
+            for fast in ((False, True) if scaling != "blockwise" else (False,)):
+                got = _hopper(a8, w8, sa, sb, fast, torch.float32, bias)
+                row = {"m": m, "n": n, "k": k, "scaling": scaling, "fast": fast,
+                       "err_f32": _err(got - bias, ref),
+                       "err_bf16": _err(_hopper(a8, w8, sa, sb, fast).float(), ref)}
+                if scaling != "blockwise":
+                    row["torch_err_f32"] = _err(torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb,
+                                                                 out_dtype=torch.float32, use_fast_accum=fast), ref)
+                rows.append(row)
+                print(json.dumps({key: round(v, 8) if isinstance(v, float) else v for key, v in row.items()}),
+                      flush=True)
+    return rows
+
+
+def timing() -> list[dict]:
+    rows = []
+    for m, n, k in SHAPES:
+        for scaling in ("tensorwise", "rowwise", "blockwise"):
+            a8, sa, w8, sb, ref = _inputs(m, n, k, scaling)
+            theirs, _ = torch_scaled_mm(scaling)
+            row = {"m": m, "n": n, "k": k, "scaling": scaling}
+            for fast in ((False, True) if scaling != "blockwise" else (False,)):
+                tag = "fast" if fast else "exact"
+                for name, config in (FAST if fast else EXACT).items():
+                    out = _hopper(a8, w8, sa, sb, fast, config=config)
+                    row[f"hopper_{tag}_{name}_err"] = _err(out.float(), ref)
+                    row[f"hopper_{tag}_{name}_ms"] = _ms(lambda: _hopper(a8, w8, sa, sb, fast, config=config))
+                ours = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, use_fast_accum=fast)
+                row[f"tl_{tag}_err"] = _err(ours().float(), ref)
+                row[f"tl_{tag}_ms"] = _ms(ours)
+                if scaling != "blockwise":
+                    call = lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                    use_fast_accum=fast)
+                elif theirs is not None:
+                    call = lambda: theirs(a8, w8.t(), sa, sb)
+                else:
+                    continue
+                row[f"torch_{tag}_err"] = _err(call().float(), ref)
+                row[f"torch_{tag}_ms"] = _ms(call)
+            rows.append(row)
+            best = {tag: min((v for key, v in row.items() if key.startswith(f"hopper_{tag}") and key.endswith("_ms")),
+                             default=None) for tag in ("exact", "fast")}
+            summary = {tag: round(row[f"torch_{tag}_ms"] / best[tag], 3) for tag in ("exact", "fast")
+                       if best[tag] and f"torch_{tag}_ms" in row}
+            print(json.dumps({key: round(v, 5) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
+            print(f"  {m}x{n}x{k} {scaling}: torch / best hopper {summary}; torch / tl exact "
+                  f"{round(row.get('torch_exact_ms', 0) / row['tl_exact_ms'], 3)}", flush=True)
+    return rows
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    result = {"gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("TILEWEAVE_GIT_COMMIT"),
+              "torch": torch.__version__, "check": check(), "timing": timing()}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "fp8_sm90.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

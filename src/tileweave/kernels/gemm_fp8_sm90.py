@@ -1,0 +1,185 @@
+"""The FP8 GEMM for Hopper (sm_90) written against the warp-group MMA directly, in Gluon.
+
+``c = (a * scale_a) @ (b * scale_b) (+ bias)`` with float8 ``a [M, K]`` row-major and ``b`` read as rows
+of an ``[N, K]`` weight (both K-major, as Hopper's FP8 MMA wants them), fp32 accumulation. Persistent:
+program ``pid`` takes tiles ``pid, pid + P, ...`` in GROUP_M super-rows; each tile streams its K steps
+through ``STAGES`` shared-memory buffers filled by TMA.
+
+Why not ``tl.dot``: Hopper's FP8 MMA keeps fewer bits than fp32 while it accumulates, so an exact
+(``use_fast_accum=False``) or blockwise GEMM adds each K step's product to an fp32 accumulator itself.
+Written with ``tl.dot`` that add waits for the step's MMA to finish, and the tensor cores idle while it
+runs. Here each K step's product goes to a fresh register tile (``use_acc=False``) and the step before
+it is added only once the next MMA has been issued (``warpgroup_mma_wait(1)``), so one MMA is always in
+flight while the previous product is scaled and summed:
+
+===========  ===========================================================================================
+``SCALING``  per K step ``ki``
+===========  ===========================================================================================
+``"outer"``  ``acc += p[ki]``; the tile is multiplied by ``scale_a[row] * scale_b[col]`` at the end
+             (tensorwise scalars read with zero strides, rowwise vectors).
+``"block"``  ``acc += p[ki] * scale_a[row, ki] * scale_b[ki, col // 128]`` (``BK`` = 128: a step is one
+             scale block of K); the scales of step ``ki`` are loaded one step ahead of their use.
+``"fast"``   ``acc = mma(a, b, acc)``: the tensor cores accumulate across K steps (torch's
+             ``use_fast_accum=True``), the outer scales at the end.
+===========  ===========================================================================================
+
+Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on store.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _tile_of(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    # Super-grouping along M so that consecutive programs share B tiles in L2.
+    width = GROUP_M * num_pid_n
+    first_m = (t // width) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (t % size_m), (t % width) // size_m
+
+
+@gluon.jit
+def _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, count,
+                BK: gl.constexpr, STAGES: gl.constexpr):
+    # K step ki of the current tile into buffer `count % STAGES` (count: loads issued by this program).
+    s = count % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], bar, a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [off_n, ki * BK], bar, b_bufs.index(s))
+
+
+@gluon.jit
+def _outer(sa, sb, BN: gl.constexpr):
+    # The scale of each element of the tile: a column of row scales when sb is the tile's one scalar.
+    if BN == 128:
+        return (sa * sb)[:, None]
+    else:
+        return sa[:, None] * sb[None, :]
+
+
+@gluon.jit
+def _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, k_steps, loads,
+            BK: gl.constexpr, STAGES: gl.constexpr):
+    # Load K step ki (if there is one) into the buffer of the step whose MMA every warp group has just
+    # waited for; returns the count of loads issued.
+    if ki < k_steps:
+        gl.thread_barrier()
+        _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, loads, BK, STAGES)
+        loads += 1
+    return loads
+
+
+@gluon.jit
+def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                  BN: gl.constexpr):
+    # Step kb's scales: scale_a of the tile's rows (1 x 128 blocks), scale_b of its columns' 128-blocks.
+    sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam + kb * stride_sak, mask=offs_m < M, other=0.0)
+    if BN == 128:  # the tile is one 128-column block of the weight (its first column is a multiple of 128)
+        sb = gl.load(sb_ptr + kb * stride_sbk + (off_n // 128) * stride_sbn)
+    else:
+        sb = gl.load(sb_ptr + kb * stride_sbk + (offs_n // 128) * stride_sbn, mask=offs_n < N, other=0.0)
+    return sa, sb
+
+
+@gluon.jit
+def fp8_gemm_sm90_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                         stride_sam, stride_sak, stride_sbk, stride_sbn,
+                         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         num_warps: gl.constexpr):
+    """See the module docstring. ``a_desc`` blocks ``[BM, BK]`` of ``a``, ``b_desc`` blocks ``[BN, BK]``
+    of the weight ``[N, K]``, ``c_desc`` blocks ``[BM, BN]`` of ``c [M, N]``. Scale strides are in
+    elements (``stride_sak``/``stride_sbk`` per 128-block of K, ``stride_sbn`` per column, or per
+    128 columns with ``"block"``)."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    zero = gl.zeros((BM, BN), gl.float32, mma_layout)
+    # K steps loaded and consumed by this program over all its tiles: the buffer and barrier phase.
+    loads = 0
+    steps = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
+        offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        for i in gl.static_range(STAGES - 1):
+            if i < k_steps:
+                _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, i, loads, BK, STAGES)
+                loads += 1
+        acc = zero
+        if SCALING == "fast":
+            for ki in range(k_steps):
+                s = steps % STAGES
+                mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+                steps += 1
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # Step ki - 1's MMA is done: its buffer may be refilled.
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
+                                loads, BK, STAGES)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        else:
+            if SCALING == "block":
+                sa, sb = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
+                                       stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+            # Step 0 is issued before the loop so that `prev` is always an MMA in flight.
+            s = steps % STAGES
+            mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+            steps += 1
+            prev = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, STAGES - 1, k_steps,
+                            loads, BK, STAGES)
+            for ki in range(1, k_steps):
+                s = steps % STAGES
+                mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+                steps += 1
+                cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
+                                    is_async=True)
+                # Step ki - 1's product is complete (and its buffer free) while step ki's MMA runs.
+                done = warpgroup_mma_wait(1, deps=(prev, ))
+                if SCALING == "block":
+                    acc += done * _outer(sa, sb, BN)
+                    sa, sb = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                           stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+                else:
+                    acc += done
+                prev = cur
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
+                                loads, BK, STAGES)
+            done = warpgroup_mma_wait(0, deps=(prev, ))
+            if SCALING == "block":
+                acc += done * _outer(sa, sb, BN)
+            else:
+                acc += done
+        if SCALING != "block":
+            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
+            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
+            acc = acc * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        tma.store_wait(0)  # the previous tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
