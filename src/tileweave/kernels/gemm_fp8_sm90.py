@@ -62,6 +62,25 @@ def _outer(sa, sb, BN: gl.constexpr):
 
 
 @gluon.jit
+def _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES: gl.constexpr):
+    # The product of the next loaded K step into a fresh register tile, in flight on return.
+    s = steps % STAGES
+    mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _retire(acc, pending, in_flight: gl.constexpr, sa, sb, SCALING: gl.constexpr, BN: gl.constexpr):
+    # Wait until at most `in_flight` MMAs are outstanding (`pending` is then complete) and add its product.
+    done = warpgroup_mma_wait(in_flight, deps=(pending, ))
+    if SCALING == "block":
+        acc += done * _outer(sa, sb, BN)
+    else:
+        acc += done
+    return acc
+
+
+@gluon.jit
 def _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, k_steps, loads,
             BK: gl.constexpr, STAGES: gl.constexpr):
     # Load K step ki (if there is one) into the buffer of the step whose MMA every warp group has just
@@ -86,16 +105,21 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
 
 
 @gluon.jit
-def fp8_gemm_sm90_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                          stride_sam, stride_sak, stride_sbk, stride_sbn,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """See the module docstring. ``a_desc`` blocks ``[BM, BK]`` of ``a``, ``b_desc`` blocks ``[BN, BK]``
-    of the weight ``[N, K]``, ``c_desc`` blocks ``[BM, BN]`` of ``c [M, N]``. Scale strides are in
-    elements (``stride_sak``/``stride_sbk`` per 128-block of K, ``stride_sbn`` per column, or per
-    128 columns with ``"block"``)."""
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """See the module docstring. ``a [M, K]`` (row pitch ``stride_am``), the weight ``[N, K]`` (row pitch
+    ``stride_bn``) and ``c [M, N]`` (``stride_cm``) are read and written through TMA descriptors built
+    here. Scale strides are in elements (``stride_sak``/``stride_sbk`` per 128-block of K,
+    ``stride_sbn`` per column, or per 128 columns with ``"block"``)."""
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
+    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BM, BN],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BN], c_ptr.dtype.element_ty))
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BN, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -137,39 +161,50 @@ def fp8_gemm_sm90_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N,
                                 loads, BK, STAGES)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         else:
-            if SCALING == "block":
-                sa, sb = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
-                                       stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
-            # Step 0 is issued before the loop so that `prev` is always an MMA in flight.
-            s = steps % STAGES
-            mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+            # Two register tiles take turns (p0: even steps, p1: odd), so that no product in flight is
+            # ever copied: ptxas serialises every MMA of a kernel that reads the registers of one in flight.
+            p0 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
             steps += 1
-            prev = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
+            if SCALING == "block":
+                sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
+                                         stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+            else:
+                sa0 = 1.0
+                sb0 = 1.0
+            sa1 = sa0
+            sb1 = sb0
             loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, STAGES - 1, k_steps,
                             loads, BK, STAGES)
-            for ki in range(1, k_steps):
-                s = steps % STAGES
-                mbarrier.wait(bars.index(s), (steps // STAGES) & 1)
+            ki = 1
+            for _ in range((k_steps - 1) // 2):
+                # Step ki's MMA runs while step ki - 1's product is added, then step ki + 1's while ki's is.
+                p1 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
                 steps += 1
-                cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False,
-                                    is_async=True)
-                # Step ki - 1's product is complete (and its buffer free) while step ki's MMA runs.
-                done = warpgroup_mma_wait(1, deps=(prev, ))
                 if SCALING == "block":
-                    acc += done * _outer(sa, sb, BN)
-                    sa, sb = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
-                                           stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
-                else:
-                    acc += done
-                prev = cur
+                    sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                             stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+                acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
                 loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
                                 loads, BK, STAGES)
-            done = warpgroup_mma_wait(0, deps=(prev, ))
-            if SCALING == "block":
-                acc += done * _outer(sa, sb, BN)
+                p0 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
+                steps += 1
+                if SCALING == "block":
+                    sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki + 1,
+                                             stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+                acc = _retire(acc, p1, 1, sa1, sb1, SCALING, BN)
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES, k_steps,
+                                loads, BK, STAGES)
+                ki += 2
+            if ki < k_steps:  # an even number of steps: the last one is odd
+                p1 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
+                steps += 1
+                if SCALING == "block":
+                    sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                             stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+                acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
+                acc = _retire(acc, p1, 0, sa1, sb1, SCALING, BN)
             else:
-                acc += done
+                acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
         if SCALING != "block":
             sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
             sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)

@@ -10,18 +10,7 @@ import functools
 import torch
 
 from tileweave.ops.compute.scaling import Scales
-
-_GL_DTYPES = {}
-
-
-def _gl_dtype(dtype: torch.dtype):
-    if not _GL_DTYPES:
-        from triton.experimental.gluon import language as gl
-
-        _GL_DTYPES.update({torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5,
-                           torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32})
-    return _GL_DTYPES[dtype]
-
+from tileweave.runtime import triton_launch
 
 @functools.cache
 def _is_sm90(index: int) -> bool:
@@ -51,30 +40,44 @@ def config_for(scales: Scales, out_dtype: torch.dtype) -> dict:
 
 
 _KERNEL_MODES = {"outer": "outer", "outer_fast": "fast", "block": "block"}
+_compiled: dict[tuple, object] = {}
+
+
+def _int_key(v: int) -> tuple:
+    # What Triton specialises an int argument on: equal to 1, divisible by 16, and its width.
+    return (v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31))
 
 
 def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales,
            *, config: dict | None = None, programs: int | None = None) -> None:
-    """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds). The first
+    launch of a specialisation goes through Triton and keeps the compiled kernel; later ones launch it
+    directly."""
     from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel
 
+    triton_launch.install_allocator()
     cfg = dict(config or config_for(scales, c.dtype))
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    num_warps = cfg.pop("num_warps")
     m, k = a.shape
     n = b.shape[1]
     weight = b.t()  # [N, K], row-major
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], _gl_dtype(a.dtype)))
-    b_desc = TensorDescriptor.from_tensor(weight, [bn, bk],
-                                          gl.NVMMASharedLayout.get_default_for([bn, bk], _gl_dtype(b.dtype)))
-    c_desc = TensorDescriptor.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], _gl_dtype(c.dtype)))
+    device = a.device.index
+    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+    grid = min(tiles, programs or torch.cuda.get_device_properties(device).multi_processor_count)
     sam, sak = scales.a_strides
     _, sbk, sbn = scales.b_strides
-    tiles = -(-m // bm) * -(-n // bn)
-    grid = (min(tiles, programs or torch.cuda.get_device_properties(a.device).multi_processor_count), )
-    num_warps = cfg.pop("num_warps")
-    fp8_gemm_sm90_kernel[grid](a_desc, b_desc, c_desc, scales.a, scales.b, bias if bias is not None else scales.a,
-                               m, n, k, sam, sak, sbk, sbn, SCALING=_KERNEL_MODES[scales.kernel_mode],
-                               HAS_BIAS=bias is not None, num_warps=num_warps, **cfg)
+    tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
+    ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
+    constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
+                  bias is not None)
+    key = (device, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+           tuple(_int_key(v) for v in ints))
+    kernel = _compiled.get(key) if triton_launch.FAST else None
+    with torch.cuda.device(device):
+        if kernel is None:
+            handle = fp8_gemm_sm90_kernel[(grid, )](*tensors, *ints, *constexprs, num_warps=num_warps)
+            if triton_launch.FAST:
+                _compiled[key] = triton_launch.kept(handle)
+        else:
+            triton_launch.launch_compiled(kernel, device, grid, (*(t.data_ptr() for t in tensors), *ints),
+                                          constexprs)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from tileweave.ops import common
-from tileweave.ops.compute import gemm_launch, scaling
+from tileweave.ops.compute import fp8_sm90, gemm_launch, scaling
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
 
@@ -67,7 +67,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
             out = torch.empty((a.shape[0], b.shape[1]), dtype=c_dtype, device=a.device)
         if scales is not None:
             scales = dataclasses.replace(scales, a=scale_a, b=scale_b)
-        gemm_launch.relaunch(plan.launch, a, b, out, bias, scales=scales)
+        if plan.launch is None:
+            fp8_sm90.launch(a, b, out, bias, scales)
+        else:
+            gemm_launch.relaunch(plan.launch, a, b, out, bias, scales=scales)
         common.record_path("matmul", "triton")
         return out
     scaled = scaling.check_operands("matmul", a, b, scale_a, scale_b)
@@ -108,6 +111,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
         else:
             wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
         return out.copy_(wide)
+    if config is None and fp8_sm90.suits(a, b, out, scales):
+        fp8_sm90.launch(a, b, out, bias, scales)
+        if cacheable:
+            _remember(key, _Plan(None, (scales, c_dtype)))
+        common.record_path("matmul", "triton")
+        return out
     a_copied = a.stride(1) != 1 and a.stride(0) != 1
     if a_copied:
         a = a.contiguous()
@@ -118,9 +127,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
     launched = gemm_launch.launch(a=a, b=b, c=out, bias=bias, config=chosen, m_chunk=m, programs=programs,
                                   scales=scales)
     if cacheable and not a_copied:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = _Plan(launched, (scales, c_dtype))
+        _remember(key, _Plan(launched, (scales, c_dtype)))
     common.record_path("matmul", "triton")
     return out
 
@@ -130,8 +137,15 @@ def _check_fp8_matrix(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
+def _remember(key: tuple, plan: _Plan) -> None:
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
 class _Plan(NamedTuple):
-    launch: gemm_launch.LaunchPlan
+    launch: gemm_launch.LaunchPlan | None
+    """None: the Hopper FP8 kernel (``fp8_sm90``)."""
     extra: tuple
     """(the scales' strides and scaling as first checked, or None; the output dtype)"""
 
