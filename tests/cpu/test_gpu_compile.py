@@ -21,6 +21,9 @@ from tileweave.testing.emulated import run_ranks
 from support import launches
 
 KERNELS = launches.library_kernels()
+ASYNC_MMA = ("tileweave.kernels.gemm_fp8_sm90:fp8_gemm_sm90_kernel",)
+"""Kernels built to keep one warp-group MMA in flight while they read another's product: ptxas must
+neither serialise their MMAs nor spill."""
 
 
 @pytest.fixture(scope="module")
@@ -64,4 +67,9 @@ def test_kernels_compile_for_the_gpu(compiled):
         if failures:
             problems.append(f"{kernel}: {len(failures)} of {len(results)} launches do not compile for sm_90:\n\n"
                             + "\n\n".join(failures))
+        if kernel in ASYNC_MMA:
+            problems += [f"{r['launch']}\n  from: {r['origin']}\n  ptxas serialised its MMAs" for r in results
+                         if r.get("mma_serialized")]
+            problems += [f"{r['launch']}\n  from: {r['origin']}\n  spills {r['spill_bytes']} bytes" for r in results
+                         if r.get("spill_bytes")]
     assert not problems, "\n\n".join(problems)

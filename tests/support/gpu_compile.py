@@ -29,6 +29,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 from support.launches import TRITON_VERSIONS, Launch, Tensor
@@ -64,7 +65,9 @@ def _ptxas_report(log: str) -> dict:
     registers = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"registers": int(registers[-1]) if registers else None,
-            "spill_bytes": sum(int(s) + int(l) for s, l in spills) if spills else None}
+            "spill_bytes": sum(int(s) + int(l) for s, l in spills) if spills else None,
+            # ptxas's C7514: it made every warp-group MMA of the kernel wait for the previous one.
+            "mma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
 class Compiler:
@@ -104,7 +107,8 @@ class Compiler:
             options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound, specialization,
                                                                   options)
             with contextlib.redirect_stdout(log):  # ptxas's report, and the PTX of a failed ptxas run
-                compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, signature, constexprs, attrs)
+                compiled = triton.compile(source, target=TARGET,
                                           options=options.__dict__)
         except Exception as exc:  # noqa: BLE001 - reported per launch
             result["error"] = f"{type(exc).__name__}: {exc}"

@@ -48,6 +48,24 @@ def _int_key(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31))
 
 
+def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales, *,
+              config: dict | None = None, programs: int) -> tuple[int, tuple, tuple, tuple, int]:
+    """``(grid, tensors, ints, constexprs, num_warps)`` of the kernel launch for these operands on a GPU
+    of ``programs`` SMs."""
+    cfg = config or config_for(scales, c.dtype)
+    m, k = a.shape
+    n = b.shape[1]
+    weight = b.t()  # [N, K], row-major
+    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
+    sam, sak = scales.a_strides
+    _, sbk, sbn = scales.b_strides
+    tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
+    ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
+    constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
+                  bias is not None)
+    return min(tiles, programs), tensors, ints, constexprs, cfg["num_warps"]
+
+
 def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales,
            *, config: dict | None = None, programs: int | None = None) -> None:
     """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds). The first
@@ -56,20 +74,10 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
     from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel
 
     triton_launch.install_allocator()
-    cfg = dict(config or config_for(scales, c.dtype))
-    num_warps = cfg.pop("num_warps")
-    m, k = a.shape
-    n = b.shape[1]
-    weight = b.t()  # [N, K], row-major
     device = a.device.index
-    tiles = -(-m // cfg["BM"]) * -(-n // cfg["BN"])
-    grid = min(tiles, programs or torch.cuda.get_device_properties(device).multi_processor_count)
-    sam, sak = scales.a_strides
-    _, sbk, sbn = scales.b_strides
-    tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
-    ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
-    constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None)
+    grid, tensors, ints, constexprs, num_warps = arguments(
+        a, b, c, bias, scales, config=config,
+        programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
     key = (device, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key) if triton_launch.FAST else None
