@@ -7,6 +7,7 @@ import torch
 
 from gpus import needs_gpu
 import tileweave
+from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod
 from tileweave.ops.compute.grouped_gemm import grouped_gemm
 
 pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.skipif(
@@ -101,6 +102,27 @@ def test_matmul_fp8_fast_accum(scaling):
                             use_fast_accum=True)
     assert _rel(exact, ref) < TOL[torch.float32]
     assert _rel(fast, ref) < FAST_TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernel is for sm_90")
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("k", [128, 256, 384, 1152, 400])
+@pytest.mark.parametrize("fast", [False, True])
+def test_matmul_fp8_hopper_kernel_k_steps(scaling, k, fast):
+    # One, two, three and nine K steps (the exact mode retires products two at a time: odd and even
+    # counts), a K off the 128-deep step (zero-filled by TMA), an e5m2 operand; more tiles than SMs.
+    if scaling == "blockwise" and (k % 128 or fast):
+        pytest.skip("blockwise needs K in whole 128-blocks and always sums each step in fp32")
+    m, n = 2000, 2048
+    a, w = _fp8(m, k, seed=k, dtype=E5M2 if k == 384 else E4M3), _fp8(n, k, seed=k + 1)
+    scale_a, scale_b = _scales(scaling, m, n, k)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+    assert fp8_sm90.suits(a, w.t(), out, scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b))
+    for _ in range(2):  # the first launch compiles, the second replays the kept kernel
+        tileweave.matmul(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32, out=out,
+                         use_fast_accum=fast)
+        assert _rel(out, _reference(a, w.t(), scale_a, scale_b)) < (FAST_TOL if fast else TOL[torch.float32])
 
 
 def test_matmul_fp8_e5m2_and_row_major_b():
