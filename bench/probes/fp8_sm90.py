@@ -19,11 +19,12 @@ from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm
 from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod
 from tileweave.tune.autotune import select_config
 
-SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 4096, 512), (16384, 8192, 8192))
+SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 4096, 512), (16384, 8192, 8192),
+          (4096, 768, 4096))
 CHECK_SHAPES = ((1000, 1000, 384), (257, 520, 128), (4096, 4096, 8192))
 EXACT = {"s4": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8},
          "s5": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8},
-         "s6g16": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 6, "GROUP_M": 16, "num_warps": 8}}
+         "n64": {"BM": 128, "BN": 64, "BK": 128, "STAGES": 6, "GROUP_M": 8, "num_warps": 8}}
 FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8},
         "s4": EXACT["s4"]}
 
@@ -131,10 +132,64 @@ def timing() -> list[dict]:
     return rows
 
 
+HOST_SHAPES = ((4096, 4096, 512), (4096, 768, 4096))
+
+
+def _graph_ms(fn) -> float:
+    """Per call, replayed from a CUDA graph of 20 calls: the GPU's time without the host's."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    return _ms(graph.replay) / 20
+
+
+def host() -> list[dict]:
+    """Host time per call (back-to-back calls, no synchronisation) against the GPU's time per call (graph
+    replay), for small GEMMs where the host may be the bound; and where the FP8 call's host time goes."""
+    import cProfile
+    import pstats
+    import time
+    rows = []
+    for m, k, n in HOST_SHAPES:
+        a8, sa, w8, sb, _ = _inputs(m, n, k, "rowwise")
+        xb, wb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        calls = {"fp8_rowwise": lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb),
+                 "bf16": lambda: tileweave.matmul(xb, wb.t()),
+                 "torch_fp8_rowwise": lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb,
+                                                               out_dtype=torch.bfloat16)}
+        row = {"m": m, "n": n, "k": k}
+        for name, fn in calls.items():
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(100):
+                fn()
+            row[f"{name}_host_us"] = (time.perf_counter() - start) * 1e4
+            torch.cuda.synchronize()
+            row[f"{name}_graph_ms"] = _graph_ms(fn)
+            row[f"{name}_ms"] = _ms(fn)
+        rows.append(row)
+        print(json.dumps({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()}), flush=True)
+    profile = cProfile.Profile()
+    fn = calls["fp8_rowwise"]
+    profile.enable()
+    for _ in range(200):
+        fn()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    return rows
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     result = {"gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("TILEWEAVE_GIT_COMMIT"),
-              "torch": torch.__version__, "check": check(), "timing": timing()}
+              "torch": torch.__version__, "host": host(), "check": check(), "timing": timing()}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "fp8_sm90.json"), "w") as f:
         json.dump(result, f, indent=1)
