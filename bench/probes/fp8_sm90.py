@@ -24,9 +24,9 @@ SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 40
 CHECK_SHAPES = ((1000, 1000, 384), (257, 520, 128), (4096, 4096, 8192))
 EXACT = {"s4": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8},
          "s5": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8},
-         "n64": {"BM": 128, "BN": 64, "BK": 128, "STAGES": 6, "GROUP_M": 8, "num_warps": 8}}
+         "m64x2": {"BM": 64, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "per_sm": 2}}
 FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8},
-        "s4": EXACT["s4"]}
+        "m64x2": EXACT["m64x2"]}
 
 
 def _ms(fn) -> float:

@@ -42,18 +42,14 @@ def _tile_of(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _load(a_desc, b_desc, bars, a_bufs, b_bufs, index, k_steps, num_pid_m, num_pid_n,
-          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    # Load `index` of this program's stream of K steps (its tiles one after another, each tile's steps in
-    # order) into buffer `index % STAGES`: the loads run ahead across tile boundaries.
-    tile = gl.program_id(0) + (index // k_steps) * gl.num_programs(0)
-    pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
-    k = (index % k_steps) * BK
-    s = index % STAGES
+def _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, count,
+                BK: gl.constexpr, STAGES: gl.constexpr):
+    # K step ki of the current tile into buffer `count % STAGES` (count: loads issued by this program).
+    s = count % STAGES
     bar = bars.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k], bar, a_bufs.index(s))
-    tma.async_copy_global_to_shared(b_desc, [pid_n * BN, k], bar, b_bufs.index(s))
+    tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], bar, a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [off_n, ki * BK], bar, b_bufs.index(s))
 
 
 @gluon.jit
@@ -85,13 +81,13 @@ def _retire(acc, pending, in_flight: gl.constexpr, sa, sb, SCALING: gl.constexpr
 
 
 @gluon.jit
-def _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    # The next load of the stream (if any is left) into the buffer of the step whose MMA every warp group
-    # has just waited for (one refill per K step consumed); returns the count of loads issued.
-    if loads < total:
+def _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, k_steps, loads,
+            BK: gl.constexpr, STAGES: gl.constexpr):
+    # Load K step ki (if there is one) into the buffer of the step whose MMA every warp group has just
+    # waited for; returns the count of loads issued.
+    if ki < k_steps:
         gl.thread_barrier()
-        _load(a_desc, b_desc, bars, a_bufs, b_bufs, loads, k_steps, num_pid_m, num_pid_n, BM, BN, BK, GROUP_M, STAGES)
+        _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, loads, BK, STAGES)
         loads += 1
     return loads
 
@@ -140,12 +136,7 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros((BM, BN), gl.float32, mma_layout)
     # K steps loaded and consumed by this program over all its tiles: the buffer and barrier phase.
-    total = gl.cdiv(num_pid_m * num_pid_n - gl.program_id(0), gl.num_programs(0)) * k_steps
     loads = 0
-    for i in gl.static_range(STAGES - 1):
-        if i < total:
-            _load(a_desc, b_desc, bars, a_bufs, b_bufs, i, k_steps, num_pid_m, num_pid_n, BM, BN, BK, GROUP_M, STAGES)
-            loads += 1
     steps = 0
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
@@ -153,6 +144,10 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         off_n = pid_n * BN
         offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
         offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        for i in gl.static_range(STAGES - 1):
+            if i < k_steps:
+                _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, i, loads, BK, STAGES)
+                loads += 1
         acc = zero
         if SCALING == "fast":
             for ki in range(k_steps):
@@ -162,8 +157,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 # Step ki - 1's MMA is done: its buffer may be refilled.
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-                                BM, BN, BK, GROUP_M, STAGES)
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
+                                loads, BK, STAGES)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         else:
             # Two register tiles take turns (p0: even steps, p1: odd), so that no product in flight is
@@ -178,8 +173,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                 sb0 = 1.0
             sa1 = sa0
             sb1 = sb0
-            loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-                                BM, BN, BK, GROUP_M, STAGES)
+            loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, STAGES - 1, k_steps,
+                            loads, BK, STAGES)
             ki = 1
             for _ in range((k_steps - 1) // 2):
                 # Step ki's MMA runs while step ki - 1's product is added, then step ki + 1's while ki's is.
@@ -189,16 +184,16 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                     sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-                                BM, BN, BK, GROUP_M, STAGES)
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
+                                loads, BK, STAGES)
                 p0 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
                 steps += 1
                 if SCALING == "block":
                     sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki + 1,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p1, 1, sa1, sb1, SCALING, BN)
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-                                BM, BN, BK, GROUP_M, STAGES)
+                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES, k_steps,
+                                loads, BK, STAGES)
                 ki += 2
             if ki < k_steps:  # an even number of steps: the last one is odd
                 p1 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
@@ -208,9 +203,6 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
                 acc = _retire(acc, p1, 0, sa1, sb1, SCALING, BN)
-                # (Refilled only now: a branch while p1 is in flight would make ptxas serialise the MMAs.)
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, loads, total, k_steps, num_pid_m, num_pid_n,
-                                BM, BN, BK, GROUP_M, STAGES)
             else:
                 acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
         if SCALING != "block":

@@ -5,6 +5,7 @@ row-major ``[N, K]`` weight (``weight.t()``), a contiguous output, every row pit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -63,14 +64,32 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
                   bias is not None)
-    return min(tiles, programs), tensors, ints, constexprs, cfg["num_warps"]
+    # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
+    return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, cfg["num_warps"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch derived from its operands' shapes, strides, dtypes and alignment: ``relaunch``
+    replays it for operands that match in all of those."""
+
+    device: int
+    grid: int
+    ints: tuple
+    constexprs: tuple
+    has_bias: bool
+    compiled: list = dataclasses.field(default_factory=list, compare=False)
+    """The compiled kernel once known: later calls launch it without Triton's launch path."""
+
+    def ready(self) -> bool:
+        """Whether ``relaunch`` may replay it now (compiled, and its device is the current one)."""
+        return bool(self.compiled) and torch.cuda.current_device() == self.device
 
 
 def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales,
-           *, config: dict | None = None, programs: int | None = None) -> None:
-    """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds). The first
-    launch of a specialisation goes through Triton and keeps the compiled kernel; later ones launch it
-    directly."""
+           *, config: dict | None = None, programs: int | None = None) -> LaunchPlan:
+    """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds); returns the
+    plan that ``relaunch`` replays."""
     from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel
 
     triton_launch.install_allocator()
@@ -78,6 +97,7 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
     grid, tensors, ints, constexprs, num_warps = arguments(
         a, b, c, bias, scales, config=config,
         programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
+    plan = LaunchPlan(device, grid, ints, constexprs, bias is not None)
     key = (device, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key) if triton_launch.FAST else None
@@ -85,7 +105,20 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
         if kernel is None:
             handle = fp8_gemm_sm90_kernel[(grid, )](*tensors, *ints, *constexprs, num_warps=num_warps)
             if triton_launch.FAST:
-                _compiled[key] = triton_launch.kept(handle)
+                kernel = _compiled[key] = triton_launch.kept(handle)
         else:
             triton_launch.launch_compiled(kernel, device, grid, (*(t.data_ptr() for t in tensors), *ints),
                                           constexprs)
+    if kernel is not None:
+        plan.compiled.append(kernel)
+    return plan
+
+
+def relaunch(plan: LaunchPlan, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None,
+             scale_a: torch.Tensor, scale_b: torch.Tensor) -> None:
+    """``launch`` again for operands that match the plan's in shape, strides, dtype, device and 16-byte
+    alignment (the caller's cache key guarantees it, scales included), once ``plan.ready()``."""
+    # b is weight.t(): the weight's rows start where b does.
+    triton_launch.launch_compiled(plan.compiled[0], plan.device, plan.grid,
+                                  (a.data_ptr(), b.data_ptr(), c.data_ptr(), scale_a.data_ptr(), scale_b.data_ptr(),
+                                   (scale_a if bias is None else bias).data_ptr(), *plan.ints), plan.constexprs)

@@ -65,9 +65,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
         scales, c_dtype = plan.extra
         if out is None:
             out = torch.empty((a.shape[0], b.shape[1]), dtype=c_dtype, device=a.device)
+        hopper = isinstance(plan.launch, fp8_sm90.LaunchPlan)
+        if hopper and plan.launch.ready():
+            fp8_sm90.relaunch(plan.launch, a, b, out, bias, scale_a, scale_b)
+            common.record_path("matmul", "triton")
+            return out
         if scales is not None:
             scales = dataclasses.replace(scales, a=scale_a, b=scale_b)
-        if plan.launch is None:
+        if hopper:
             fp8_sm90.launch(a, b, out, bias, scales)
         else:
             gemm_launch.relaunch(plan.launch, a, b, out, bias, scales=scales)
@@ -112,9 +117,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
             wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
         return out.copy_(wide)
     if config is None and fp8_sm90.suits(a, b, out, scales):
-        fp8_sm90.launch(a, b, out, bias, scales)
+        hopper = fp8_sm90.launch(a, b, out, bias, scales)
         if cacheable:
-            _remember(key, _Plan(None, (scales, c_dtype)))
+            _remember(key, _Plan(hopper, (scales, c_dtype)))
         common.record_path("matmul", "triton")
         return out
     a_copied = a.stride(1) != 1 and a.stride(0) != 1
@@ -144,8 +149,7 @@ def _remember(key: tuple, plan: _Plan) -> None:
 
 
 class _Plan(NamedTuple):
-    launch: gemm_launch.LaunchPlan | None
-    """None: the Hopper FP8 kernel (``fp8_sm90``)."""
+    launch: gemm_launch.LaunchPlan | fp8_sm90.LaunchPlan
     extra: tuple
     """(the scales' strides and scaling as first checked, or None; the output dtype)"""
 
