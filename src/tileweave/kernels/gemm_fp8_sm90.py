@@ -42,14 +42,27 @@ def _tile_of(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, count,
-                BK: gl.constexpr, STAGES: gl.constexpr):
-    # K step ki of the current tile into buffer `count % STAGES` (count: loads issued by this program).
-    s = count % STAGES
-    bar = bars.index(s)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], bar, a_bufs.index(s))
-    tma.async_copy_global_to_shared(b_desc, [off_n, ki * BK], bar, b_bufs.index(s))
+def _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach, cur_m, cur_n, nxt_m, nxt_n,
+            k_steps, BK: gl.constexpr, STAGES: gl.constexpr):
+    """The next load of the program's stream of K steps, if a buffer is free (fewer than STAGES - 1 loads
+    ahead of the ``steps`` consumed) and the stream has not passed tile ``reach``: K step ``lk`` of
+    tile ``lt`` (``t``, at ``cur_m, cur_n``, or the program's next tile, at ``nxt_m, nxt_n``), into
+    buffer ``loads % STAGES``. Returns the new ``(loads, lt, lk)``."""
+    if (loads < steps + STAGES - 1) & (lt < reach):
+        # The buffer's last reader, an MMA every warp group has waited for, is done in every warp group.
+        gl.thread_barrier()
+        ahead = (lt != t).to(gl.int32)
+        s = loads % STAGES
+        bar = bars.index(s)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [cur_m + (nxt_m - cur_m) * ahead, lk * BK], bar, a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, [cur_n + (nxt_n - cur_n) * ahead, lk * BK], bar, b_bufs.index(s))
+        loads += 1
+        lk += 1
+        if lk == k_steps:
+            lk = 0
+            lt += gl.num_programs(0)
+    return loads, lt, lk
 
 
 @gluon.jit
@@ -81,18 +94,6 @@ def _retire(acc, pending, in_flight: gl.constexpr, sa, sb, SCALING: gl.constexpr
 
 
 @gluon.jit
-def _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, k_steps, loads,
-            BK: gl.constexpr, STAGES: gl.constexpr):
-    # Load K step ki (if there is one) into the buffer of the step whose MMA every warp group has just
-    # waited for; returns the count of loads issued.
-    if ki < k_steps:
-        gl.thread_barrier()
-        _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki, loads, BK, STAGES)
-        loads += 1
-    return loads
-
-
-@gluon.jit
 def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, stride_sak, stride_sbk, stride_sbn,
                   BN: gl.constexpr):
     # Step kb's scales: scale_a of the tile's rows (1 x 128 blocks), scale_b of its columns' 128-blocks.
@@ -108,7 +109,8 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
 def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                          stride_sam, stride_sak, stride_sbk, stride_sbn,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         PREFETCH: gl.constexpr):
     """See the module docstring. ``a [M, K]`` (row pitch ``stride_am``), the weight ``[N, K]`` (row pitch
     ``stride_bn``) and ``c [M, N]`` (``stride_cm``) are read and written through TMA descriptors built
     here. Scale strides are in elements (``stride_sak``/``stride_sbk`` per 128-block of K,
@@ -135,19 +137,30 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     num_pid_n = gl.cdiv(N, BN)
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros((BM, BN), gl.float32, mma_layout)
-    # K steps loaded and consumed by this program over all its tiles: the buffer and barrier phase.
+    # K steps loaded and consumed by this program over all its tiles (the buffer and barrier phase), and
+    # the tile and K step of its next load. With PREFETCH the loads run on into the program's next tile
+    # while the current one finishes; else each tile fills the pipeline when it starts.
     loads = 0
     steps = 0
+    lt = gl.program_id(0)
+    lk = 0
+    pid_m, pid_n = _tile_of(lt, num_pid_m, num_pid_n, GROUP_M)
+    nxt_m = pid_m * BM
+    nxt_n = pid_n * BN
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM
-        off_n = pid_n * BN
+        off_m = nxt_m
+        off_n = nxt_n
+        pid_m, pid_n = _tile_of(t + gl.num_programs(0), num_pid_m, num_pid_n, GROUP_M)
+        nxt_m = pid_m * BM
+        nxt_n = pid_n * BN
+        reach = t + 1
+        if PREFETCH:
+            reach += gl.num_programs(0) * (t + gl.num_programs(0) < num_pid_m * num_pid_n).to(gl.int32)
         offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
         offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
-        for i in gl.static_range(STAGES - 1):
-            if i < k_steps:
-                _issue_load(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, i, loads, BK, STAGES)
-                loads += 1
+        for i in gl.static_range(STAGES - 1):  # no MMA in flight: fill the free buffers
+            loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                    off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
         acc = zero
         if SCALING == "fast":
             for ki in range(k_steps):
@@ -157,8 +170,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 # Step ki - 1's MMA is done: its buffer may be refilled.
                 acc = warpgroup_mma_wait(1, deps=(acc, ))
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
-                                loads, BK, STAGES)
+                loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                        off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         else:
             # Two register tiles take turns (p0: even steps, p1: odd), so that no product in flight is
@@ -173,8 +186,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                 sb0 = 1.0
             sa1 = sa0
             sb1 = sb0
-            loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, STAGES - 1, k_steps,
-                            loads, BK, STAGES)
+            loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                        off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
             ki = 1
             for _ in range((k_steps - 1) // 2):
                 # Step ki's MMA runs while step ki - 1's product is added, then step ki + 1's while ki's is.
@@ -184,16 +197,16 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                     sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES - 1, k_steps,
-                                loads, BK, STAGES)
+                loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                        off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
                 p0 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
                 steps += 1
                 if SCALING == "block":
                     sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki + 1,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p1, 1, sa1, sb1, SCALING, BN)
-                loads = _refill(a_desc, b_desc, bars, a_bufs, b_bufs, off_m, off_n, ki + STAGES, k_steps,
-                                loads, BK, STAGES)
+                loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                        off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
                 ki += 2
             if ki < k_steps:  # an even number of steps: the last one is odd
                 p1 = _issue_mma(a_bufs, b_bufs, bars, steps, zero, STAGES)
@@ -203,6 +216,9 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                                              stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
                 acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
                 acc = _retire(acc, p1, 0, sa1, sb1, SCALING, BN)
+                # Refilled only now: a branch while p1 is in flight would make ptxas serialise the MMAs.
+                loads, lt, lk = _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach,
+                                        off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
             else:
                 acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
         if SCALING != "block":

@@ -63,7 +63,7 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None)
+                  bias is not None, cfg.get("prefetch", False))
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, cfg["num_warps"]
 
