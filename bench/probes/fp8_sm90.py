@@ -23,10 +23,8 @@ SHAPES = ((4096, 3072, 4096), (8192, 7168, 8192), (8192, 8192, 14336), (8192, 40
           (4096, 768, 4096))
 CHECK_SHAPES = ((1000, 1000, 384), (257, 520, 128), (4096, 4096, 8192))
 EXACT = {"s4": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8},
-         "s4pf": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8, "prefetch": True},
-         "s5pf": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "prefetch": True}}
-FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8},
-        "w256pf": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "prefetch": True}}
+         "s5": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8}}
+FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8}}
 
 
 def _ms(fn) -> float:

@@ -3,7 +3,8 @@
 ``c = (a * scale_a) @ (b * scale_b) (+ bias)`` with float8 ``a [M, K]`` row-major and ``b`` read as rows
 of an ``[N, K]`` weight (both K-major, as Hopper's FP8 MMA wants them), fp32 accumulation. Persistent:
 program ``pid`` takes tiles ``pid, pid + P, ...`` in GROUP_M super-rows; each tile streams its K steps
-through ``STAGES`` shared-memory buffers filled by TMA.
+through ``STAGES`` shared-memory buffers filled by TMA, the loads running on into the program's next
+tile while the current one finishes.
 
 Why not ``tl.dot``: Hopper's FP8 MMA keeps fewer bits than fp32 while it accumulates, so an exact
 (``use_fast_accum=False``) or blockwise GEMM adds each K step's product to an fp32 accumulator itself.
@@ -109,8 +110,7 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
 def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                          stride_sam, stride_sak, stride_sbk, stride_sbn,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         PREFETCH: gl.constexpr):
+                         STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """See the module docstring. ``a [M, K]`` (row pitch ``stride_am``), the weight ``[N, K]`` (row pitch
     ``stride_bn``) and ``c [M, N]`` (``stride_cm``) are read and written through TMA descriptors built
     here. Scale strides are in elements (``stride_sak``/``stride_sbk`` per 128-block of K,
@@ -138,8 +138,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros((BM, BN), gl.float32, mma_layout)
     # K steps loaded and consumed by this program over all its tiles (the buffer and barrier phase), and
-    # the tile and K step of its next load. With PREFETCH the loads run on into the program's next tile
-    # while the current one finishes; else each tile fills the pipeline when it starts.
+    # the tile and K step of its next load: the loads run on into the program's next tile while the
+    # current one finishes.
     loads = 0
     steps = 0
     lt = gl.program_id(0)
@@ -153,9 +153,7 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         pid_m, pid_n = _tile_of(t + gl.num_programs(0), num_pid_m, num_pid_n, GROUP_M)
         nxt_m = pid_m * BM
         nxt_n = pid_n * BN
-        reach = t + 1
-        if PREFETCH:
-            reach += gl.num_programs(0) * (t + gl.num_programs(0) < num_pid_m * num_pid_n).to(gl.int32)
+        reach = t + 1 + gl.num_programs(0) * (t + gl.num_programs(0) < num_pid_m * num_pid_n).to(gl.int32)
         offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
         offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
         for i in gl.static_range(STAGES - 1):  # no MMA in flight: fill the free buffers

@@ -37,7 +37,7 @@ def config_for(scales: Scales, out_dtype: torch.dtype) -> dict:
     memory for the operand buffers)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8}
-    return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8}
+    return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8}
 
 
 _KERNEL_MODES = {"outer": "outer", "outer_fast": "fast", "block": "block"}
@@ -63,7 +63,7 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None, cfg.get("prefetch", False))
+                  bias is not None)
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, cfg["num_warps"]
 
