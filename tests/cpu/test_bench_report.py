@@ -278,3 +278,16 @@ def test_merging_refuses_duplicates_and_mixed_commits(tmp_path):
     d = write_report(out_dir=tmp_path, tag="d", op="ag", date="d", meta=META, measurements=rows_for("x", 1024, {"ours": 1.0})).json
     with pytest.raises(ValueError, match="op"):
         merge_reports([a, d])
+
+
+def test_ag_fp8_rows_stand_beside_the_bf16_rows_with_their_own_geomeans():
+    bf16 = rows_for("l1", 4096, {"gemm": 1.0, "comm": 0.5, "nccl": 0.6, "base": 1.6, "torch": 1.5, "ours": 1.2})
+    fp8 = [dataclasses.replace(r, dtype="fp8-rowwise") for r in
+           rows_for("l1", 4096, {"base": 1.0, "torch": 0.9, "ours": 0.8})]
+    fp8 += [dataclasses.replace(r, dtype="fp8-rowwise") for r in
+            rows_for("l2", 8192, {"base": 2.0, "torch": None, "ours": 1.0})]
+    text = markdown("ag", bf16 + fp8, META)
+    assert "| l1 fp8-rowwise | 4096 |" in text and "| l1 | 4096 |" in text
+    assert f"geomean x_base {1.6 / 1.2:.3f} (over 1 rows), x_torch {1.5 / 1.2:.3f} (over 1 rows) (bf16)" in text
+    x_base = math.sqrt((1.0 / 0.8) * (2.0 / 1.0))
+    assert f"geomean x_base {x_base:.3f} (over 2 rows), x_torch {0.9 / 0.8:.3f} (over 1 rows) (fp8-rowwise)" in text

@@ -362,11 +362,13 @@ def test_gemm_report_compares_fp8_rows_with_torch_per_scaling():
     assert "| l | fp8-rowwise | 4096 |" in text and "(fp8-rowwise)" in text
 
 
-def test_bench_cli_takes_fp8_for_the_gemm_section_only():
+def test_bench_cli_takes_fp8_for_the_gemm_ag_and_rs_sections_only():
     from tileweave.bench.cli import parse_args
 
     opts = parse_args(["--op", "gemm", "--dtype", "fp8", "--scaling", "rowwise,blockwise"])
     assert opts.bench.dtype == "fp8" and opts.bench.scalings == ("rowwise", "blockwise")
-    for argv in (["--op", "ag", "--dtype", "fp8"], ["--op", "gemm", "--dtype", "fp8", "--scaling", "columnwise"]):
+    opts = parse_args(["--op", "ag,rs", "--dtype", "fp8", "--scaling", "tensorwise-fast"])
+    assert opts.bench.ops == ("ag", "rs") and opts.bench.scalings == ("tensorwise-fast",)
+    for argv in (["--op", "block", "--dtype", "fp8"], ["--op", "gemm", "--dtype", "fp8", "--scaling", "columnwise"]):
         with pytest.raises(SystemExit):
             parse_args(argv)

@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ag and rs sections: time each row's variants this many times, the order mirrored each "
                         "round, and report medians (default 1)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="gemm section: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) against torch's "
-                        "scaled matmul, beside the bf16 rows (default bf16)")
+                   help="gemm, ag and rs sections: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) "
+                        "against torch's scaled matmul (and PyTorch's scaled async-TP ops), beside the bf16 rows "
+                        "(default bf16)")
     p.add_argument("--scaling", default=",".join(FP8_SCALINGS),
                    help="with --dtype fp8: comma list from " + ", ".join(FP8_SCALINGS + FP8_FAST)
                    + " (default the first three; '-fast': ours and torch's with use_fast_accum=True)")

@@ -262,19 +262,24 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
         header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "t_nccl", "ideal", "t_base", "t_torch", "t_ours",
                   "x_base", "x_torch", "E", "eff", "path"]
         lines += _table(header, (
-            [s.layer, str(s.m), str(s.k), str(s.n)]
+            [s.layer if s.dtype == "bf16" else f"{s.layer} {s.dtype}", str(s.m), str(s.k), str(s.n)]
             + [_time_cell(s, v) for v in ("gemm", "comm", "nccl")] + [_num(s.ideal, 3)]
             + [_time_cell(s, v) for v in ("base", "torch", "ours")]
             + [_num(s.x_base, 2), _num(s.x_torch, 2), _num(s.e, 2), _num(s.eff, 2), s.path or "n/a"]
             for s in summaries
         ))
-        big = [s for s in summaries if s.m >= E_MIN_M]
+        big = [s for s in summaries if s.m >= E_MIN_M and s.dtype == "bf16"]
+        lines.append("")
+        dtypes = list(dict.fromkeys(s.dtype for s in summaries))
+        for dtype in dtypes:  # FP8 rows (tileweave.bench.fp8_comm) against their own baselines
+            rows = [s for s in summaries if s.dtype == dtype]
+            lines.append(
+                f"geomean x_base {_num(geomean(s.x_base for s in rows), 3)} "
+                f"(over {sum(s.x_base is not None for s in rows)} rows), "
+                f"x_torch {_num(geomean(s.x_torch for s in rows), 3)} "
+                f"(over {sum(s.x_torch is not None for s in rows)} rows)"
+                + (f" ({dtype})" if dtypes != ["bf16"] else ""))
         lines += [
-            "",
-            f"geomean x_base {_num(geomean(s.x_base for s in summaries), 3)} "
-            f"(over {sum(s.x_base is not None for s in summaries)} rows), "
-            f"x_torch {_num(geomean(s.x_torch for s in summaries), 3)} "
-            f"(over {sum(s.x_torch is not None for s in summaries)} rows)",
             f"median over M>={E_MIN_M} ({len(big)} rows): E {_num(median_or_none(s.e for s in big), 2)}, "
             f"eff {_num(median_or_none(s.eff for s in big), 2)}, "
             f"E_torch {_num(median_or_none(s.e_torch for s in big), 2)}",

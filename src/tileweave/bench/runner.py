@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.bench import variants as V
+from tileweave.bench import fp8_comm
 from tileweave.bench.fp8 import dtype_label as fp8_label
 from tileweave.bench.report import BLOCK_VARIANTS, Measurement
 from tileweave.bench.suite import OpName, SuiteRow, gemm_shapes, select_rows
@@ -67,10 +68,11 @@ class BenchConfig:
     each round (baselines then ours, ours then baselines, ...), and each variant reports its median over
     the rounds, so that no variant always runs last. PyTorch async-TP keeps its own phase."""
     dtype: str = "bf16"
-    """``"bf16"``, or ``"fp8"``: the ``gemm`` section also runs each of ``scalings`` in FP8 (e4m3 inputs,
-    bf16 output) beside its bf16 rows, against torch's own scaled matmul (variant ``torch``)."""
+    """``"bf16"``, or ``"fp8"``: the ``gemm``, ``ag`` and ``rs`` sections also run each of ``scalings`` in
+    FP8 (e4m3 inputs, bf16 output) beside their bf16 rows, against torch's own scaled matmul and
+    PyTorch's scaled async-TP ops (variant ``torch``; ``tileweave.bench.fp8_comm``)."""
     scalings: tuple[str, ...] = ()
-    """FP8 scalings of the ``gemm`` section (``tileweave.bench.fp8.SCALINGS``), with ``dtype="fp8"``."""
+    """FP8 scalings (``tileweave.bench.fp8.SCALINGS``, ``FAST``), with ``dtype="fp8"``."""
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
     """The block section's variants to run in this process. One at a time, each in a fresh process, and
     the reports merged (``scripts/merge_results.py``): within one process a block variant ran 2-4%
@@ -83,9 +85,9 @@ class BenchConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.dtype not in ("bf16", "fp8"):
             raise ValueError(f"dtype must be bf16 or fp8, got {self.dtype!r}")
-        if self.dtype == "fp8" and (not self.scalings or set(self.ops) - {"gemm"}):
-            raise ValueError("dtype fp8 needs at least one scaling and runs the gemm section only (here; the "
-                             f"grouped section has its own --dtype), got sections {', '.join(self.ops)}")
+        if self.dtype == "fp8" and (not self.scalings or set(self.ops) - {"gemm", "ag", "rs"}):
+            raise ValueError("dtype fp8 needs at least one scaling and runs the gemm, ag and rs sections only "
+                             f"(here; the grouped section has its own --dtype), got sections {', '.join(self.ops)}")
         bad = [v for v in self.block_variants if v not in BLOCK_VARIANTS]
         if bad or not self.block_variants or len(set(self.block_variants)) != len(self.block_variants):
             raise ValueError(f"block variants must be distinct names from {', '.join(BLOCK_VARIANTS)}; "
@@ -246,9 +248,10 @@ def enable_torch_symm_mem(group: dist.ProcessGroup) -> None:
 
 
 def run_torch_phase(
-    rows: dict[str, list[SuiteRow]], ctx: RankContext, progress: Progress
-) -> dict[tuple[str, str, int], Measurement]:
-    """PyTorch async-TP on every row, keyed by ``(op, layer, M)``."""
+    rows: dict[str, list[SuiteRow]], ctx: RankContext, progress: Progress, scalings: tuple[str, ...] = ()
+) -> dict[tuple, Measurement]:
+    """PyTorch async-TP on every row, keyed by ``(op, layer, M)``; with ``scalings`` also its scaled ops
+    on the row's FP8 inputs, keyed by ``(op, layer, M, dtype)``."""
     assert ctx.group is not None
     enable_torch_symm_mem(ctx.group)
     out: dict[tuple[str, str, int], Measurement] = {}
@@ -257,6 +260,12 @@ def run_torch_phase(
             x = V.make_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
             key = _row_key(row, op=op, world_size=ctx.world_size)
             out[(op, row.layer.name, row.m)] = run_variant(ctx, V.torch_variant(x, group=ctx.group), key=key)
+            for scaling in scalings:
+                f = fp8_comm.make_fp8_inputs(x, scaling, group=ctx.group)
+                label = fp8_label(scaling)
+                out[(op, row.layer.name, row.m, label)] = run_variant(
+                    ctx, fp8_comm.torch_variant(f, group=ctx.group), key=dict(key, dtype=label))
+                del f
             del x
             torch.cuda.empty_cache()
             progress.step(f"torch {op} {row.layer.name} M={row.m}")
@@ -271,6 +280,7 @@ def run_main_phase(
     transports: dict[str, tuple[str, ...]] | None = None,
     ours_first: bool = False,
     rounds: int = 1,
+    scalings: tuple[str, ...] = (),
 ) -> dict[str, list[Measurement]]:
     """cuBLAS, transport, NCCL alone, NCCL + cuBLAS and ours on every row (ours first with
     ``ours_first``; ``rounds`` times with the order mirrored each round, medians reported); merges in
@@ -312,12 +322,32 @@ def run_main_phase(
                 for section, mine in zip(sections, ours):
                     results.setdefault(section, []).extend(
                         dataclasses.replace(r, op=section) for r in shared + [mine])
+                for scaling in scalings:
+                    fp8_rows = _fp8_row(x, scaling, torch_rows, ctx, key, op)
+                    for section in sections:
+                        results[section].extend(dataclasses.replace(r, op=section) for r in fp8_rows)
                 x = None  # the row's inputs, freed before the next row's are made
                 torch.cuda.empty_cache()
                 progress.step(f"{op} {row.layer.name} M={row.m}")
     finally:
         comm.close()
     return results
+
+
+def _fp8_row(x: V.RowInputs, scaling: str, torch_rows: dict, ctx: RankContext, key: dict, op: str) -> list[Measurement]:
+    """One row's FP8 measurements in ``scaling``: base, torch (from the torch phase), ours."""
+    f = fp8_comm.make_fp8_inputs(x, scaling, group=ctx.group)
+    label = fp8_label(scaling)
+    fkey = dict(key, dtype=label)
+    base, _, ours = fp8_comm.variants(f, group=ctx.group)
+    measured = [run_variant(ctx, base, key=fkey)]
+    theirs = torch_rows.get((op, x.row.layer.name, x.row.m, label))
+    measured.append(theirs if theirs is not None else
+                    Measurement(**fkey, variant="torch", status="n/a", note="not run (--no-torch)"))
+    measured.append(run_variant(ctx, ours, key=fkey))
+    del f
+    torch.cuda.empty_cache()
+    return measured
 
 
 def in_row_order(baselines: Callable[[], list], ours: Callable[[], list], *, ours_first: bool) -> tuple[list, list]:
@@ -426,13 +456,15 @@ def run_rank(
             if group is None or world_size < 2:
                 raise RuntimeError(f"sections {coll_ops + ['block'] * bool(block_rows)} need >= 2 ranks, "
                                    f"got world_size={world_size}")
-            torch_rows = run_torch_phase(rows, dist_ctx, progress) if cfg.include_torch and coll_ops else {}
+            scalings = cfg.scalings if cfg.dtype == "fp8" else ()
+            torch_rows = (run_torch_phase(rows, dist_ctx, progress, scalings)
+                          if cfg.include_torch and coll_ops else {})
             torch_blocks = (run_block_phase(block_rows, ("torch",), dist_ctx, progress)
                             if cfg.include_torch and block_rows and "torch" in cfg.block_variants else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
             results.update(run_main_phase(rows, torch_rows, dist_ctx, progress, cfg.transports, cfg.ours_first,
-                                          cfg.rounds))
+                                          cfg.rounds, scalings))
             names = tuple(v for v in ("floor", "base", "ours") if v in cfg.block_variants)
             if block_rows:
                 ours = run_block_phase(block_rows, names, dist_ctx, progress) if names else {}
