@@ -104,3 +104,34 @@ def row_parallel(recipe: str, x: torch.Tensor, w: torch.Tensor, bias, dy: torch.
     if bias is not None:
         out["db"] = gathered.double().sum(0)
     return out
+
+
+class _Linear(torch.autograd.Function):
+    """``a @ w.T`` in float64 on one rank (a group of one) with a recipe's quantized operands: the
+    forward's, the input gradient's and the weight gradient's, of a column-parallel layer (the weight
+    gradient's gradient operand quantized from ``dy``) or a row-parallel one (requantized from the
+    quantized ``dy``); the activation operand requantized from the forward's in both. Each operand is
+    rounded to float32, then quantized, as the layers quantize their float32 tensors."""
+
+    @staticmethod
+    def forward(ctx, a, w, recipe: Recipe, kind: str):
+        aq = recipe.a(a.float())
+        ctx.save_for_backward(aq, w)
+        ctx.recipe, ctx.kind = recipe, kind
+        return aq.double() @ recipe.b(w.float()).double().t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        aq, w = ctx.saved_tensors
+        r = ctx.recipe
+        dy32 = dy.float()
+        dyq = r.a(dy32, grad=True)
+        dx = dyq.double() @ r.b(w.float().t()).double().t()
+        dw = r.a((dy32 if ctx.kind == "column" else dyq).t(), grad=True).double() @ r.b(aq.t()).double().t()
+        return dx, dw.to(w.dtype), None, None
+
+
+def linear(recipe: str):
+    """``references.transformer_block``'s ``linear`` for a block on one rank in this FP8 recipe."""
+    r = Recipe(recipe)
+    return lambda a, w, kind: _Linear.apply(a, w, r, kind)

@@ -5,6 +5,7 @@ layers' refusals."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import tileweave
 from support import fp8_reference
@@ -81,3 +82,64 @@ def fp8_refusals_check(rank: int, world: int) -> dict[str, str]:
         except (TypeError, ValueError) as exc:
             out[name] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def fp8_block_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    """Per case ``(recipe, hidden, batch, seq)``: ``TPTransformerBlock(fp8=recipe)`` (heads of 16 features,
+    ffn = hidden) on ``batch`` sequences of ``seq`` tokens, one forward and backward. Each of its four
+    linears is checked against ``support.fp8_reference`` on the inputs and output gradients it actually
+    received (gathered from every rank): its output, input gradient and weight gradient (``<layer>_y``,
+    ``<layer>_dx``, ``<layer>_dw``); and the block's output and input gradient against float64 of the
+    unquantized block (``y_exact``, ``dx_exact``)."""
+    from support import references
+    from support.scenarios.layers import hf_block_state, small_block_data
+    from tileweave.nn.block import BlockConfig, TPTransformerBlock
+
+    device = device_name()
+    rows_out = []
+    for recipe, hidden, batch, seq in cases:
+        c = BlockConfig(hidden=hidden, heads=hidden // 16, kv_heads=hidden // 32, ffn=hidden, rope_theta=10000.0)
+        m = batch * seq
+        state, x_full, g_full = small_block_data(c, m, f"fp8-{recipe}", device)
+        mine = slice(rank * m // world, (rank + 1) * m // world)
+        block = TPTransformerBlock(c, device=device, fp8=recipe)
+        block.load_full_state_dict(hf_block_state(state, c))
+        seen: dict[str, dict] = {}
+        for name in ("qkv", "o", "gate_up", "down"):
+            layer = getattr(block, name)
+            layer.register_forward_hook(lambda mod, args, y, name=name: seen.setdefault(name, {}).update(
+                x=args[0].detach().clone(), y=y.detach().clone()))
+            layer.register_full_backward_hook(lambda mod, dx, dy, name=name: seen[name].update(
+                dy=dy[0].detach().clone(), dx=dx[0].detach().clone()))
+        x = x_full[mine].clone().requires_grad_(True)
+        y = block(x, batch)
+        (y * g_full[mine]).sum().backward()
+        out = {"case": (recipe, hidden, batch, seq), "fp8": block.fp8.scaling}
+        for name, got in seen.items():
+            column = name in ("qkv", "gate_up")
+            weight = getattr(block, name).weight
+            # The layer's full operands, from every rank's pieces (rank-major rows or column blocks).
+            full_x = _gathered(got["x"], 0 if column else 1, world)
+            full_dy = _gathered(got["dy"], 1 if column else 0, world)
+            full_w = _gathered(weight.detach(), 0 if column else 1, world)
+            check = fp8_reference.column_parallel if column else fp8_reference.row_parallel
+            ref = check(recipe, full_x.cpu(), full_w.cpu(), None, full_dy.cpu(), world, rank)
+            for key, value in (("y", got["y"]), ("dx", got["dx"]), ("dw", weight.grad)):
+                out[f"{name}_{key}"] = rel_err(value.cpu(), ref[key])
+        xr = x_full.double().requires_grad_(True)
+        yr = references.transformer_block(xr, {k: v.double() for k, v in state.items()}, heads=c.heads,
+                                          kv_heads=c.kv_heads, rope_theta=c.rope_theta, norm_eps=c.norm_eps,
+                                          batch=batch)
+        yr.backward(g_full.double())
+        out["y_exact"], out["dx_exact"] = rel_err(y, yr.detach()[mine]), rel_err(x.grad, xr.grad[mine])
+        rows_out.append(out)
+    return rows_out
+
+
+def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim``, in rank order."""
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim)
