@@ -47,8 +47,11 @@ EPS = 1e-12
 TILES = {"tensor": (64, 128, 8), "row": (16, 256, 4), "row_t": (32, 128, 4), "1x128": (32, 128, 4),
          "128x128": (128, 128, 8)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs (``"row_t"``: rows read across a transposed view,
-whose contiguous dimension is the tile's rows), the same in Triton's interpreter. Chosen for coalesced
-reads of 128 columns and more; not yet tuned."""
+whose contiguous dimension is the tile's rows). Chosen for coalesced reads of 128 columns and more;
+not yet tuned."""
+INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_t": (128, 256, 4), "1x128": (128, 128, 4),
+                     "128x128": (128, 128, 4)}
+"""The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones."""
 
 
 class Quantized(NamedTuple):
@@ -103,8 +106,7 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     in_scale, in_strides, in_groups = _input_scales(x, x_scale, transpose)
     fp8_max = FP8_MAX[dtype]
     mant, min_exp = _GRID[dtype]
-    kind = "row_t" if group == "row" and strides[0] == 1 and strides[1] != 1 else group
-    br, bc, warps = TILES[kind]
+    br, bc, warps = tiles_of(group, *strides, interpreter=interp)
     switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
         tensor = scale
@@ -120,6 +122,12 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
             GROUP=group, BR=br, BC=bc, FP8_MAX=fp8_max, MANT=mant, MIN_EXP=min_exp, POW2=bool(power_of_two),
             SCALE_GIVEN=scale is not None, num_warps=warps, **switches)
     return Quantized(data, out_scale)
+
+
+def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -> tuple[int, int, int]:
+    """``(BR, BC, num_warps)`` of a launch of ``group`` over an input of strides ``(stride_xr, stride_xc)``."""
+    kind = "row_t" if group == "row" and stride_xr == 1 and stride_xc != 1 else group
+    return (INTERPRETER_TILES if interpreter else TILES)[kind]
 
 
 def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
