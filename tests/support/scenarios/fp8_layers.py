@@ -24,35 +24,37 @@ def _inputs(tag: str, m: int, k: int, n: int, with_bias: bool, device):
     return x, w, bias, dy
 
 
-def fp8_linear_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "float32") -> list[dict]:
     """Per case ``(layer, recipe, m, k, n, bias, save_gathered, steps)`` (``layer`` "column" or "row";
     ``m`` tokens over the group; ``k``, ``n`` the layer's in and out features): ``steps`` steps with
     fresh inputs (a second one takes every op's and GEMM's kept plan, with new scales), each rank's
     largest relative errors of ``y``, ``dx``, ``dw`` (and ``db``) against the float64 reference, the
-    dtypes of the outputs and gradients, and the paths taken."""
-    device = device_name()
+    dtypes of the outputs and gradients, and the paths taken. ``dtype``: of the inputs, parameters and
+    outputs (the reference quantizes the same values)."""
+    device, dtype = device_name(), getattr(torch, dtype)
     rows = []
     for case in cases:
         layer_kind, recipe, m, k, n, with_bias, save_gathered, steps = case
         errs: dict[str, float] = {}
         for step in range(steps):
-            x, w, bias, dy = _inputs(f"{case}-{step}", m, k, n, with_bias, "cpu")
+            x, w, bias, dy = (None if t is None else t.to(dtype).float()
+                              for t in _inputs(f"{case}-{step}", m, k, n, with_bias, "cpu"))
             state = {"weight": w, **({"bias": bias} if with_bias else {})}
             if layer_kind == "column":
                 layer = ColumnParallelLinear(k, n, bias=with_bias, save_gathered=save_gathered, device=device,
-                                             fp8=recipe)
+                                             dtype=dtype, fp8=recipe)
                 mine = slice(rank * m // world, (rank + 1) * m // world)
                 x_in, dy_in = x[mine], dy[:, rank * n // world:(rank + 1) * n // world]
                 ref = fp8_reference.column_parallel(recipe, x, w, bias, dy, world, rank, save_gathered=save_gathered)
             else:
-                layer = RowParallelLinear(k, n, bias=with_bias, device=device, fp8=recipe)
+                layer = RowParallelLinear(k, n, bias=with_bias, device=device, dtype=dtype, fp8=recipe)
                 x_in = x[:, rank * k // world:(rank + 1) * k // world]
                 dy_in = dy[rank * m // world:(rank + 1) * m // world]
                 ref = fp8_reference.row_parallel(recipe, x, w, bias, dy, world, rank)
             layer.load_full_state_dict(state)
-            xin = x_in.to(device).clone().requires_grad_(True)
+            xin = x_in.to(device, dtype).clone().requires_grad_(True)
             y = layer(xin)
-            y.backward(dy_in.to(device))
+            y.backward(dy_in.to(device, dtype))
             got = {"y": y, "dx": xin.grad, "dw": layer.weight.grad}
             if with_bias:
                 got["db"] = layer.bias.grad
@@ -84,25 +86,27 @@ def fp8_refusals_check(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def fp8_block_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+def fp8_block_check(rank: int, world: int, cases: list[tuple], dtype: str = "float32") -> list[dict]:
     """Per case ``(recipe, hidden, batch, seq)``: ``TPTransformerBlock(fp8=recipe)`` (heads of 16 features,
     ffn = hidden) on ``batch`` sequences of ``seq`` tokens, one forward and backward. Each of its four
     linears is checked against ``support.fp8_reference`` on the inputs and output gradients it actually
     received (gathered from every rank): its output, input gradient and weight gradient (``<layer>_y``,
     ``<layer>_dx``, ``<layer>_dw``); and the block's output and input gradient against float64 of the
-    unquantized block (``y_exact``, ``dx_exact``)."""
+    unquantized block (``y_exact``, ``dx_exact``). ``dtype``: of the block's parameters and activations."""
     from support import references
     from support.scenarios.layers import hf_block_state, small_block_data
     from tileweave.nn.block import BlockConfig, TPTransformerBlock
 
-    device = device_name()
+    device, dtype = device_name(), getattr(torch, dtype)
     rows_out = []
     for recipe, hidden, batch, seq in cases:
         c = BlockConfig(hidden=hidden, heads=hidden // 16, kv_heads=hidden // 32, ffn=hidden, rope_theta=10000.0)
         m = batch * seq
-        state, x_full, g_full = small_block_data(c, m, f"fp8-{recipe}", device)
+        state, x_full, g_full = (t.to(dtype).float() if isinstance(t, torch.Tensor) else
+                                 {k: v.to(dtype).float() for k, v in t.items()}
+                                 for t in small_block_data(c, m, f"fp8-{recipe}", device))
         mine = slice(rank * m // world, (rank + 1) * m // world)
-        block = TPTransformerBlock(c, device=device, fp8=recipe)
+        block = TPTransformerBlock(c, device=device, dtype=dtype, fp8=recipe)
         block.load_full_state_dict(hf_block_state(state, c))
         seen: dict[str, dict] = {}
         for name in ("qkv", "o", "gate_up", "down"):
@@ -111,9 +115,9 @@ def fp8_block_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
                 x=args[0].detach().clone(), y=y.detach().clone()))
             layer.register_full_backward_hook(lambda mod, dx, dy, name=name: seen[name].update(
                 dy=dy[0].detach().clone(), dx=dx[0].detach().clone()))
-        x = x_full[mine].clone().requires_grad_(True)
+        x = x_full[mine].to(dtype).clone().requires_grad_(True)
         y = block(x, batch)
-        (y * g_full[mine]).sum().backward()
+        (y.float() * g_full[mine]).sum().backward()
         out = {"case": (recipe, hidden, batch, seq), "fp8": block.fp8.scaling}
         for name, got in seen.items():
             column = name in ("qkv", "gate_up")
@@ -123,7 +127,7 @@ def fp8_block_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
             full_dy = _gathered(got["dy"], 1 if column else 0, world)
             full_w = _gathered(weight.detach(), 0 if column else 1, world)
             check = fp8_reference.column_parallel if column else fp8_reference.row_parallel
-            ref = check(recipe, full_x.cpu(), full_w.cpu(), None, full_dy.cpu(), world, rank)
+            ref = check(recipe, full_x.float().cpu(), full_w.float().cpu(), None, full_dy.float().cpu(), world, rank)
             for key, value in (("y", got["y"]), ("dx", got["dx"]), ("dw", weight.grad)):
                 out[f"{name}_{key}"] = rel_err(value.cpu(), ref[key])
         xr = x_full.double().requires_grad_(True)
