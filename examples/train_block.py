@@ -14,6 +14,7 @@ the same initial weights on the same data, and each step prints the losses side 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, float]:
     import torch.distributed as dist
 
     from tileweave.bench.block import floor_ops
-    from tileweave.nn import BlockConfig, TPTransformerBlock
+    from tileweave.nn import BlockConfig, Float8Recipe, TPTransformerBlock
 
     # The compute floor: the layers run on local stand-ins that do the same GEMMs and move the same bytes
     # within one GPU (the block's time without communication; its numbers are not a model's).
@@ -55,12 +56,14 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, float]:
     else:
         config, batch, seq, dtype = BlockConfig(**cpu_widths(world, args.fp8)), 2, args.seq or 32, torch.float32
     runs = {}  # label -> (blocks, optimizer): the model in `dtype`, then one copy per FP8 recipe
-    for recipe in [None, *args.fp8]:
+    for name in [None, *args.fp8]:
+        recipe = None if name is None else dataclasses.replace(
+            getattr(Float8Recipe, name)(), **({"backward_fast_accum": True} if args.fast_accum else {}))
         torch.manual_seed(rank)  # synthetic weights: each rank initialises its own shards, alike in every run
         blocks = torch.nn.ModuleList(TPTransformerBlock(config, device=device, dtype=dtype, ops=ops, fp8=recipe)
                                      for _ in range(args.layers))
         label = str(dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float32", "fp32") \
-            if recipe is None else f"fp8-{recipe}"
+            if name is None else f"fp8-{name}"
         runs[label] = (blocks, torch.optim.AdamW(blocks.parameters(), lr=args.lr))
     tokens = batch * seq
     local = tokens // world
@@ -110,6 +113,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--fp8", default="", help="FP8 recipes to train beside the model, comma-separated: "
                         + ", ".join(RECIPES))
+    parser.add_argument("--fast-accum", action="store_true", help="FP8's backward GEMMs accumulate on the tensor "
+                        "cores across K steps too (the recipes' forward GEMMs do by default, except blockwise)")
     parser.add_argument("--model", choices=tuple(WIDTHS), default="8b", help="block widths on GPUs")
     parser.add_argument("--seq", type=int, default=0, help="tokens per sequence, 2 sequences (default: 4096 on "
                         "GPUs, 32 on the CPU)")

@@ -31,8 +31,14 @@ def test_fp8_linears_match_float64_of_the_same_quantized_math(world):
                 assert row["paths"][0] in ("fused", "chunked") and row["paths"][1] in ("fused", "chunked"), row
 
 
-def test_fp8_configurations_are_refused_by_name():
-    out = run_ranks(2, scenarios.fp8_refusals_check)[0]
+def test_fp8_options_refusals_and_fast_accumulation():
+    result = run_ranks(1, scenarios.fp8_options_check)[0]
+    # The recipes' accumulation reaches the kernels: the forward GEMM fast (tensor cores across K steps)
+    # and both backward GEMMs exact, unless backward_fast_accum; blockwise always scales per K step.
+    assert result["scalings"] == {"rowwise": ["outer_fast", "outer", "outer"],
+                                  "rowwise, backward_fast_accum": ["outer_fast"] * 3,
+                                  "blockwise": ["block"] * 3}, result["scalings"]
+    out = result["refusals"]
     for name in ("blockwise column out_features/W", "blockwise column in_features", "blockwise row in_features/W",
                  "blockwise row out_features"):
         assert "ValueError" in out[name] and "multiples of 128" in out[name], (name, out[name])

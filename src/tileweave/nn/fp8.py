@@ -40,8 +40,9 @@ ranks (the row layer, whose dgrad AllGather+GEMM gathers ``dy`` in float8: half 
 gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the gathered
 float8 ``dy`` dequantized (row layer).
 
-The forward GEMM takes ``use_fast_accum`` from the recipe (torchao lets the tensor cores accumulate
-there; the two backward GEMMs always add each K step in fp32); blockwise scaling always does.
+The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
+K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
+blockwise scaling always adds each K step in fp32.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class Float8Recipe:
     """Round every scale up to a power of two (scaling then loses no mantissa bits)."""
     forward_fast_accum: bool = False
     """``use_fast_accum`` of the forward GEMM (tensorwise and rowwise): the tensor cores accumulate
-    across K steps, faster, fewer bits kept over a long K. The backward GEMMs never do."""
+    across K steps, faster, fewer bits kept over a long K."""
+    backward_fast_accum: bool = False
+    """The same for the two backward GEMMs (torchao keeps them exact: each K step summed in fp32)."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -80,7 +83,7 @@ class Float8Recipe:
         if self.grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError("Float8Recipe.grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
                             f"{self.grad_dtype}")
-        for name in ("power_of_two_scales", "forward_fast_accum"):
+        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Float8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -42,9 +42,10 @@ from tileweave.nn.tp_ops import start_gather
 from tileweave.ops.compute.matmul import matmul
 
 
-def _gemm(qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
-    """``qa @ qb.T`` of two K-major float8 operands (``Quantized``), each K step summed in fp32."""
-    return matmul(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=qb.scale.t(), out_dtype=out_dtype)
+def _wgrad(recipe: Float8Recipe, qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
+    """``qa @ qb.T`` of two K-major float8 operands (``Quantized``): the weight gradient."""
+    return matmul(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=qb.scale.t(), out_dtype=out_dtype,
+                  use_fast_accum=recipe.backward_fast_accum)
 
 
 def _tensor_scale(recipe: Float8Recipe, q) -> torch.Tensor | None:
@@ -83,14 +84,15 @@ class ColumnParallelFP8(torch.autograd.Function):
         qdy = recipe.lhs(dy, grad=True)
         qwt = recipe.rhs(weight, transpose=True, scale=w_scale if recipe.scaling == "tensorwise" else None)
         dx_shard = ctx.ops.gemm_reduce_scatter(qdy.data, qwt.data.t(), ctx.group, scale_a=qdy.scale,
-                                               scale_b=qwt.scale.t(), out_dtype=ctx.x_dtype)
+                                               scale_b=qwt.scale.t(), out_dtype=ctx.x_dtype,
+                                               use_fast_accum=recipe.backward_fast_accum)
         qdyt = recipe.lhs(dy, grad=True, transpose=True, tokens=True, scale=_tensor_scale(recipe, qdy))
         if pending is None:  # the forward's gathered float8 rows, quantized again along the tokens
             qxt = recipe.rhs(saved, transpose=True, tokens=True, x_scale=saved_scales)
         else:
             qxt = recipe.rhs(pending.wait(), transpose=True, tokens=True)
             pending.release()
-        dw = _gemm(qdyt, qxt, weight.dtype)
+        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
         db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx_shard, dw, db, None, None, None, None, None
 
@@ -115,11 +117,11 @@ class RowParallelFP8(torch.autograd.Function):
         qwt = recipe.rhs(weight, transpose=True, scale=w_scale if recipe.scaling == "tensorwise" else None)
         dx, gathered, gathered_scales = ctx.ops.all_gather_gemm(
             qdy.data, qwt.data.t(), ctx.group, return_gathered=True, scale_a=qdy.scale, scale_b=qwt.scale.t(),
-            out_dtype=ctx.x_dtype)
+            out_dtype=ctx.x_dtype, use_fast_accum=recipe.backward_fast_accum)
         # Both operands of the weight gradient quantized again along the tokens, from float8.
         qdyt = recipe.lhs(gathered, grad=True, transpose=True, tokens=True, x_scale=gathered_scales)
         qxt = recipe.rhs(x8, transpose=True, tokens=True, x_scale=x_scale)
-        dw = _gemm(qdyt, qxt, weight.dtype)
+        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
         # The bias is added once, on the owner of each row: its gradient sums every row of dy, here the
         # gathered float8 rows (the only whole dy this rank has), dequantized, in fp32.
         db = None if ctx.bias_dtype is None else dequantize_rows(gathered, gathered_scales).sum(0).to(ctx.bias_dtype)

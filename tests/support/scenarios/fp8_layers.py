@@ -65,7 +65,30 @@ def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "fl
     return rows
 
 
-def fp8_refusals_check(rank: int, world: int) -> dict[str, str]:
+def fp8_options_check(rank: int, world: int) -> dict:
+    """``"refusals"``: the error's type and message of each bad FP8 configuration; ``"scalings"``: per
+    recipe, the GEMM kernel's ``SCALING`` of each launch of a row-parallel layer's forward and backward
+    (forward, input gradient, weight gradient), by default and with ``backward_fast_accum``."""
+    import dataclasses
+
+    from support.launches import recording
+    from tileweave.nn import Float8Recipe
+
+    scalings = {}
+    for label, recipe in (("rowwise", Float8Recipe.rowwise()),
+                          ("rowwise, backward_fast_accum", dataclasses.replace(Float8Recipe.rowwise(),
+                                                                              backward_fast_accum=True)),
+                          ("blockwise", Float8Recipe.blockwise())):
+        layer = RowParallelLinear(128 * world, 128, bias=False, device=device_name(), fp8=recipe)
+        x = torch.randn(8 * world, 128, device=device_name(), requires_grad=True)
+        with recording() as launches:
+            layer(x).sum().backward()
+        scalings[label] = [dict(launch.kwargs).get("SCALING") for launch in launches
+                           if launch.kernel.endswith(":fused_gemm_kernel")]
+    return {"refusals": _refusals(world), "scalings": scalings}
+
+
+def _refusals(world: int) -> dict[str, str]:
     """The layers' refusals of FP8 configurations: the error's type and message per case."""
     cases = {
         "blockwise column out_features/W": lambda: ColumnParallelLinear(256, 200 * world, fp8="blockwise"),
