@@ -67,10 +67,10 @@ class ColumnParallelFP8(torch.autograd.Function):
         if save_gathered:
             y, gathered, gathered_scales = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype),
                                                                return_gathered=True, **fp8)
-            ctx.save_for_backward(gathered, gathered_scales, weight, qw.scale)
+            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw))
         else:  # gathered again in backward, in the input's dtype
             y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
-            ctx.save_for_backward(x_shard, None, weight, qw.scale)
+            ctx.save_for_backward(x_shard, None, weight, _tensor_scale(recipe, qw))
         ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
         ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
         return y
@@ -82,7 +82,7 @@ class ColumnParallelFP8(torch.autograd.Function):
         dy = dy.contiguous()
         pending = None if ctx.save_gathered else start_gather(ctx.ops, saved, ctx.group)
         qdy = recipe.lhs(dy, grad=True)
-        qwt = recipe.rhs(weight, transpose=True, scale=w_scale if recipe.scaling == "tensorwise" else None)
+        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
         dx_shard = ctx.ops.gemm_reduce_scatter(qdy.data, qwt.data.t(), ctx.group, scale_a=qdy.scale,
                                                scale_b=qwt.scale.t(), out_dtype=ctx.x_dtype,
                                                use_fast_accum=recipe.backward_fast_accum)
@@ -104,7 +104,7 @@ class RowParallelFP8(torch.autograd.Function):
         y_shard = ops.gemm_reduce_scatter(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), scale_a=qx.scale,
                                           scale_b=qw.scale.t(), out_dtype=out_dtype,
                                           use_fast_accum=recipe.forward_fast_accum)
-        ctx.save_for_backward(qx.data, qx.scale, weight, qw.scale)
+        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw))
         ctx.group, ctx.ops, ctx.recipe = group, ops, recipe
         ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return y_shard
@@ -114,7 +114,7 @@ class RowParallelFP8(torch.autograd.Function):
         x8, x_scale, weight, w_scale = ctx.saved_tensors
         recipe = ctx.recipe
         qdy = recipe.lhs(dy_shard.contiguous(), grad=True)
-        qwt = recipe.rhs(weight, transpose=True, scale=w_scale if recipe.scaling == "tensorwise" else None)
+        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
         dx, gathered, gathered_scales = ctx.ops.all_gather_gemm(
             qdy.data, qwt.data.t(), ctx.group, return_gathered=True, scale_a=qdy.scale, scale_b=qwt.scale.t(),
             out_dtype=ctx.x_dtype, use_fast_accum=recipe.backward_fast_accum)
