@@ -1,9 +1,9 @@
 """The dense pair in FP8 on emulated ranks (Triton's interpreter computes e4m3 dots exactly): AllGather+GEMM
 and GEMM+ReduceScatter with tensorwise, rowwise and blockwise scales, on every path each op has (the
 fused kernel over a mesh or a ring, the chunked transports pushing or pulling, the one-shot path, the
-unfused path, "auto"), against float64 of every rank's dequantized inputs (``support.scenarios.fp8_dense``):
-M and N off the tiles, two K blocks and two N blocks of blockwise scales, a tensorwise scale that differs
-per rank, a straggler; bad FP8 arguments refused by name on every rank, also when only one rank's are bad.
+unfused path, "auto"), against float64 of every rank's dequantized inputs (``support.scenarios.fp8_dense``),
+AllGather+GEMM's gathered rows and scales returned bit for bit; M and N off the tiles, two K blocks and
+two N blocks of blockwise scales, a tensorwise scale that differs per rank, a straggler; bad FP8 arguments refused by name on every rank, also when only one rank's are bad.
 
 Sizes are small (the interpreter runs programs one after another): the budget of this file is about a
 minute on two cores."""
@@ -52,6 +52,7 @@ def test_fp8_dense_ops_match_float64_on_every_path(world, cases):
             assert row["err"] < TOL[out_dtype], row
             assert row["dtype"] == out_dtype, row
             assert row["path"] == ("local" if world == 1 else PATH[kind, variant]), row
+            assert row["gathered"] is (True if kind == "ag" else None), row  # rows and scales returned
 
 
 def test_bad_fp8_arguments_are_refused_by_name_on_every_rank():
@@ -71,6 +72,6 @@ def test_bad_fp8_arguments_are_refused_by_name_on_every_rank():
             if name.endswith("one rank"):
                 assert "the arguments of rank 1" in got, (kind, name, got)
     assert "policy='oneshot' does not take float8" in outcomes[0]["ag: oneshot"]
-    assert "return_gathered and gathered_out are not supported" in outcomes[0]["ag: return_gathered"]
+    assert "gathered_out is not supported with float8" in outcomes[0]["ag: gathered_out"]
     for layer in ("moe layer 0", "moe layer 1"):
         assert "do not take float8 inputs yet" in outcomes[0][layer], outcomes[0][layer]

@@ -42,6 +42,7 @@ def test_fp8_dense_ops_gpu():
             kind, variant, scaling, *_, out_dtype = row["case"][:7]
             assert row["err"] < TOL[out_dtype], row
             assert row["dtype"] == out_dtype and row["path"] == PATH[kind, variant], row
+            assert row["gathered"] is (True if kind == "ag" else None), row
 
 
 @needs_two

@@ -37,23 +37,28 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def transformer_block(x: torch.Tensor, state: dict[str, torch.Tensor], *, heads: int, kv_heads: int,
-                      rope_theta: float, norm_eps: float, batch: int) -> torch.Tensor:
+                      rope_theta: float, norm_eps: float, batch: int, linear=None) -> torch.Tensor:
     """A pre-norm Llama block on the full, unsharded ``x [batch * seq, hidden]``:
     ``h = x + o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))``, then
     ``h + down(silu(gate(n2(h))) * up(n2(h)))``; weights ``[out, in]`` in ``state`` (``q, k, v, o, gate,
-    up, down, attn_norm, mlp_norm``). Causal attention over each sequence, grouped-query heads."""
+    up, down, attn_norm, mlp_norm``). Causal attention over each sequence, grouped-query heads.
+    ``linear(a, w, kind)``: ``a @ w.T`` (the default), or another form of it, called once for q, k and v
+    together, once for gate and up together (``kind`` "column"), once each for o and down ("row")."""
     m, hidden = x.shape
     seq, hd = m // batch, hidden // heads
+    linear = linear or (lambda a, w, kind: a @ w.T)
 
     def split_heads(t: torch.Tensor, count: int) -> torch.Tensor:
         return t.reshape(batch, seq, count, hd).permute(0, 2, 1, 3)
 
     a = _rms_norm(x, state["attn_norm"], norm_eps)
-    q = _rotary(split_heads(a @ state["q"].T, heads), rope_theta)
-    k = _rotary(split_heads(a @ state["k"].T, kv_heads), rope_theta)
-    v = split_heads(a @ state["v"].T, kv_heads)
+    qkv = linear(a, torch.cat([state["q"], state["k"], state["v"]]), "column")
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=1)
+    q = _rotary(split_heads(q, heads), rope_theta)
+    k = _rotary(split_heads(k, kv_heads), rope_theta)
+    v = split_heads(v, kv_heads)
     attn = _causal_attention(q, k, v).permute(0, 2, 1, 3).reshape(m, hidden)
-    h = x + attn @ state["o"].T
+    h = x + linear(attn, state["o"], "row")
     b = _rms_norm(h, state["mlp_norm"], norm_eps)
-    gate = b @ state["gate"].T
-    return h + (gate * torch.sigmoid(gate) * (b @ state["up"].T)) @ state["down"].T
+    gate, up = linear(b, torch.cat([state["gate"], state["up"]]), "column").chunk(2, dim=1)
+    return h + linear(gate * torch.sigmoid(gate) * up, state["down"], "row")

@@ -7,7 +7,10 @@ row-parallel GEMM:
     h = x + o_proj(attention(rope(qkv_proj(rms_norm(x)))))        # qkv: column-, o: row-parallel
     y = h + down_proj(silu(gate(rms_norm(h))) * up(rms_norm(h)))  # gate_up: column-, down: row-parallel
 
-Each rank runs heads/W attention heads and ffn/W MLP features. With ``TILEWEAVE_POLICY=fallback`` set
+Each rank runs heads/W attention heads and ffn/W MLP features. With ``fp8=`` a recipe
+(``tileweave.nn.fp8``) the four linears run their forward and backward GEMMs in float8; the norms,
+RoPE, attention and SwiGLU stay in the model's dtype, and each linear quantizes its input in a pass of
+its own (not yet fused into the RMSNorm or the SwiGLU that produce it). With ``TILEWEAVE_POLICY=fallback`` set
 before the first call, the same block runs NCCL collectives around cuBLAS GEMMs (Megatron-style, no
 overlap), for comparison.
 """
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_interleaved, to_rotate_half
+from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear, TPOps
 from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
 
@@ -114,8 +118,11 @@ class TPTransformerBlock(nn.Module):
     """
 
     def __init__(self, config: BlockConfig, *, group: dist.ProcessGroup | None = None, device=None,
-                 dtype=None, ops: TPOps | None = None) -> None:
-        """``ops``: the communication GEMMs of the four TP layers (``TPOps``; None: tileweave's)."""
+                 dtype=None, ops: TPOps | None = None, fp8: Float8Recipe | str | None = None) -> None:
+        """``ops``: the communication GEMMs of the four TP layers (``TPOps``; None: tileweave's);
+        ``fp8``: the FP8 recipe of their forward and backward GEMMs (``tileweave.nn.fp8``; None: no
+        float8). Blockwise needs ``hidden``, ``hidden / W``, ``(heads + 2 kv_heads) * head_dim / W``,
+        ``ffn / W`` and ``2 ffn / W`` to be multiples of 128 (each layer names the one that is not)."""
         super().__init__()
         self.config = config
         self.group = group if group is not None else dist.group.WORLD
@@ -126,7 +133,7 @@ class TPTransformerBlock(nn.Module):
                 raise ValueError(f"BlockConfig.{name}={getattr(config, name)} must be divisible by the TP size {w}")
         self.local_heads, self.local_kv_heads = config.heads // w, config.kv_heads // w
         hd = config.head_dim
-        kw = dict(group=self.group, device=device, dtype=dtype, ops=ops)
+        kw = dict(group=self.group, device=device, dtype=dtype, ops=ops, fp8=fp8)
         self.attn_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
         self.mlp_norm = nn.RMSNorm(config.hidden, eps=config.norm_eps, device=device, dtype=dtype)
         # Fused projections are laid out per rank: [q | k | v] and [gate | up] of this rank's heads and
@@ -136,6 +143,11 @@ class TPTransformerBlock(nn.Module):
         self.gate_up = ColumnParallelLinear(config.hidden, 2 * config.ffn, bias=False, **kw)
         self.down = RowParallelLinear(config.ffn, config.hidden, bias=False, **kw)
         self._rope = RopeCache(hd, config.rope_theta)
+
+    @property
+    def fp8(self) -> Float8Recipe | None:
+        """The FP8 recipe of the block's four linears (None: no float8)."""
+        return self.qkv.fp8
 
     @property
     def ops(self) -> TPOps:

@@ -28,41 +28,24 @@ cuBLAS. The column layer keeps the gathered input for its weight gradient (``sav
 ``[M, K]``) or gathers it again in backward (``False``), on the copy engines while the input-gradient
 GEMM+ReduceScatter runs. Every rank must run the same layers in the same order, forward and backward,
 like any collective.
+
+FP8 training: ``fp8=`` a ``Float8Recipe`` (``tileweave.nn.fp8``: ``"tensorwise"``, ``"rowwise"``,
+``"blockwise"``) runs all three GEMMs of each layer in float8, on the same ops, with the operands
+quantized on the device each step (``tileweave.nn.fp8_linear``: the tables of what is quantized where);
+the parameters stay in their dtype. None (the default): no float8 anywhere.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tileweave.nn import inference
+from tileweave.nn import fp8_linear, inference
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader
+from tileweave.nn.fp8 import Float8Recipe, resolve
 from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
-from tileweave.ops import functional
-from tileweave.ops.all_gather.op import AllGatherGemm
-
-
-@dataclasses.dataclass(frozen=True)
-class TPOps:
-    """The communication GEMMs a TP layer runs on, with the signatures of ``tileweave.ops.functional``:
-    ``all_gather_gemm(x_shard, b, group, *, bias=None, return_gathered=False)`` and
-    ``gemm_reduce_scatter(a, b, group, *, bias=None)``. ``shared_all_gather(group, device)``: an
-    ``AllGatherGemm`` whose buffer the backward may borrow (its gathered view is lent until the op's
-    next call, which saves a copy) and whose ``all_gather`` regathers an input on the copy engines;
-    None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``."""
-
-    all_gather_gemm: Callable
-    gemm_reduce_scatter: Callable
-    shared_all_gather: Callable[[dist.ProcessGroup, torch.device], AllGatherGemm] | None = None
-
-
-TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
-                      gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
-"""tileweave's fused ops, shared per (group, device): the layers' default."""
+from tileweave.nn.tp_ops import TILEWEAVE_OPS, TPOps, gather_for_weight_grad, start_gather
 
 
 def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -101,7 +84,7 @@ class _ColumnParallel(torch.autograd.Function):
         # Without the saved gathered input, gather it again while the input gradient runs: on the copy
         # engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an
         # NCCL kernel would), into the all-gather op's own buffer, released after the weight gradient.
-        pending = None if ctx.save_gathered else _start_gather(ctx.ops, saved, ctx.group)
+        pending = None if ctx.save_gathered else start_gather(ctx.ops, saved, ctx.group)
         dx_shard = ctx.ops.gemm_reduce_scatter(dy, weight, ctx.group)
         gathered = saved if pending is None else pending.wait()
         dw = dy.t() @ gathered
@@ -122,78 +105,57 @@ class _RowParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_shard):
         x, weight = ctx.saved_tensors
-        dx, dy = _gather_for_weight_grad(ctx.ops, dy_shard.contiguous(), weight, ctx.group)
+        dx, dy = gather_for_weight_grad(ctx.ops, dy_shard.contiguous(), weight, ctx.group)
         dw = dy.t() @ x
         # The bias is added once, on the owner of each row: its gradient sums every row of dy.
         db = dy.sum(0) if ctx.has_bias else None
         return dx, dw, db, None, None
 
 
-def _gather_for_weight_grad(ops: TPOps, dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
-    """``(dy_shard gathered @ weight, dy_shard gathered)`` for a weight gradient that the caller queues
-    at once. On a shared op (outside ``torch.compile``) the gathered tensor is the op's buffer itself,
-    lent until this rank's next all-gather call: no copy into a fresh tensor, as the functional op makes
-    for callers that keep it."""
-    if ops.shared_all_gather is not None and not torch.compiler.is_compiling():
-        return ops.shared_all_gather(group, dy_shard.device)(dy_shard, weight, return_gathered=True)
-    return ops.all_gather_gemm(dy_shard, weight, group, return_gathered=True)
-
-
-class _Gathered:
-    """A finished all-gather, with the interface of ``PendingGather``."""
-
-    def __init__(self, gathered: torch.Tensor) -> None:
-        self._gathered = gathered
-
-    def wait(self) -> torch.Tensor:
-        return self._gathered
-
-    def release(self) -> None:
-        pass
-
-
-def _start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
-    """Gather the input again for the weight gradient while the input gradient runs: on the shared op's
-    copy engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an NCCL
-    kernel would), into its own buffer, released after the weight gradient; else with NCCL."""
-    if ops.shared_all_gather is not None:
-        return ops.shared_all_gather(group, x_shard.device).all_gather(x_shard)
-    world = dist.get_world_size(group)
-    gathered = x_shard.new_empty((x_shard.shape[0] * world, x_shard.shape[1]))
-    dist.all_gather(list(gathered.chunk(world)), x_shard.contiguous(), group=group)
-    return _Gathered(gathered)
-
-
 def all_gather_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       group: dist.ProcessGroup | None = None, *, save_gathered: bool = True,
-                      ops: TPOps | None = None) -> torch.Tensor:
+                      ops: TPOps | None = None, fp8: Float8Recipe | str | None = None) -> torch.Tensor:
     """``ColumnParallelLinear``'s computation on given shards, differentiable: ``y [M, N/W] =
     AG_M(x_shard_m [M/W, K]) @ weight.T + bias``, with ``weight`` this rank's rows ``[N/W, K]`` and
     ``bias [N/W]`` (forward and backward in the module docstring). ``ops``: the communication GEMMs
-    (None: tileweave's). Collective over ``group``, like the layer."""
+    (None: tileweave's); ``fp8``: a recipe, as the layer's. Collective over ``group``, like the layer."""
     group = group if group is not None else dist.group.WORLD
+    recipe = resolve(fp8)
+    if recipe is not None:
+        recipe.check_features("all_gather_linear", {"K": weight.shape[1], "N/W": weight.shape[0]})
+        return fp8_linear.column_parallel(x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS, recipe)
     return _run(_ColumnParallel.apply, x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS)
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                          group: dist.ProcessGroup | None = None, *, ops: TPOps | None = None) -> torch.Tensor:
+                          group: dist.ProcessGroup | None = None, *, ops: TPOps | None = None,
+                          fp8: Float8Recipe | str | None = None) -> torch.Tensor:
     """``RowParallelLinear``'s computation on given shards, differentiable: ``y_shard_m [M/W, N] =
     RS_M(x [M, K/W] @ weight.T) + bias``, with ``weight`` this rank's columns ``[N, K/W]`` and the whole
-    ``bias [N]``, added once (module docstring). Collective over ``group``, like the layer."""
+    ``bias [N]``, added once (module docstring); ``fp8``: a recipe, as the layer's. Collective over
+    ``group``, like the layer."""
     group = group if group is not None else dist.group.WORLD
+    recipe = resolve(fp8)
+    if recipe is not None:
+        recipe.check_features("linear_reduce_scatter", {"K/W": weight.shape[1], "N": weight.shape[0]})
+        return fp8_linear.row_parallel(x, weight, bias, group, ops or TILEWEAVE_OPS, recipe)
     return _run(_RowParallel.apply, x, weight, bias, group, ops or TILEWEAVE_OPS)
 
 
 class _TPLinear(nn.Module):
-    """What both TP linears hold: the group, the ops, and this rank's shard of an ``nn.Linear``'s
-    ``weight [out, in]`` (split along ``split_dim``: 0 by output features, 1 by input features;
-    kaiming-uniform, as ``nn.Linear``) and ``bias`` (zeros, as many as the local output features; None
-    without a bias)."""
+    """What both TP linears hold: the group, the ops, the FP8 recipe, and this rank's shard of an
+    ``nn.Linear``'s ``weight [out, in]`` (split along ``split_dim``: 0 by output features, 1 by input
+    features; kaiming-uniform, as ``nn.Linear``) and ``bias`` (zeros, as many as the local output
+    features; None without a bias)."""
 
     def __init__(self, in_features: int, out_features: int, *, split_dim: int, bias: bool,
                  group: dist.ProcessGroup | None, device, dtype, ops: TPOps | None,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, fp8: Float8Recipe | str | None) -> None:
         super().__init__()
+        self.fp8 = resolve(fp8)
+        if self.fp8 is not None and not sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: fp8 applies to the sequence-parallel layers (training); "
+                             "pass sequence_parallel=True or fp8=None")
         self.ops = ops or TILEWEAVE_OPS
         self.sequence_parallel = sequence_parallel
         self.group = group if group is not None else dist.group.WORLD
@@ -204,9 +166,16 @@ class _TPLinear(nn.Module):
             raise ValueError(f"{name}={shape[split_dim]} must be divisible by the TP group size {self.world}")
         self.in_features, self.out_features = in_features, out_features
         shape[split_dim] //= self.world
+        if self.fp8 is not None:
+            self.fp8.check_features(type(self).__name__, {
+                "in_features" if split_dim == 0 else "in_features/W": shape[1],
+                "out_features/W" if split_dim == 0 else "out_features": shape[0]})
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(shape[0], device=device, dtype=dtype)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    def _fp8_repr(self) -> str:
+        return "" if self.fp8 is None else f", fp8={self.fp8.scaling}"
 
     def _reader(self, state: dict[str, torch.Tensor]) -> Reader:
         # dict_reader over an unsharded state, tensors the layer has no place for refused first
@@ -223,10 +192,14 @@ class ColumnParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, save_gathered: bool = True,
-                 device=None, dtype=None, ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
-        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
+                 device=None, dtype=None, ops: TPOps | None = None, sequence_parallel: bool = True,
+                 fp8: Float8Recipe | str | None = None) -> None:
+        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``); ``fp8``: the
+        FP8 recipe of its three GEMMs (``tileweave.nn.fp8``), or None (no float8). With ``fp8`` the kept
+        gathered input is the forward's float8 rows (``[M, K]`` bytes); ``save_gathered=False`` gathers
+        the input again in its own dtype."""
         super().__init__(in_features, out_features, split_dim=0, bias=bias, group=group, device=device,
-                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel)
+                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel, fp8=fp8)
         self.save_gathered = save_gathered
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
@@ -238,7 +211,11 @@ class ColumnParallelLinear(_TPLinear):
         if not self.sequence_parallel:
             y = _run(inference.column_parallel_linear, flat, self.weight, self.bias, self.group)
             return y.view(*x_shard.shape[:-1], y.shape[-1])
-        y = _run(_ColumnParallel.apply, flat, self.weight, self.bias, self.group, self.save_gathered, self.ops)
+        if self.fp8 is not None:
+            y = fp8_linear.column_parallel(flat, self.weight, self.bias, self.group, self.save_gathered, self.ops,
+                                           self.fp8)
+        else:
+            y = _run(_ColumnParallel.apply, flat, self.weight, self.bias, self.group, self.save_gathered, self.ops)
         return y if x_shard.dim() <= 2 else from_rank_major(y, self.world, x_shard.shape[:-1], x_shard.dim() - 2)
 
     @torch.no_grad()
@@ -262,7 +239,7 @@ class ColumnParallelLinear(_TPLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
-                f"{self.weight.shape[0]}), bias={self.bias is not None}, tp={self.world}")
+                f"{self.weight.shape[0]}), bias={self.bias is not None}, tp={self.world}{self._fp8_repr()}")
 
 
 class RowParallelLinear(_TPLinear):
@@ -274,10 +251,12 @@ class RowParallelLinear(_TPLinear):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
                  group: dist.ProcessGroup | None = None, device=None, dtype=None,
-                 ops: TPOps | None = None, sequence_parallel: bool = True) -> None:
-        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``)."""
+                 ops: TPOps | None = None, sequence_parallel: bool = True,
+                 fp8: Float8Recipe | str | None = None) -> None:
+        """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``); ``fp8``: the
+        FP8 recipe of its three GEMMs (``tileweave.nn.fp8``), or None (no float8)."""
         super().__init__(in_features, out_features, split_dim=1, bias=bias, group=group, device=device,
-                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel)
+                         dtype=dtype, ops=ops, sequence_parallel=sequence_parallel, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, in/W]`` -> ``y_shard_m [M/W, out]`` (rank r's block of the M token rows); or ``[B, S,
@@ -287,14 +266,18 @@ class RowParallelLinear(_TPLinear):
             y = _run(inference.row_parallel_linear, x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.group)
             return y.view(*x.shape[:-1], y.shape[-1])
         if x.dim() <= 2:
-            return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
+            return self._row_parallel(x)
         seq = x.shape[-2]
         if seq % self.world:
             raise ValueError(f"RowParallelLinear: x {list(x.shape)} has S={seq} positions per sequence, which "
                              f"do not split over the {self.world} ranks of the TP group")
-        y = _run(_RowParallel.apply, to_rank_major(x, self.world, x.dim() - 2), self.weight, self.bias, self.group,
-                 self.ops)
+        y = self._row_parallel(to_rank_major(x, self.world, x.dim() - 2))
         return y.view(*x.shape[:-2], seq // self.world, y.shape[-1])
+
+    def _row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear.row_parallel(x, self.weight, self.bias, self.group, self.ops, self.fp8)
+        return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -317,4 +300,4 @@ class RowParallelLinear(_TPLinear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, bias={self.bias is not None}, tp={self.world}")
+                f"out_features={self.out_features}, bias={self.bias is not None}, tp={self.world}{self._fp8_repr()}")

@@ -38,8 +38,8 @@ def all_gather_gemm(a_shard: torch.Tensor, b: torch.Tensor, group: dist.ProcessG
     """Functional form of :class:`AllGatherGemm`: ``AllGather_M(a_shard [M/W, K]) @ b [K, N_loc]
     (+ bias)``, ``[M, N_loc]``, and with ``return_gathered`` also the gathered ``[M, K]`` input, a fresh
     tensor here (the workspace is shared by every caller of this function), which the op's copy stream
-    fills. FP8 with ``scale_a``, ``scale_b``, ``out_dtype``, ``use_fast_accum`` (``tileweave.ops.all_gather.op``),
-    without ``return_gathered``. Under ``torch.compile`` this is the custom op
+    fills. FP8 with ``scale_a``, ``scale_b``, ``out_dtype``, ``use_fast_accum`` (``tileweave.ops.all_gather.op``;
+    with ``return_gathered``: ``(out, gathered, gathered_scales)``, fresh). Under ``torch.compile`` this is the custom op
     ``torch.ops.tileweave.all_gather_gemm``, not yet in FP8."""
     group = group if group is not None else dist.group.WORLD
     if scale_a is not None or scale_b is not None or out_dtype is not None or use_fast_accum:

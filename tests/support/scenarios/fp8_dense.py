@@ -99,7 +99,9 @@ def fp8_dense_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     """Per case ``(op, variant, scaling, mc, k, n, out_dtype, bias, weight_layout, straggler, delay_s)``
     (op "ag" or "rs"; ``mc`` rows per rank; ``weight_layout``: b is ``weight.t()`` of a float8 ``[n, k]``
     weight): two calls with fresh inputs each (the second takes the signature's plan) into a NaN-poisoned
-    ``out``, each against float64 of the dequantized inputs of every rank; the path; the dtype."""
+    ``out``, each against float64 of the dequantized inputs of every rank; the path; the dtype; for
+    AllGather+GEMM, whether the second call's ``return_gathered`` gave every rank's float8 rows and
+    scales."""
     device = device_name()
     rows = []
     for case in cases:
@@ -119,7 +121,14 @@ def fp8_dense_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
             out = torch.full((out_rows, n), float("nan"), dtype=dtype, device=device)
             if variant == "oneshot" and rank == straggler:
                 time.sleep(delay_s)  # the others' one-shot kernels wait in their flag spin meanwhile
-            got = op(a8, b8, bias=bias, out=out, scale_a=sa, scale_b=sb, out_dtype=dtype)
+            gather = kind == "ag" and it == 1  # the second call also returns the gathered rows and scales
+            got = op(a8, b8, bias=bias, out=out, scale_a=sa, scale_b=sb, out_dtype=dtype, return_gathered=gather) \
+                if kind == "ag" else op(a8, b8, bias=bias, out=out, scale_a=sa, scale_b=sb, out_dtype=dtype)
+            if gather:
+                got, rows_back, scales_back = got
+                gathered_ok = torch.equal(rows_back.cpu().view(torch.uint8),
+                                          torch.cat([e[0].cpu() for e in everyone]).view(torch.uint8)) and \
+                    torch.equal(scales_back.cpu(), torch.cat([_scale_rows(e[1].cpu(), mc) for e in everyone]))
             if kind == "ag":
                 gathered = torch.cat([dequantize_a(e[0].cpu(), e[1].cpu()) for e in everyone])
                 ref = gathered @ dequantize_b(everyone[rank][2].cpu(), everyone[rank][3].cpu(), scaling)
@@ -132,9 +141,15 @@ def fp8_dense_check(rank: int, world: int, cases: list[tuple]) -> list[dict]:
             assert got.data_ptr() == out.data_ptr()
         name = "all_gather_gemm" if kind == "ag" else "gemm_reduce_scatter"
         rows.append({"case": case, "err": max(errs), "dtype": str(got.dtype).removeprefix("torch."),
-                     "path": common.last_path(name)})
+                     "path": common.last_path(name), "gathered": gathered_ok if kind == "ag" else None})
     set_producer_delay(0.0)
     return rows
+
+
+def _scale_rows(s: torch.Tensor, rows: int) -> torch.Tensor:
+    """A shard's a-scales as ``return_gathered`` gives them: a float32 row per row of the shard (its
+    scale, or its 1 x 128 blocks' scales)."""
+    return s.reshape(1, 1).expand(rows, 1) if s.numel() == 1 else s.reshape(rows, -1)
 
 
 def _outcome(fn) -> str:
@@ -180,7 +195,7 @@ def fp8_dense_errors_check(rank: int, world: int) -> dict[str, str]:
             cases["bf16 out on the CPU"] = lambda: call(out_dtype=torch.bfloat16)
         if kind == "ag":
             cases["oneshot"] = lambda: call("oneshot")
-            cases["return_gathered"] = lambda: call("mesh", return_gathered=True)
+            cases["gathered_out"] = lambda: call("mesh", gathered_out=torch.empty(mc * world, k, device=device).to(E4M3))
         for name, fn in cases.items():
             outcomes[f"{kind}: {name}"] = _outcome(fn)
             dist.barrier()

@@ -30,7 +30,7 @@ def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out, 
         gathered_scales = _gather(backend, scaled.shard_rows(a_shard.shape[0]))
         out = matmul(rows, b, bias=bias, out=out, **scaled.gathered_args(gathered_scales, b.shape[1]))
         call.record("fallback")
-        return out
+        return (out, rows, gathered_scales) if return_gathered else out
     gathered = gathered_out
     if gathered is None:
         gathered = torch.empty((a_shard.shape[0] * backend.world_size, a_shard.shape[1]), dtype=a_shard.dtype,
@@ -56,6 +56,8 @@ def run_local(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered
     """A group of one: the GEMM alone."""
     out = matmul(a_shard, b, bias=bias, out=out, **({} if scaled is None else scaled.matmul_args()))
     call.record("local")
+    if scaled is not None and return_gathered:
+        return out, a_shard, scaled.shard_rows(a_shard.shape[0])
     if gathered_out is not None:
         return out, gathered_out.copy_(a_shard)
     return (out, a_shard) if return_gathered else out

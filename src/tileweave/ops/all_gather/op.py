@@ -34,9 +34,12 @@ rows each holding it): the push copies a shard's scales into a second region of 
 buffer, ``[M, KB]`` float32 after the rows, before it raises the ready flag, so one flag covers both;
 the kernel reads a peer's rows' scales from there, its own rows' from ``scale_a``. The chunked transport
 runs tileweave's ``matmul`` per shard, the unfused path all-gathers rows (as bytes) and scales over
-NCCL, then one ``matmul``. Refused with float8: ``policy="oneshot"`` (its kernel gathers rows only),
-``return_gathered`` and ``gathered_out`` (the gathered input would need its scales beside it), and
-``all_gather``. Every rank must pass scales of the same shapes.
+NCCL, then one ``matmul``. With ``return_gathered`` a float8 call returns ``(out, gathered [M, K],
+gathered_scales [M, KB])``: fresh tensors (the copy stream fills them, each shard once it has arrived),
+the scales in the gathered form, so that ``gathered * gathered_scales`` (each row times its scale or
+its 1 x 128 blocks' scales) is every rank's ``a_shard * scale_a``. Refused with float8:
+``policy="oneshot"`` (its kernel gathers rows only), ``gathered_out``, and ``all_gather``. Every rank
+must pass scales of the same shapes.
 
 Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag values
 written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a producer
@@ -129,7 +132,7 @@ class AllGatherGemm(DenseOp):
         the call. A graphable op returns a fresh tensor instead (a release deferred to the next call
         would not replay in a CUDA graph). With ``gathered_out`` (a contiguous ``[M, K]`` tensor) the
         copy stream writes the gathered input there, each shard once it has arrived, and that tensor is
-        returned.
+        returned. A float8 call returns ``(out, gathered, gathered_scales)``, fresh (module docstring).
 
         Errors: ``TypeError``/``ValueError`` naming the argument, raised before any communication;
         ``TileweaveError`` when the ranks' shapes differ (at a signature's first call, on every rank);
@@ -137,21 +140,20 @@ class AllGatherGemm(DenseOp):
         ``TILEWEAVE_DEBUG=1`` or on the CPU). FP8 (``scale_a``, ``scale_b``, ``out_dtype``,
         ``use_fast_accum`` as ``matmul``'s): the module docstring; a bad float8 argument raises on every
         rank at a signature's first call, whichever rank passed it."""
-        if (return_gathered or gathered_out is not None) and dense_fp8.wanted(a_shard, b, scale_a, scale_b, out_dtype):
-            raise TypeError(f"{OP}: return_gathered and gathered_out are not supported with float8 inputs (the "
-                            "gathered rows would need their scales beside them); gather separately, or pass "
-                            "neither")
+        if gathered_out is not None and dense_fp8.wanted(a_shard, b, scale_a, scale_b, out_dtype):
+            raise TypeError(f"{OP}: gathered_out is not supported with float8 inputs (the gathered rows come with "
+                            "their scales); pass return_gathered=True, which returns fresh (gathered, scales)")
         if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
             # Before the plan: a bad argument must raise on every rank before any collective.
             _check_gathered_out(gathered_out, a_shard, self.backend_for(a_shard.device).world_size)
         plan, bias, out, scaled = self._plan_call(a_shard, b, bias, out, (scale_a, scale_b, out_dtype, use_fast_accum))
+        call = self._call(plan, common.capturing(a_shard))
+        if scaled is not None:  # gathered float8 rows are fresh tensors, never the lent buffer
+            return plan.run(call, a_shard, b, bias, out, return_gathered, None, scaled)
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
             gathered_out = gathered_like(a_shard, plan.backend.world_size)
-        call = self._call(plan, common.capturing(a_shard))
-        if scaled is not None:
-            return plan.run(call, a_shard, b, bias, out, False, None, scaled)
         return plan.run(call, a_shard, b, bias, out, return_gathered, gathered_out)
 
     def _check(self, a_shard, b, bias, out, fp8) -> tuple:

@@ -141,18 +141,25 @@ def start(memory: Memory, backend: Backend, a_shard: torch.Tensor, ring: bool, c
     return ws, plan, a_shard, values
 
 
-def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_out, ready: int) -> None:
+def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_out, ready: int,
+             shard_scales=None, scales_out=None) -> None:
     """Queue on the copy stream, after this call's pushes: our shard into ``gathered_out``, then each
-    peer's rows once its flag reaches ``ready``. The call joins the copy stream before it releases
-    the buffer, so no peer refills a slot that is still being read."""
+    peer's rows once its flag reaches ``ready``; float8 calls also our ``shard_scales`` and the peers'
+    gathered scales into ``scales_out``. The call joins the copy stream before it releases the buffer,
+    so no peer refills a slot that is still being read."""
     w, rank = backend.world_size, backend.rank
     mc = a_shard.shape[0]
-    backend.comm_copy(gathered_out[rank * mc:(rank + 1) * mc], a_shard)
+    own = slice(rank * mc, (rank + 1) * mc)
+    backend.comm_copy(gathered_out[own], a_shard)
+    if scales_out is not None:
+        backend.comm_copy(scales_out[own], shard_scales)
     for step in range(1, w):
         src = (rank + step) % w
         rows = slice(src * mc, (src + 1) * mc)
         backend.comm_wait(ws.flag_address(rank, READY, src), ready)
         backend.comm_copy(gathered_out[rows], plan.gathered[rows])
+        if scales_out is not None:
+            backend.comm_copy(scales_out[rows], plan.gathered_scales[rows])
 
 
 def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
@@ -160,7 +167,8 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
     """One call on the push transport: the pushes, ``consume(call, ws, push_plan, a_shard, b, bias, out,
     ready, scaled)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer
     (or its loan to the caller, for ``return_gathered``). ``scaled``: a float8 call's
-    ``dense_fp8.Scaled``, whose a-scales travel with the rows."""
+    ``dense_fp8.Scaled``, whose a-scales travel with the rows; with ``return_gathered`` it returns
+    ``(out, gathered, gathered_scales)``, copied out on the copy stream."""
     backend = call.backend
     mc, k = a_shard.shape
     w = backend.world_size
@@ -168,9 +176,14 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
         dtype = a_shard.dtype if scaled is None else scaled.out_dtype
         out = torch.empty((mc * w, b.shape[1]), dtype=dtype, device=a_shard.device)
     shard_scales = None if scaled is None else scaled.shard_rows(mc)
+    scales_out = None
+    if scaled is not None and return_gathered:
+        # Float8 rows come back fresh with their scales (a lent buffer would have to lend both).
+        gathered_out = torch.empty((mc * w, k), dtype=a_shard.dtype, device=a_shard.device)
+        scales_out = torch.empty((mc * w, shard_scales.shape[1]), dtype=torch.float32, device=a_shard.device)
     ws, pushes, a_shard, values = start(call.memory, backend, a_shard, ring, call.graphable, shard_scales)
     if gathered_out is not None:
-        copy_out(backend, ws, pushes, a_shard, gathered_out, values.ready)
+        copy_out(backend, ws, pushes, a_shard, gathered_out, values.ready, shard_scales, scales_out)
     elif return_gathered and pushes.own_slot.data_ptr() != a_shard.data_ptr():
         backend.comm_copy(pushes.own_slot, a_shard)
     consume(call, ws, pushes, a_shard, b, bias, out, values.ready, scaled)
@@ -187,6 +200,8 @@ def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gath
     else:
         finish_streams(call.backend)
     call.record(call.plan.path)
+    if scales_out is not None:
+        return out, gathered_out, scales_out
     if gathered_out is not None:
         return out, gathered_out
     return (out, pushes.gathered) if return_gathered else out

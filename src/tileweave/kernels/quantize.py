@@ -1,0 +1,144 @@
+"""Dynamic float8 quantization: the amax of each group of elements, its scale, and the cast.
+
+A matrix ``X [R, C]`` is read through its strides, so a transposed view is quantized in place: the
+K-major copy of an operand that a backward GEMM needs comes out of the same pass that casts it, with
+no separate transpose. Each group of elements shares one float32 scale
+
+    scale = max(amax, EPS) / FP8_MAX        (rounded up to a power of two with POW2)
+    q     = round_to_nearest_even(clamp(x / scale, -FP8_MAX, FP8_MAX))
+
+torch's and torchao's convention (``x ~ q * scale``). ``GROUP`` names the groups:
+
+* ``"tensor"``: one group; its amax comes from ``amax_kernel`` (an atomic max over tiles into one
+  float32), so the cast is a second launch and nothing waits on the host; with ``SCALE_GIVEN`` the
+  scale itself is given (one already computed for the same tensor in another orientation);
+* ``"row"``: each row; a program owns ``BR`` rows and walks their columns twice (amax, then cast);
+* ``"1x128"``: 128 consecutive columns of a row (DeepSeek-V3's activation blocks);
+* ``"128x128"``: 128 x 128 blocks (its weight blocks), a program per block.
+
+The output ``Q [R, C_out]`` may have more columns than ``X`` (``C_out >= C``, padded with zeros to a
+multiple of 128 for a blockwise operand whose contraction dimension, the tokens, is not). A float8
+``X`` may come with scales of its own (``DEQUANT``): ``x = X[r, c] * in_scale[r // IN_GR, c // IN_GC]``
+is quantized again in the new groups (a gathered float8 operand requantized for another GEMM).
+
+The cast rounds in float32 arithmetic to the float8 grid (ties to even, subnormals included) before
+converting, so the conversion itself is exact: the result is the same on every GPU and in Triton's
+interpreter, whose own float8 conversion rounds differently.
+"""
+
+import triton
+import triton.language as tl
+
+EPS = tl.constexpr(1e-12)
+"""The floor of an amax (torchao's), so that an all-zero group gets a finite scale."""
+
+
+@triton.jit
+def _to_fp8_grid(y, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``y`` (float32, within the format's range) rounded to the nearest float8 value with ``MANT``
+    mantissa bits and smallest normal exponent ``MIN_EXP``, ties to even; as float32."""
+    bits = y.to(tl.int32, bitcast=True)
+    # The grid's step at y: 2**(exponent of y - MANT), not below the smallest subnormal 2**(MIN_EXP - MANT).
+    step = tl.maximum((bits & 0x7F800000).to(tl.float32, bitcast=True) * (2.0 ** -MANT), 2.0 ** (MIN_EXP - MANT))
+    # 1 / step from its exponent bits (254 - e): exact, as the division by a power of two must be.
+    inv = ((254 << 23) - step.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    t = y * inv  # |t| < 2**(MANT + 1): adding and removing 1.5 * 2**23 rounds it to an integer, ties to even
+    t = (t + 12582912.0) - 12582912.0
+    # y's sign back onto a zero result (-0.0 stays -0.0, as torch's cast keeps it)
+    r = (t * step).to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    scale = tl.math.div_rn(tl.maximum(amax, EPS), FP8_MAX)
+    if POW2:  # the next power of two up (x / scale then stays within FP8_MAX), exactly from the bits
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+          DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr):
+    """The tile ``X[offs_r, offs_c]`` as float32 (zeros outside ``[R, C]``), times its scales if ``DEQUANT``."""
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    r64 = offs_r.to(tl.int64)[:, None]
+    c64 = offs_c.to(tl.int64)[None, :]
+    x = tl.load(x_ptr + r64 * stride_xr + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    if DEQUANT:
+        s = tl.load(in_scale_ptr + (r64 // IN_GR) * stride_ir + (c64 // IN_GC) * stride_ic, mask=mask, other=0.0)
+        x = x * s
+    return x
+
+
+@triton.jit
+def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
+    mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
+    tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
+             mask=mask)
+
+
+@triton.jit
+def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+                BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
+                IN_GC: tl.constexpr):
+    """``amax_ptr[0] = max(amax_ptr[0], max |X|)`` over this program's ``BR x BC`` tile (``amax_ptr``
+    starts at zero)."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+              DEQUANT, IN_GR, IN_GC)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+
+
+@triton.jit
+def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_out,
+                    stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc, stride_sr, stride_sc,
+                    GROUP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr,
+                    MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr,
+                    IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+    """``Q [R, C_out]`` and the scales of ``X [R, C]``'s groups (module docstring). The grid: row
+    blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all).
+    ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is written)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BR + tl.arange(0, BR)
+    if GROUP == "row":
+        amax = tl.zeros((BR,), dtype=tl.float32)
+        for c in range(0, C, BC):
+            x = _load(x_ptr, in_scale_ptr, offs_r, c + tl.arange(0, BC), R, C, stride_xr, stride_xc,
+                      stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = _scale_of(amax, FP8_MAX, POW2)
+        for c in range(0, C_out, BC):
+            offs_c = c + tl.arange(0, BC)
+            x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+                      DEQUANT, IN_GR, IN_GC)
+            _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                        FP8_MAX, MANT, MIN_EXP)
+        tl.store(scale_ptr + offs_r * stride_sr, scale, mask=offs_r < R)
+    else:
+        offs_c = pid_c * BC + tl.arange(0, BC)
+        x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+                  DEQUANT, IN_GR, IN_GC)
+        if GROUP == "tensor":
+            if SCALE_GIVEN:
+                scale = tl.load(tensor_ptr)
+            else:
+                scale = _scale_of(tl.load(tensor_ptr), FP8_MAX, POW2)
+            _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
+            if not SCALE_GIVEN:
+                if (pid_r == 0) & (pid_c == 0):
+                    tl.store(scale_ptr, scale)
+        elif GROUP == "1x128":  # BC == 128: a block per row of the tile
+            scale = _scale_of(tl.max(tl.abs(x), axis=1), FP8_MAX, POW2)
+            _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                        FP8_MAX, MANT, MIN_EXP)
+            tl.store(scale_ptr + offs_r * stride_sr + pid_c * stride_sc, scale, mask=offs_r < R)
+        else:  # "128x128": BR == BC == 128, one block
+            scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FP8_MAX, POW2)
+            _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
+            tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)

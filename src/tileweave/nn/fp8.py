@@ -1,0 +1,146 @@
+"""FP8 training recipes for the TP linears: which tensor each GEMM casts to which float8 format, with
+which scaling.
+
+A linear ``y = x @ w.T`` runs three GEMMs per step: the forward, the input gradient ``dx = dy @ w``
+(dgrad) and the weight gradient ``dw = dy.T @ x`` (wgrad). Every operand is cast to float8 just before
+its GEMM, with scales computed on the device from the tensor itself (dynamic scaling, no history),
+K-major: along the GEMM's contraction. Master weights, their gradients and the optimizer state stay
+in the parameters' dtype; activations and gradients between layers stay in the model's dtype; only the
+GEMMs' operands are float8, and each GEMM writes its result in the dtype its consumer wants (the output
+and ``dx`` in the input's, ``dw`` in the weight's).
+
+===========  ======================================  ======================================  =======================================
+recipe       forward ``x @ w.T``                     dgrad ``dy @ w``                        wgrad ``dy.T @ x``
+===========  ======================================  ======================================  =======================================
+tensorwise   x e4m3, w e4m3: one scale each          dy e5m2, w e4m3: one scale each         dy e5m2, x e4m3: one scale each
+rowwise      x e4m3 per row (along K), w e4m3 per    dy e4m3 per row (along N), w e4m3 per   dy e4m3 per column (along M), x e4m3
+             row (along K)                           column (along N)                        per column (along M)
+blockwise    x e4m3 per 1 x 128 (along K), w e4m3    dy e4m3 per 1 x 128 (along N), w e4m3   dy e4m3 per 128 x 1 (along M), x e4m3
+             per 128 x 128                           per 128 x 128 (the forward's blocks)    per 128 x 128 (M x K blocks)
+===========  ======================================  ======================================  =======================================
+
+* **tensorwise** is torchao's float8 tensorwise recipe (gradients in e5m2, for their range); the
+  backward GEMMs reuse the forward's weight scale and the dgrad's gradient scale, transposed.
+* **rowwise** is torchao's rowwise recipe: every scale along the dimension the GEMM contracts (a
+  transposed operand is quantized again along its own rows, not reused), scales rounded up to powers
+  of two, e4m3 everywhere.
+* **blockwise** is DeepSeek-V3's: 1 x 128 blocks for activations and gradients, 128 x 128 for weights,
+  e4m3 everywhere. The weight gradient contracts over the tokens: its gradient operand is 1 x 128
+  along the tokens (DeepSeek-V3's 128 x 1 tiles), its activation operand 128 x 128 blocks (the form the
+  GEMM takes for its second operand; DeepSeek-V3 uses 128 x 1 tiles there too), the tokens padded with
+  zeros to a multiple of 128. Both local feature dimensions (in and out) must be multiples of 128.
+
+Where the weight gradient's operands come from. Its activation ``x`` is the forward's float8 ``x``
+(for the column-parallel layer, the gathered float8 rows), kept for the backward, dequantized and
+quantized again along the tokens (DeepSeek-V3's requantization; it keeps ``[M, K]`` bytes, half of a
+bf16 copy); the column layer with ``save_gathered=False`` gathers the input again in its own dtype and
+quantizes that once. Its gradient ``dy`` is quantized from the output gradient where the layer has it
+whole (the column layer), and requantized from the gathered float8 ``dy`` where only that crossed the
+ranks (the row layer, whose dgrad AllGather+GEMM gathers ``dy`` in float8: half the bytes). Bias
+gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the gathered
+float8 ``dy`` dequantized (row layer).
+
+The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
+K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
+blockwise scaling always adds each K step in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tileweave.ops.compute.quantize import quantize
+
+SCALINGS = ("tensorwise", "rowwise", "blockwise")
+_A = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
+_B = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_128x128"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Float8Recipe:
+    """How a TP linear runs its forward, input-gradient and weight-gradient GEMMs in float8 (the module
+    docstring's table). ``Float8Recipe.tensorwise()``, ``.rowwise()`` and ``.blockwise()`` are torchao's
+    and DeepSeek-V3's choices; the fields let one differ."""
+
+    scaling: str
+    """``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``: which elements share a scale."""
+    grad_dtype: torch.dtype = torch.float8_e4m3fn
+    """The format of the output gradient ``dy`` in both backward GEMMs (``torch.float8_e5m2``: more
+    range, fewer bits). Activations and weights are always ``torch.float8_e4m3fn``."""
+    power_of_two_scales: bool = False
+    """Round every scale up to a power of two (scaling then loses no mantissa bits)."""
+    forward_fast_accum: bool = False
+    """``use_fast_accum`` of the forward GEMM (tensorwise and rowwise): the tensor cores accumulate
+    across K steps, faster, fewer bits kept over a long K."""
+    backward_fast_accum: bool = False
+    """The same for the two backward GEMMs (torchao keeps them exact: each K step summed in fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Float8Recipe.scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+        if self.grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError("Float8Recipe.grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                            f"{self.grad_dtype}")
+        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Float8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def tensorwise(cls) -> "Float8Recipe":
+        """torchao's float8 tensorwise recipe: e4m3 activations and weights, e5m2 gradients, one scale
+        per tensor, a fast-accumulating forward GEMM."""
+        return cls(scaling="tensorwise", grad_dtype=torch.float8_e5m2, forward_fast_accum=True)
+
+    @classmethod
+    def rowwise(cls) -> "Float8Recipe":
+        """torchao's rowwise recipe: e4m3 everywhere, a scale per row along each GEMM's contraction,
+        powers of two, a fast-accumulating forward GEMM."""
+        return cls(scaling="rowwise", power_of_two_scales=True, forward_fast_accum=True)
+
+    @classmethod
+    def blockwise(cls) -> "Float8Recipe":
+        """DeepSeek-V3's recipe: e4m3 everywhere, 1 x 128 blocks of activations and gradients, 128 x 128
+        blocks of weights."""
+        return cls(scaling="blockwise")
+
+    # -- the operands, each quantized K-major (``tileweave.ops.compute.quantize``) --------------------
+
+    def lhs(self, x: torch.Tensor, *, grad: bool = False, transpose: bool = False, tokens: bool = False,
+            scale=None, x_scale=None):
+        """The first operand of a GEMM: ``x [M, K]`` (or ``x.T`` with ``transpose``) quantized along K,
+        in e4m3 (``grad``: in ``grad_dtype``); ``tokens``: K is the tokens (a weight gradient), which
+        blockwise pads with zeros to a multiple of 128. ``scale``, ``x_scale``: ``quantize``'s."""
+        return quantize(x, _A[self.scaling], dtype=self.grad_dtype if grad else torch.float8_e4m3fn,
+                        transpose=transpose, pad=tokens and self.scaling == "blockwise",
+                        power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def rhs(self, x: torch.Tensor, *, transpose: bool = False, tokens: bool = False, scale=None, x_scale=None):
+        """The second operand of a GEMM as ``[N, K]`` (``x``, or ``x.T`` with ``transpose``) quantized
+        along K, e4m3; ``matmul`` takes ``(data.t(), scale.t())``. ``tokens``, ``scale``, ``x_scale``:
+        as ``lhs``'s."""
+        return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
+                        power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def check_features(self, owner: str, contractions: dict[str, int]) -> None:
+        """Refuse blockwise scaling where a GEMM's contraction over features is not a multiple of 128
+        (``contractions``: each dimension's name and this rank's size)."""
+        if self.scaling != "blockwise":
+            return
+        bad = {name: size for name, size in contractions.items() if size % 128}
+        if bad:
+            got = ", ".join(f"{name} = {size}" for name, size in contractions.items())
+            raise ValueError(f"{owner}: fp8 blockwise scaling needs {' and '.join(contractions)} to be multiples "
+                             f"of 128 (the contraction dimensions of the forward and input-gradient GEMMs), got "
+                             f"{got}; use the rowwise or tensorwise recipe")
+
+
+def resolve(fp8) -> Float8Recipe | None:
+    """A layer's ``fp8`` argument as a recipe: None, a ``Float8Recipe``, or the name of one of the three."""
+    if fp8 is None or isinstance(fp8, Float8Recipe):
+        return fp8
+    if isinstance(fp8, str) and fp8 in SCALINGS:
+        return getattr(Float8Recipe, fp8)()
+    raise ValueError(f"fp8 must be None, a Float8Recipe or one of {', '.join(repr(s) for s in SCALINGS)}, "
+                     f"got {fp8!r}")

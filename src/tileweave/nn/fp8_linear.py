@@ -1,0 +1,157 @@
+"""The TP linears' forward and backward in float8: the three GEMMs of each layer on the fused ops'
+FP8 forms, with operands cast by a ``Float8Recipe`` (``tileweave.nn.fp8``: which tensor, which
+format, which scaling). Shapes per rank, W ranks, M tokens over the group.
+
+ColumnParallelLinear, weight ``w [N/W, K]``, ``x_shard [M/W, K]``:
+
+=========  =================================================  ==================================
+pass       computation (q(.): float8 with its scales)         op
+=========  =================================================  ==================================
+forward    ``y [M, N/W] = AG_M(q(x_shard)) @ q(w).T + b``     AllGather+GEMM, float8 rows travel
+dgrad      ``dx_shard [M/W, K] = RS_M(q(dy) @ q(w))``         GEMM+ReduceScatter
+wgrad      ``dw [N/W, K] = q(dy).T @ q(AG_M(q(x_shard)))``    GEMM; the gathered float8 rows kept
+                                                              from the forward, quantized again
+=========  =================================================  ==================================
+
+RowParallelLinear, weight ``w [N, K/W]``, ``x [M, K/W]``:
+
+=========  =================================================  ==================================
+pass       computation                                        op
+=========  =================================================  ==================================
+forward    ``y_shard [M/W, N] = RS_M(q(x) @ q(w).T) + b``     GEMM+ReduceScatter
+dgrad      ``dx [M, K/W] = AG_M(q(dy_shard)) @ q(w)``         AllGather+GEMM, float8 rows travel
+wgrad      ``dw [N, K/W] = q(AG_M(q(dy_shard))).T @ q(q(x))`` GEMM on the gathered float8 ``dy``
+                                                              and the forward's float8 ``x``,
+                                                              each quantized again
+=========  =================================================  ==================================
+
+Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
+quantized in its own orientation, read in place. The weight is quantized each step from the master
+weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
+the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
+Outputs are in ``out_dtype`` (the input's dtype, or autocast's), ``dx`` in the input's dtype, ``dw``
+in the weight's: master weights and their gradients never pass through a lower precision.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tileweave.nn.fp8 import Float8Recipe
+from tileweave.nn.tp_ops import start_gather
+from tileweave.ops.compute.matmul import matmul
+
+
+def _wgrad(recipe: Float8Recipe, qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
+    """``qa @ qb.T`` of two K-major float8 operands (``Quantized``): the weight gradient."""
+    return matmul(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=qb.scale.t(), out_dtype=out_dtype,
+                  use_fast_accum=recipe.backward_fast_accum)
+
+
+def _tensor_scale(recipe: Float8Recipe, q) -> torch.Tensor | None:
+    """A tensorwise scale to reuse for the transpose of the same tensor; None for the other scalings,
+    whose transposed operands have scales of their own."""
+    return q.scale if recipe.scaling == "tensorwise" else None
+
+
+def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if bias is None else bias.detach().to(dtype)
+
+
+class ColumnParallelFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group, save_gathered, ops, recipe: Float8Recipe, out_dtype):
+        qx, qw = recipe.lhs(x_shard), recipe.rhs(weight)
+        fp8 = dict(scale_a=qx.scale, scale_b=qw.scale.t(), out_dtype=out_dtype,
+                   use_fast_accum=recipe.forward_fast_accum)
+        if save_gathered:
+            y, gathered, gathered_scales = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype),
+                                                               return_gathered=True, **fp8)
+            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw))
+        else:  # gathered again in backward, in the input's dtype
+            y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
+            ctx.save_for_backward(x_shard, None, weight, _tensor_scale(recipe, qw))
+        ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
+        ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, saved_scales, weight, w_scale = ctx.saved_tensors
+        recipe = ctx.recipe
+        dy = dy.contiguous()
+        pending = None if ctx.save_gathered else start_gather(ctx.ops, saved, ctx.group)
+        qdy = recipe.lhs(dy, grad=True)
+        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
+        dx_shard = ctx.ops.gemm_reduce_scatter(qdy.data, qwt.data.t(), ctx.group, scale_a=qdy.scale,
+                                               scale_b=qwt.scale.t(), out_dtype=ctx.x_dtype,
+                                               use_fast_accum=recipe.backward_fast_accum)
+        qdyt = recipe.lhs(dy, grad=True, transpose=True, tokens=True, scale=_tensor_scale(recipe, qdy))
+        if pending is None:  # the forward's gathered float8 rows, quantized again along the tokens
+            qxt = recipe.rhs(saved, transpose=True, tokens=True, x_scale=saved_scales)
+        else:
+            qxt = recipe.rhs(pending.wait(), transpose=True, tokens=True)
+            pending.release()
+        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
+        db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx_shard, dw, db, None, None, None, None, None
+
+
+class RowParallelFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, ops, recipe: Float8Recipe, out_dtype):
+        qx, qw = recipe.lhs(x), recipe.rhs(weight)
+        y_shard = ops.gemm_reduce_scatter(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), scale_a=qx.scale,
+                                          scale_b=qw.scale.t(), out_dtype=out_dtype,
+                                          use_fast_accum=recipe.forward_fast_accum)
+        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw))
+        ctx.group, ctx.ops, ctx.recipe = group, ops, recipe
+        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        return y_shard
+
+    @staticmethod
+    def backward(ctx, dy_shard):
+        x8, x_scale, weight, w_scale = ctx.saved_tensors
+        recipe = ctx.recipe
+        qdy = recipe.lhs(dy_shard.contiguous(), grad=True)
+        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
+        dx, gathered, gathered_scales = ctx.ops.all_gather_gemm(
+            qdy.data, qwt.data.t(), ctx.group, return_gathered=True, scale_a=qdy.scale, scale_b=qwt.scale.t(),
+            out_dtype=ctx.x_dtype, use_fast_accum=recipe.backward_fast_accum)
+        # Both operands of the weight gradient quantized again along the tokens, from float8.
+        qdyt = recipe.lhs(gathered, grad=True, transpose=True, tokens=True, x_scale=gathered_scales)
+        qxt = recipe.rhs(x8, transpose=True, tokens=True, x_scale=x_scale)
+        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
+        # The bias is added once, on the owner of each row: its gradient sums every row of dy, here the
+        # gathered float8 rows (the only whole dy this rank has), dequantized, in fp32.
+        db = None if ctx.bias_dtype is None else dequantize_rows(gathered, gathered_scales).sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scales`` of float8 rows with scales in the gathered form (``[M, 1]``, or ``[M, K/128]``
+    per 1 x 128 block)."""
+    if scales.shape[1] > 1:
+        scales = scales.repeat_interleave(q.shape[1] // scales.shape[1], dim=1)
+    return q.float() * scales
+
+
+def out_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The dtype of an FP8 layer's output: autocast's where it is on, else the input's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def column_parallel(x_shard, weight, bias, group, save_gathered: bool, ops, recipe: Float8Recipe) -> torch.Tensor:
+    """``ColumnParallelFP8`` outside autocast (the layer casts nothing: the quantization reads each
+    tensor in its own dtype)."""
+    out_dtype = out_dtype_of(x_shard)
+    with torch.autocast(x_shard.device.type, enabled=False):
+        return ColumnParallelFP8.apply(x_shard, weight, bias, group, save_gathered, ops, recipe, out_dtype)
+
+
+def row_parallel(x, weight, bias, group, ops, recipe: Float8Recipe) -> torch.Tensor:
+    """``RowParallelFP8`` outside autocast."""
+    out_dtype = out_dtype_of(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return RowParallelFP8.apply(x, weight, bias, group, ops, recipe, out_dtype)

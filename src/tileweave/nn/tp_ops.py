@@ -1,0 +1,70 @@
+"""The communication GEMMs a TP layer runs on (``TPOps``), and the gathers its backward makes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tileweave.ops import functional
+from tileweave.ops.all_gather.op import AllGatherGemm
+
+
+@dataclasses.dataclass(frozen=True)
+class TPOps:
+    """The communication GEMMs a TP layer runs on, with the signatures of ``tileweave.ops.functional``:
+    ``all_gather_gemm(x_shard, b, group, *, bias=None, return_gathered=False)`` and
+    ``gemm_reduce_scatter(a, b, group, *, bias=None)``; layers with an ``fp8`` recipe also pass float8
+    operands with ``scale_a``, ``scale_b``, ``out_dtype`` and ``use_fast_accum``, and take
+    ``(out, gathered, gathered_scales)`` from ``all_gather_gemm(..., return_gathered=True)`` (tileweave's
+    ops do; NCCL-style stand-ins need not). ``shared_all_gather(group, device)``: an
+    ``AllGatherGemm`` whose buffer the backward may borrow (its gathered view is lent until the op's
+    next call, which saves a copy) and whose ``all_gather`` regathers an input on the copy engines;
+    None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``."""
+
+    all_gather_gemm: Callable
+    gemm_reduce_scatter: Callable
+    shared_all_gather: Callable[[dist.ProcessGroup, torch.device], AllGatherGemm] | None = None
+
+
+TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
+                      gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
+"""tileweave's fused ops, shared per (group, device): the layers' default."""
+
+
+
+def gather_for_weight_grad(ops: TPOps, dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
+    """``(dy_shard gathered @ weight, dy_shard gathered)`` for a weight gradient that the caller queues
+    at once. On a shared op (outside ``torch.compile``) the gathered tensor is the op's buffer itself,
+    lent until this rank's next all-gather call: no copy into a fresh tensor, as the functional op makes
+    for callers that keep it."""
+    if ops.shared_all_gather is not None and not torch.compiler.is_compiling():
+        return ops.shared_all_gather(group, dy_shard.device)(dy_shard, weight, return_gathered=True)
+    return ops.all_gather_gemm(dy_shard, weight, group, return_gathered=True)
+
+
+class Gathered:
+    """A finished all-gather, with the interface of ``PendingGather``."""
+
+    def __init__(self, gathered: torch.Tensor) -> None:
+        self._gathered = gathered
+
+    def wait(self) -> torch.Tensor:
+        return self._gathered
+
+    def release(self) -> None:
+        pass
+
+
+def start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
+    """Gather the input again for the weight gradient while the input gradient runs: on the shared op's
+    copy engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an NCCL
+    kernel would), into its own buffer, released after the weight gradient; else with NCCL."""
+    if ops.shared_all_gather is not None:
+        return ops.shared_all_gather(group, x_shard.device).all_gather(x_shard)
+    world = dist.get_world_size(group)
+    gathered = x_shard.new_empty((x_shard.shape[0] * world, x_shard.shape[1]))
+    dist.all_gather(list(gathered.chunk(world)), x_shard.contiguous(), group=group)
+    return Gathered(gathered)

@@ -1,0 +1,200 @@
+"""Dynamic float8 quantization of GEMM operands on the device (``tileweave.kernels.quantize``).
+
+``quantize`` casts a matrix, or its transpose, to float8 with the scales that ``matmul``'s FP8
+arguments take (``tileweave.ops.compute.scaling``): the amax of each group is found on the device
+(no host sync), ``scale = max(amax, 1e-12) / fp8_max`` (448 for e4m3fn, 57344 for e5m2; optionally
+rounded up to a power of two), ``q = clamp(x / scale, -fp8_max, fp8_max)`` cast to nearest even, so
+that ``x ~ q * scale`` (torch's and torchao's convention).
+
+Every operand is quantized K-major, as the tensor cores read float8: rows along the contraction. For
+``matmul(a, b)``, ``a = quantize(x, ...)`` of ``x [M, K]`` is ``(a.data, a.scale)``; the other operand
+is quantized as ``[N, K]`` (an ``nn.Linear`` weight as it is, anything else with ``transpose=True``),
+and ``b = (q.data.t(), q.scale.t())``:
+
+====================  ===================  =====================  ===================================
+granularity           ``scale`` of [R, C]  as ``a`` (``[M, K]``)  as ``b`` (``.t()``)
+====================  ===================  =====================  ===================================
+``tensorwise``        one element (0-d)    tensorwise             tensorwise
+``rowwise``           ``[R, 1]``           ``[M, 1]``             ``[1, N]``
+``blockwise_1x128``   ``[R, C/128]``       ``[M, K/128]``         (not an operand form of ``b``)
+``blockwise_128x128`` ``[ceil(R/128),      (not a form of ``a``)  ``[K/128, ceil(N/128)]``
+                      C/128]``
+====================  ===================  =====================  ===================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import triton
+
+from tileweave.kernels.quantize import amax_kernel, quantize_kernel
+from tileweave.ops import common
+from tileweave.ops.compute.scaling import BLOCK, FP8_DTYPES
+
+GRANULARITIES = ("tensorwise", "rowwise", "blockwise_1x128", "blockwise_128x128")
+"""Which elements share a scale: all, a row, 128 consecutive elements of a row, a 128 x 128 block."""
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+"""The largest finite value of each float8 format."""
+_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+# (mantissa bits, smallest normal exponent) of each format: its grid of values
+_GROUP = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128", "blockwise_128x128": "128x128"}
+EPS = 1e-12
+"""The floor of an amax (torchao's): an all-zero group gets a finite scale."""
+
+TILES = {"tensor": (64, 128, 8), "row": (16, 256, 4), "row_t": (32, 128, 4), "1x128": (32, 128, 4),
+         "128x128": (128, 128, 8)}
+"""Per group kind, ``(BR, BC, num_warps)`` on GPUs (``"row_t"``: rows read across a transposed view,
+whose contiguous dimension is the tile's rows). Chosen for coalesced reads of 128 columns and more;
+not yet tuned."""
+INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_t": (128, 256, 4), "1x128": (128, 128, 4),
+                     "128x128": (128, 128, 4)}
+"""The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones."""
+
+
+class Quantized(NamedTuple):
+    """A float8 operand: ``data`` (contiguous ``[R, C]``, zero columns past the input's for ``pad``) and
+    its float32 ``scale`` (the module's table), ``data * scale ~ x``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.float8_e4m3fn,
+             transpose: bool = False, pad: bool = False, power_of_two: bool = False,
+             scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> Quantized:
+    """``x [R, C]`` (or ``x.T`` with ``transpose``: read through its strides, written contiguous, no
+    transpose pass) cast to ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) with one scale
+    per group of ``granularity`` (module docstring). ``x``: float16, bfloat16 or float32, any strides.
+
+    * ``pad`` (blockwise only): zero columns up to a multiple of 128 (for an operand whose contraction
+      dimension is not one, such as the tokens of a weight gradient); without it the columns of a
+      blockwise result must be a multiple of 128.
+    * ``power_of_two``: each scale rounded up to a power of two (torchao's rowwise recipe), so that
+      scaling loses no bits.
+    * ``scale`` (tensorwise only): the scale to use, a one-element float32 tensor (say, the one
+      computed for the same tensor in another orientation): no amax pass; it is returned as is.
+    * ``x_scale``: ``x`` is float8 with these scales (``matmul``'s ``scale_a`` forms for ``x`` as
+      given: one element, ``[R, 1]`` or ``[R, C/128]``), and ``x * x_scale`` is quantized again.
+
+    No host synchronisation: tensorwise is two launches (an amax, then the cast), the others one.
+    On the CPU this runs in Triton's interpreter; bfloat16 is read through float32 there.
+
+    Errors name the argument: a granularity or dtype not listed, ``pad`` or ``scale`` with a
+    granularity that takes neither, blockwise columns not a multiple of 128 without ``pad``, a float8
+    ``x`` without ``x_scale`` (or ``x_scale`` with another ``x``), scales of a wrong dtype, device or shape.
+    """
+    group = _check(x, granularity, dtype, transpose, pad, scale, x_scale)
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
+    cols_out = -(-cols // BLOCK) * BLOCK if pad else cols
+    device = x.device
+    data = torch.empty((rows, cols_out), dtype=dtype, device=device)
+    out_scale = _new_scale(group, rows, cols_out, device) if scale is None else scale
+    if rows == 0 or cols == 0:
+        data.zero_()
+        if scale is None:
+            out_scale.fill_(_host_scale(0.0, dtype, power_of_two))
+        return Quantized(data, out_scale)
+    interp = common.interpreting()
+    if x.device.type == "cpu" and not interp:
+        raise RuntimeError("quantize on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    if interp and x.dtype == torch.bfloat16:
+        x = x.float()  # the interpreter's bfloat16 loads are wrong
+    strides = x.stride()[::-1] if transpose else x.stride()
+    in_scale, in_strides, in_groups = _input_scales(x, x_scale, transpose)
+    fp8_max = FP8_MAX[dtype]
+    mant, min_exp = _GRID[dtype]
+    br, bc, warps = tiles_of(group, *strides, interpreter=interp)
+    switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
+    with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
+        tensor = scale
+        if group == "tensor" and scale is None:
+            tensor = torch.zeros(1, dtype=torch.float32, device=device)
+            amax_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
+                x, in_scale, tensor, rows, cols, *strides, *in_strides, BR=br, BC=bc, num_warps=warps, **switches)
+        grid = (triton.cdiv(rows, br), 1 if group == "row" else triton.cdiv(cols_out, bc))
+        scale_strides = (0, 0) if out_scale.dim() == 0 else out_scale.stride()
+        quantize_kernel[grid](
+            x, in_scale, data, out_scale, out_scale if tensor is None else tensor, rows, cols, cols_out,
+            *strides, *in_strides, *data.stride(), *scale_strides,
+            GROUP=group, BR=br, BC=bc, FP8_MAX=fp8_max, MANT=mant, MIN_EXP=min_exp, POW2=bool(power_of_two),
+            SCALE_GIVEN=scale is not None, num_warps=warps, **switches)
+    return Quantized(data, out_scale)
+
+
+def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -> tuple[int, int, int]:
+    """``(BR, BC, num_warps)`` of a launch of ``group`` over an input of strides ``(stride_xr, stride_xc)``."""
+    kind = "row_t" if group == "row" and stride_xr == 1 and stride_xc != 1 else group
+    return (INTERPRETER_TILES if interpreter else TILES)[kind]
+
+
+def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize: x must be 2-D, got shape {tuple(x.shape)}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"quantize: granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    fp8_in = x.dtype in FP8_DTYPES
+    if fp8_in and x_scale is None:
+        raise TypeError(f"quantize: x is {x.dtype}: pass its scales as x_scale to quantize it again")
+    if not fp8_in and x.dtype not in common.SUPPORTED_DTYPES:
+        raise TypeError(f"quantize: x has dtype {x.dtype}; supported: float16, bfloat16, float32, or float8 with "
+                        "x_scale")
+    if x_scale is not None and not fp8_in:
+        raise TypeError(f"quantize: x_scale applies to a float8 x; x is {x.dtype}")
+    blockwise = granularity.startswith("blockwise")
+    if pad and not blockwise:
+        raise ValueError(f"quantize: pad applies to blockwise granularities, got {granularity!r}")
+    if scale is not None:
+        if granularity != "tensorwise":
+            raise ValueError(f"quantize: a given scale applies to tensorwise, got granularity {granularity!r}")
+        _check_scale("scale", scale, x.device, lambda s: s.numel() == 1, "one element")
+    if x_scale is not None:
+        _check_scale("x_scale", x_scale, x.device, lambda s: True, "")
+    cols = x.shape[0] if transpose else x.shape[1]
+    if blockwise and not pad and cols % BLOCK:
+        what = "rows of x (the columns of x.T)" if transpose else "columns of x"
+        raise ValueError(f"quantize: {granularity} needs the {what} to be a multiple of {BLOCK}, got {cols}; "
+                         "pass pad=True to pad them with zeros")
+    return _GROUP[granularity]
+
+
+def _check_scale(name, s, device, ok, expected: str) -> None:
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != device:
+        raise TypeError(f"quantize: {name} must be a float32 tensor on {device}, got {common.describe(s)}")
+    if not ok(s):
+        raise ValueError(f"quantize: {name} must have {expected}, got shape {list(s.shape)}")
+
+
+def _new_scale(group: str, rows: int, cols: int, device) -> torch.Tensor:
+    shape = {"tensor": (), "row": (rows, 1), "1x128": (rows, cols // BLOCK),
+             "128x128": (-(-rows // BLOCK), cols // BLOCK)}[group]
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _host_scale(amax: float, dtype: torch.dtype, power_of_two: bool) -> float:
+    scale = torch.tensor(max(amax, EPS), dtype=torch.float32) / FP8_MAX[dtype]
+    return float(torch.exp2(torch.ceil(torch.log2(scale.double())))) if power_of_two else float(scale)
+
+
+def _input_scales(x: torch.Tensor, x_scale: torch.Tensor | None, transpose: bool) -> tuple:
+    """``(tensor, (stride per row, per column), (rows, columns) per scale)`` of the input's scales in the
+    orientation read (a dummy without them)."""
+    if x_scale is None:
+        return x, (0, 0), (1, 1)
+    rows, cols = x.shape
+    if x_scale.numel() == 1 and x_scale.dim() <= 2:
+        strides, groups = (0, 0), (1, 1)
+    elif x_scale.dim() == 2 and x_scale.shape[0] == rows and x_scale.shape[1] == 1:
+        strides, groups = (x_scale.stride(0), 0), (1, 1)
+    elif x_scale.dim() == 2 and cols % BLOCK == 0 and tuple(x_scale.shape) == (rows, cols // BLOCK):
+        strides, groups = tuple(x_scale.stride()), (1, BLOCK)
+    else:
+        raise ValueError(f"quantize: x_scale must have one element, [R, 1] = {[rows, 1]} or [R, C/128] = "
+                         f"{[rows, cols // BLOCK]} for x {list(x.shape)}, got {list(x_scale.shape)}")
+    return x_scale, strides[::-1] if transpose else strides, groups[::-1] if transpose else groups

@@ -1,0 +1,57 @@
+"""FP8 training in the TP linears and the transformer block on GPUs (compiled kernels), bf16 parameters,
+activations and outputs: each recipe's forward output and input, weight and bias gradients against
+float64 of the same quantized math (``support.fp8_reference``), at one rank and at two, shapes whose M
+and N are off the GPU tiles; the block's four linears each on the tensors it received. Skipped without
+a GPU with FP8 tensor cores; the two-rank tests without two GPUs (or TILEWEAVE_GPU_RANKS=2 on one)."""
+
+import pytest
+import torch
+
+from gpus import RANKS, needs_gpu, needs_two
+from support.scenarios import fp8_layers as scenarios
+from tileweave.testing.emulated import run_ranks
+
+pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")]
+# bf16 outputs of exactly quantized operands: bf16's rounding, and Hopper's FP8 MMA within a K step.
+TOL = 1e-2
+
+# (layer, recipe, M tokens over the group, in_features, out_features, bias, save_gathered, steps)
+ONE_RANK = [("column", "blockwise", 4000, 1024, 2048, True, True, 2), ("row", "rowwise", 4000, 1024, 1000, True, True, 2),
+            ("column", "tensorwise", 4000, 1024, 1000, False, False, 1)]
+TWO_RANKS = [("column", "tensorwise", 4096, 1024, 2000, True, True, 2), ("row", "tensorwise", 4096, 2048, 1000, True, True, 1),
+             ("column", "rowwise", 4000, 1024, 2000, False, False, 2), ("row", "rowwise", 4000, 2048, 1000, True, True, 1),
+             ("column", "blockwise", 4000, 1024, 2048, True, True, 2), ("row", "blockwise", 4000, 2048, 1024, True, True, 1)]
+
+
+def _check(rows):
+    for row in rows:
+        for name in ("y", "dx", "dw") + (("db",) if row["case"][5] else ()):
+            assert row[name] < TOL, (name, row)
+        assert row["dtypes"] == ["torch.bfloat16"], row
+
+
+def test_fp8_linears_one_rank_gpu():
+    for rows in run_ranks(1, scenarios.fp8_linear_check, ONE_RANK, "bfloat16", gpus=True, timeout_s=300):
+        _check(rows)
+
+
+@needs_two
+@pytest.mark.multigpu
+def test_fp8_linears_gpu():
+    for rows in run_ranks(RANKS, scenarios.fp8_linear_check, TWO_RANKS, "bfloat16", gpus=True, timeout_s=300):
+        _check(rows)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp8_block_gpu(ranks):
+    if ranks > RANKS:
+        pytest.skip("needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
+    cases = [(recipe, 1024, 2, 1000) for recipe in ("tensorwise", "rowwise", "blockwise")]
+    for rows in run_ranks(ranks, scenarios.fp8_block_check, cases, "bfloat16", gpus=True, timeout_s=300):
+        for row in rows:
+            for layer in ("qkv", "o", "gate_up", "down"):
+                for key in ("y", "dx", "dw"):
+                    assert row[f"{layer}_{key}"] < TOL, (layer, key, row)
+            for key in ("y_exact", "dx_exact"):
+                assert row[key] < 0.15, (key, row)

@@ -1,0 +1,137 @@
+"""The TP linears' FP8 training math in float64, written with plain torch, independently of the library.
+
+Quantization: the amax of each group of a float32 matrix with torch reductions, ``scale = max(amax,
+1e-12) / fp8_max`` (rounded up to a power of two where the recipe says so), ``(x / scale).clamp(...)``
+cast by torch. The recipes' choices are restated here: per GEMM, which operand in which format, grouped
+along which dimension (``FORMS``). Each layer's forward output and gradients are then the float64
+products of the dequantized operands, per rank of the group, from the full unsharded tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+# Per recipe: (first operand's groups, second operand's groups, gradients' format, powers of two)
+FORMS = {
+    "tensorwise": ("tensor", "tensor", E5M2, False),
+    "rowwise": ("row", "row", E4M3, True),
+    "blockwise": ("1x128", "128x128", E4M3, False),
+}
+
+
+def qdq32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> torch.Tensor:
+    """float32 ``q * scale`` of float32 ``x [R, C]`` quantized along its rows in ``groups`` ("tensor",
+    "row", "1x128", "128x128"; blockwise groups pad the columns with zeros to 128 and drop them again)."""
+    rows, cols = x.shape
+    c128 = -(-cols // 128) * 128
+    r128 = -(-rows // 128) * 128
+    xp = F.pad(x.float(), (0, c128 - cols, 0, r128 - rows))  # zeros change no amax
+    if groups == "tensor":
+        amax = xp.abs().amax().reshape(1, 1)
+        each = lambda s: s.expand(r128, c128)
+    elif groups == "row":
+        amax = xp.abs().amax(1, keepdim=True)
+        each = lambda s: s.expand(r128, c128)
+    elif groups == "1x128":
+        amax = xp.view(r128, c128 // 128, 128).abs().amax(2)
+        each = lambda s: s.repeat_interleave(128, 1)
+    else:
+        amax = xp.view(r128 // 128, 128, c128 // 128, 128).abs().amax((1, 3))
+        each = lambda s: s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    scale = amax.clamp(min=1e-12) / FP8_MAX[dtype]
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale.double()))).float()
+    s = each(scale)
+    q = (xp / s).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    return (q.float() * s)[:rows, :cols]
+
+
+class Recipe:
+    """One recipe's quantizers: ``a`` (first operand, along K; ``grad``: the gradients' format) and
+    ``b`` (second operand as ``[N, K]``, along K), each giving float32 dequantized values."""
+
+    def __init__(self, name: str) -> None:
+        self.a_groups, self.b_groups, self.grad_dtype, self.pow2 = FORMS[name]
+
+    def a(self, x: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        return qdq32(x, self.a_groups, self.grad_dtype if grad else E4M3, self.pow2)
+
+    def b(self, x: torch.Tensor) -> torch.Tensor:
+        return qdq32(x, self.b_groups, E4M3, self.pow2)
+
+
+def column_parallel(recipe: str, x: torch.Tensor, w: torch.Tensor, bias, dy: torch.Tensor, world: int, rank: int,
+                    *, save_gathered: bool = True) -> dict:
+    """ColumnParallelLinear's FP8 math for rank ``rank``: full ``x [M, K]``, full ``w [N, K]``, ``bias
+    [N]`` or None, and the gradient ``dy [M, N]`` of the full output; float64 ``y`` and ``db`` of the
+    rank's N slice, its ``dx`` rows, its ``dw``."""
+    r = Recipe(recipe)
+    m, n = x.shape[0], w.shape[0]
+    rows, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * n // world, (rank + 1) * n // world)
+    shards = [x[p * m // world:(p + 1) * m // world] for p in range(world)]
+    gathered = torch.cat([r.a(s) for s in shards])           # each rank's float8 rows, dequantized (float32)
+    w_r = w[cols]
+    y = gathered.double() @ r.b(w_r).double().t()
+    dx_full = sum(r.a(dy[:, c], grad=True).double() @ r.b(w[c].t()).double().t()
+                  for c in (slice(p * n // world, (p + 1) * n // world) for p in range(world)))
+    dy_r = dy[:, cols]
+    x_wgrad = gathered if save_gathered else x                # requantized from float8, or from the input
+    dw = r.a(dy_r.t(), grad=True).double() @ r.b(x_wgrad.t()).double().t()
+    out = {"y": y + (bias[cols].double() if bias is not None else 0), "dx": dx_full[rows], "dw": dw}
+    if bias is not None:
+        out["db"] = dy_r.double().sum(0)
+    return out
+
+
+def row_parallel(recipe: str, x: torch.Tensor, w: torch.Tensor, bias, dy: torch.Tensor, world: int, rank: int) -> dict:
+    """RowParallelLinear's FP8 math for rank ``rank``: full ``x [M, K]``, ``w [N, K]`` (rank p holds the
+    K slice p of both), ``bias [N]`` or None, ``dy [M, N]`` (rank p receives rows p); float64 ``y``
+    rows, ``dx`` and ``dw`` of the rank's K slice, ``db``."""
+    r = Recipe(recipe)
+    m, k = x.shape
+    rows = slice(rank * m // world, (rank + 1) * m // world)
+    ks = [slice(p * k // world, (p + 1) * k // world) for p in range(world)]
+    y_full = sum(r.a(x[:, c]).double() @ r.b(w[:, c]).double().t() for c in ks)
+    gathered = torch.cat([r.a(dy[p * m // world:(p + 1) * m // world], grad=True) for p in range(world)])
+    c = ks[rank]
+    dx = gathered.double() @ r.b(w[:, c].t()).double().t()
+    dw = r.a(gathered.t(), grad=True).double() @ r.b(r.a(x[:, c]).t()).double().t()
+    out = {"y": y_full[rows] + (bias.double() if bias is not None else 0), "dx": dx, "dw": dw}
+    if bias is not None:
+        out["db"] = gathered.double().sum(0)
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    """``a @ w.T`` in float64 on one rank (a group of one) with a recipe's quantized operands: the
+    forward's, the input gradient's and the weight gradient's, of a column-parallel layer (the weight
+    gradient's gradient operand quantized from ``dy``) or a row-parallel one (requantized from the
+    quantized ``dy``); the activation operand requantized from the forward's in both. Each operand is
+    rounded to float32, then quantized, as the layers quantize their float32 tensors."""
+
+    @staticmethod
+    def forward(ctx, a, w, recipe: Recipe, kind: str):
+        aq = recipe.a(a.float())
+        ctx.save_for_backward(aq, w)
+        ctx.recipe, ctx.kind = recipe, kind
+        return aq.double() @ recipe.b(w.float()).double().t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        aq, w = ctx.saved_tensors
+        r = ctx.recipe
+        dy32 = dy.float()
+        dyq = r.a(dy32, grad=True)
+        dx = dyq.double() @ r.b(w.float().t()).double().t()
+        dw = r.a((dy32 if ctx.kind == "column" else dyq).t(), grad=True).double() @ r.b(aq.t()).double().t()
+        return dx, dw.to(w.dtype), None, None
+
+
+def linear(recipe: str):
+    """``references.transformer_block``'s ``linear`` for a block on one rank in this FP8 recipe."""
+    r = Recipe(recipe)
+    return lambda a, w, kind: _Linear.apply(a, w, r, kind)

@@ -1,0 +1,172 @@
+"""The TP linears in FP8 training on emulated ranks (or GPUs): each recipe's forward output and every
+gradient against ``support.fp8_reference``'s float64 math of the same quantized operands, and the
+layers' refusals."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import tileweave
+from support import fp8_reference
+from support.scenarios.common import device_name, randn, rel_err
+from tileweave.nn import ColumnParallelLinear, RowParallelLinear
+
+
+def _inputs(tag: str, m: int, k: int, n: int, with_bias: bool, device):
+    """Full float32 ``x [m, k]``, ``w [n, k]``, bias and output gradient ``dy [m, n]``: the same on every
+    rank; rows of very different magnitudes, so that per-row and per-block scales matter."""
+    x = randn((m, k), torch.float32, tag, "x") * torch.exp2(torch.randint(-3, 4, (m, 1), generator=torch.Generator()
+                                                                        .manual_seed(m)).float())
+    w = randn((n, k), torch.float32, tag, "w") / k ** 0.5
+    bias = randn((n,), torch.float32, tag, "b") if with_bias else None
+    dy = randn((m, n), torch.float32, tag, "dy") * 1e-3  # small gradients: scales far from the activations'
+    return x, w, bias, dy
+
+
+def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "float32") -> list[dict]:
+    """Per case ``(layer, recipe, m, k, n, bias, save_gathered, steps)`` (``layer`` "column" or "row";
+    ``m`` tokens over the group; ``k``, ``n`` the layer's in and out features): ``steps`` steps with
+    fresh inputs (a second one takes every op's and GEMM's kept plan, with new scales), each rank's
+    largest relative errors of ``y``, ``dx``, ``dw`` (and ``db``) against the float64 reference, the
+    dtypes of the outputs and gradients, and the paths taken. ``dtype``: of the inputs, parameters and
+    outputs (the reference quantizes the same values)."""
+    device, dtype = device_name(), getattr(torch, dtype)
+    rows = []
+    for case in cases:
+        layer_kind, recipe, m, k, n, with_bias, save_gathered, steps = case
+        errs: dict[str, float] = {}
+        for step in range(steps):
+            x, w, bias, dy = (None if t is None else t.to(dtype).float()
+                              for t in _inputs(f"{case}-{step}", m, k, n, with_bias, "cpu"))
+            state = {"weight": w, **({"bias": bias} if with_bias else {})}
+            if layer_kind == "column":
+                layer = ColumnParallelLinear(k, n, bias=with_bias, save_gathered=save_gathered, device=device,
+                                             dtype=dtype, fp8=recipe)
+                mine = slice(rank * m // world, (rank + 1) * m // world)
+                x_in, dy_in = x[mine], dy[:, rank * n // world:(rank + 1) * n // world]
+                ref = fp8_reference.column_parallel(recipe, x, w, bias, dy, world, rank, save_gathered=save_gathered)
+            else:
+                layer = RowParallelLinear(k, n, bias=with_bias, device=device, dtype=dtype, fp8=recipe)
+                x_in = x[:, rank * k // world:(rank + 1) * k // world]
+                dy_in = dy[rank * m // world:(rank + 1) * m // world]
+                ref = fp8_reference.row_parallel(recipe, x, w, bias, dy, world, rank)
+            layer.load_full_state_dict(state)
+            xin = x_in.to(device, dtype).clone().requires_grad_(True)
+            y = layer(xin)
+            y.backward(dy_in.to(device, dtype))
+            got = {"y": y, "dx": xin.grad, "dw": layer.weight.grad}
+            if with_bias:
+                got["db"] = layer.bias.grad
+            for name, value in got.items():
+                errs[name] = max(errs.get(name, 0.0), rel_err(value.detach().cpu(), ref[name]))
+        rows.append({"case": case, **errs, "dtypes": sorted({str(t.dtype) for t in got.values()}),
+                     "paths": (tileweave.last_path("all_gather_gemm"), tileweave.last_path("gemm_reduce_scatter"))})
+    return rows
+
+
+def fp8_options_check(rank: int, world: int) -> dict:
+    """``"refusals"``: the error's type and message of each bad FP8 configuration; ``"scalings"``: per
+    recipe, the GEMM kernel's ``SCALING`` of each launch of a row-parallel layer's forward and backward
+    (forward, input gradient, weight gradient), by default and with ``backward_fast_accum``."""
+    import dataclasses
+
+    from support.launches import recording
+    from tileweave.nn import Float8Recipe
+
+    scalings = {}
+    for label, recipe in (("rowwise", Float8Recipe.rowwise()),
+                          ("rowwise, backward_fast_accum", dataclasses.replace(Float8Recipe.rowwise(),
+                                                                              backward_fast_accum=True)),
+                          ("blockwise", Float8Recipe.blockwise())):
+        layer = RowParallelLinear(128 * world, 128, bias=False, device=device_name(), fp8=recipe)
+        x = torch.randn(8 * world, 128, device=device_name(), requires_grad=True)
+        with recording() as launches:
+            layer(x).sum().backward()
+        scalings[label] = [dict(launch.kwargs).get("SCALING") for launch in launches
+                           if launch.kernel.endswith(":fused_gemm_kernel")]
+    return {"refusals": _refusals(world), "scalings": scalings}
+
+
+def _refusals(world: int) -> dict[str, str]:
+    """The layers' refusals of FP8 configurations: the error's type and message per case."""
+    cases = {
+        "blockwise column out_features/W": lambda: ColumnParallelLinear(256, 200 * world, fp8="blockwise"),
+        "blockwise column in_features": lambda: ColumnParallelLinear(200, 128 * world, fp8="blockwise"),
+        "blockwise row in_features/W": lambda: RowParallelLinear(96 * world, 128, fp8="blockwise"),
+        "blockwise row out_features": lambda: RowParallelLinear(128 * world, 100, fp8="blockwise"),
+        "unknown recipe": lambda: ColumnParallelLinear(128, 128 * world, fp8="columnwise"),
+        "not sequence parallel": lambda: RowParallelLinear(128 * world, 128, fp8="rowwise", sequence_parallel=False),
+        "recipe field": lambda: tileweave.nn.Float8Recipe(scaling="rowwise", grad_dtype=torch.float16),
+    }
+    out = {}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def fp8_block_check(rank: int, world: int, cases: list[tuple], dtype: str = "float32") -> list[dict]:
+    """Per case ``(recipe, hidden, batch, seq)``: ``TPTransformerBlock(fp8=recipe)`` (heads of 16 features,
+    ffn = hidden) on ``batch`` sequences of ``seq`` tokens, one forward and backward. Each of its four
+    linears is checked against ``support.fp8_reference`` on the inputs and output gradients it actually
+    received (gathered from every rank): its output, input gradient and weight gradient (``<layer>_y``,
+    ``<layer>_dx``, ``<layer>_dw``); and the block's output and input gradient against float64 of the
+    unquantized block (``y_exact``, ``dx_exact``). ``dtype``: of the block's parameters and activations."""
+    from support import references
+    from support.scenarios.layers import hf_block_state, small_block_data
+    from tileweave.nn.block import BlockConfig, TPTransformerBlock
+
+    device, dtype = device_name(), getattr(torch, dtype)
+    rows_out = []
+    for recipe, hidden, batch, seq in cases:
+        c = BlockConfig(hidden=hidden, heads=hidden // 16, kv_heads=hidden // 32, ffn=hidden, rope_theta=10000.0)
+        m = batch * seq
+        state, x_full, g_full = (t.to(dtype).float() if isinstance(t, torch.Tensor) else
+                                 {k: v.to(dtype).float() for k, v in t.items()}
+                                 for t in small_block_data(c, m, f"fp8-{recipe}", device))
+        mine = slice(rank * m // world, (rank + 1) * m // world)
+        block = TPTransformerBlock(c, device=device, dtype=dtype, fp8=recipe)
+        block.load_full_state_dict(hf_block_state(state, c))
+        seen: dict[str, dict] = {}
+        for name in ("qkv", "o", "gate_up", "down"):
+            layer = getattr(block, name)
+            layer.register_forward_hook(lambda mod, args, y, name=name: seen.setdefault(name, {}).update(
+                x=args[0].detach().clone(), y=y.detach().clone()))
+            layer.register_full_backward_hook(lambda mod, dx, dy, name=name: seen[name].update(
+                dy=dy[0].detach().clone(), dx=dx[0].detach().clone()))
+        x = x_full[mine].to(dtype).clone().requires_grad_(True)
+        y = block(x, batch)
+        (y.float() * g_full[mine]).sum().backward()
+        out = {"case": (recipe, hidden, batch, seq), "fp8": block.fp8.scaling}
+        for name, got in seen.items():
+            column = name in ("qkv", "gate_up")
+            weight = getattr(block, name).weight
+            # The layer's full operands, from every rank's pieces (rank-major rows or column blocks).
+            full_x = _gathered(got["x"], 0 if column else 1, world)
+            full_dy = _gathered(got["dy"], 1 if column else 0, world)
+            full_w = _gathered(weight.detach(), 0 if column else 1, world)
+            check = fp8_reference.column_parallel if column else fp8_reference.row_parallel
+            ref = check(recipe, full_x.float().cpu(), full_w.float().cpu(), None, full_dy.float().cpu(), world, rank)
+            for key, value in (("y", got["y"]), ("dx", got["dx"]), ("dw", weight.grad)):
+                out[f"{name}_{key}"] = rel_err(value.cpu(), ref[key])
+        xr = x_full.double().requires_grad_(True)
+        yr = references.transformer_block(xr, {k: v.double() for k, v in state.items()}, heads=c.heads,
+                                          kv_heads=c.kv_heads, rope_theta=c.rope_theta, norm_eps=c.norm_eps,
+                                          batch=batch)
+        yr.backward(g_full.double())
+        out["y_exact"], out["dx_exact"] = rel_err(y, yr.detach()[mine]), rel_err(x.grad, xr.grad[mine])
+        rows_out.append(out)
+    return rows_out
+
+
+def _gathered(t: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along ``dim``, in rank order."""
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim)
