@@ -56,11 +56,11 @@ def test_all_gather_gemm_chunked_and_oneshot(world, transport):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
-@pytest.mark.parametrize("world,programs", [(2, 3), (4, 3), (3, 4)])
+@pytest.mark.parametrize("world,programs", [(4, 3), (3, 4)])
 def test_all_gather_gemm_stream_k_tail(world, programs):
-    # The last chunk's tiles of the partial wave shared by K steps over every program: 2 ranks, 4 tiles
-    # of 32 x 32 a chunk on 3 programs leave 2 (seven K steps each at K=200); 4 ranks leave 1; 3 ranks
-    # (ring), 6 tiles a chunk on 4 programs, leave 2. Late producers, bias, a K that TMA cannot take.
+    # The last chunk's tiles of the partial wave shared by K steps over every program: 4 ranks, 4 tiles
+    # of 32 x 32 a chunk on 3 programs leave 1 (seven K steps each at K=200); 3 ranks (ring), 6 tiles a
+    # chunk on 4 programs, leave 2. Late producers, bias, a K that TMA cannot take.
     ring = world == 3
     wider = 32 if ring else 0
     cases = [C(m_chunk=40, k=200, n=56 + wider, bias=True, iters=3),
@@ -187,9 +187,10 @@ def test_all_gather_alone_on_the_copy_engines(world, transport):
         assert result["fused_err"] < TOL["float16"], result
 
 
-@pytest.mark.parametrize("transport", ["mesh", "ring", "chunked"])
+@pytest.mark.parametrize("transport", ["mesh", "ring"])
 def test_all_gather_gemm_eight_ranks(transport):
-    # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer.
+    # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer (the full mesh and the ring,
+    # whose order depends on W; the chunked transport is tested at 2-4 ranks).
     cases = [C(m_chunk=12, k=16, n=24, bias=True, iters=2, ag_transport=transport, straggler=5, delay_s=0.1)]
     _check(run_ranks(8, scenarios.all_gather_gemm_check, cases, heap_bytes=4 << 20), "gathered_exact")
 
