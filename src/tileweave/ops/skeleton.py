@@ -12,8 +12,9 @@
 This module is the one home of what the five ops (``AllGatherGemm``, ``GemmReduceScatter``,
 ``MoEAllGatherGemm``, ``MoEGemmReduceScatter``, ``GemmAllReduce``) share: their base class ``TPOp``
 (group and backend, the policy and ``max_spin`` checks, the op shared per group and device, settings
-from ``tileweave.runtime.settings``, the rule that a signature's first call is eager), the error words
-(``ErrorWords``) and the compile-then-meet of a kernel's first launch (``first_launch``).
+from ``tileweave.runtime.settings``, the agreement run by the op itself (``TPOp._agreed``), the rule that
+a signature's first call is eager), the error words (``ErrorWords``) and the compile-then-meet of a
+kernel's first launch (``first_launch``).
 
 Policies, the same words for every op (an op lists the ones it has in ``policies``): ``"auto"`` (the
 op's rule per shape), ``"fused"`` (an overlapped path, its transport by the op's rule), ``"oneshot"``
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from tileweave.runtime import settings
 from tileweave.ops import common
+from tileweave.ops.workspace import agree
 from tileweave.runtime.backend import Backend, HostWord, TileweaveError, get_backend
 
 PATHS = {
@@ -219,6 +221,20 @@ class TPOp:
     def spin_bound(self, backend: Backend) -> int:
         """Polls a flag wait of this op may take: ``max_spin`` or the backend's default."""
         return self.max_spin or backend.default_max_spin
+
+    def _agreed(self, backend: Backend, signature: object, propose: Callable[[], object], *,
+                hint: str = "") -> object:
+        """Rank 0's ``propose()``, every rank together (``workspace.agree``): this rank's ``propose()``
+        (its checks, then its proposal) runs here, in the op; what it raises (``TypeError``,
+        ``ValueError``, ``TileweaveError``) is exchanged with the other ranks' outcomes and ``signature``
+        (what the ranks must share) and raised on every rank. A group of one runs ``propose()`` alone."""
+        if backend.world_size == 1:
+            return propose()
+        try:
+            proposal, failure = propose(), None
+        except (TypeError, ValueError, TileweaveError) as exc:
+            proposal, failure = None, exc
+        return agree(backend, self.op_name, signature, proposal, failure=failure, hint=hint)
 
     def require_eager(self, what: str) -> None:
         """Raise the error of a signature's first call under CUDA-graph capture: ``what`` that call does

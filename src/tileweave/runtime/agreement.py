@@ -26,7 +26,6 @@ import tempfile
 import time
 import zlib
 
-import torch
 import torch.distributed as dist
 
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
@@ -35,8 +34,6 @@ SLOT_BYTES = 16 << 10
 """One record's slot: far above a call's signature and proposal (a few hundred bytes pickled)."""
 _HEADER = struct.Struct("<qqq")  # stamp, length, crc32
 _STAMP = struct.Struct("<q")
-
-
 class _Segment:
     """One group's shared slots on this rank, and the number of its next exchange."""
 
@@ -174,25 +171,6 @@ def _records(op: str, everyone: list) -> list:
     return [record for _, record in everyone]
 
 
-def describe(value: object, *, dims: tuple[int, ...] | None = None) -> object:
-    """What the ranks compare of an argument, as text: a tensor's shape (``*`` for the dimensions not in
-    ``dims`` when given, for a tensor whose other dimensions may differ by rank), dtype and device type,
-    e.g. ``"[4, *] float16 on cuda"``; None; a number or string itself (its repr, so that NaN equals
-    NaN); else the type's name."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        shape = list(value.shape)
-        if dims is not None:
-            kept = {d % len(shape) for d in dims if -len(shape) <= d < len(shape)}
-            shape = [size if d in kept else "*" for d, size in enumerate(shape)]
-        return f"[{', '.join(str(size) for size in shape)}] {str(value.dtype).removeprefix('torch.')} on " \
-               f"{value.device.type}"
-    if isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    return type(value).__name__
-
-
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "CollectiveTimeout": CollectiveTimeout}
 
 
@@ -201,7 +179,7 @@ def judge(op: str, everyone: list, *, hint: str = "") -> None:
     ``everyone``: each rank's ``(signature, failure, proposal)``, where ``failure`` is None or the
     ``(type name, message)`` of what that rank's checks raised. The lowest failing rank's error is
     raised; its message carries the rank unless every rank failed alike. A signature that is a dict
-    (argument name: ``describe``'s text) gives a message that names the arguments that differ.
+    (argument name: ``tileweave.ops.common.signature_of``'s text) gives a message that names the arguments that differ.
     ``hint``: appended to the message of differing signatures (what every rank must share)."""
     failures = [(r, entry[1]) for r, entry in enumerate(everyone) if entry[1] is not None]
     if failures:

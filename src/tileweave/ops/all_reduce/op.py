@@ -57,8 +57,6 @@ from tileweave.ops.all_reduce import nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
 from tileweave.ops.compute import scaling
 from tileweave.ops.skeleton import TPOp
-from tileweave.ops.workspace import agree
-from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend, TileweaveError
 
 OP = "gemm_all_reduce"
@@ -151,8 +149,9 @@ class GemmAllReduce(TPOp):
     def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> str:
         """The path of this call, every rank together: this rank checks its arguments and proposes a
         path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
-        then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
-        that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
+        then every rank's signature, check outcome and proposal are exchanged and judged
+        (``TPOp._agreed``), so that a bad argument on one rank raises the same error on every rank; rank
+        0's path is taken."""
         summed = b is None  # all_reduce: ``a`` is the partial itself
         m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
         if summed:
@@ -174,17 +173,17 @@ class GemmAllReduce(TPOp):
         if key not in self._plans and common.capturing(a):
             self.require_eager("sizes the buffers with the other ranks")
         w = backend.world_size
-        if w == 1:
-            path = propose()
-        else:
+        signature = None
+        if w > 1:
             # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
+            describe = common.signature_of
             signature = {"form": "all_reduce" if summed else "gemm",
                          "a": describe(a, dims=(0, 1) if summed else (0,)), "b": describe(b, dims=(-1,)),
                          "bias": describe(bias),
                          "residual": describe(residual), "norm_weight": describe(norm_weight),
                          "policy": repr(self.policy), "graphable": repr(self.graphable),
                          "out_dtype": repr(out_dtype), "scales": "given" if scales is not None else "none"}
-            path = agree(backend, OP, signature, propose)
+        path = self._agreed(backend, signature, propose)
         if w > 1 and (m == 0 or n == 0):
             path = "fallback"
         if key not in self._plans and path in ("oneshot", "twoshot"):
