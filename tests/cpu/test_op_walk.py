@@ -11,7 +11,7 @@ the compute layer: the first ``ops/compute/`` function that receives an input (t
 what runs under it does not. No call back up: no function outside the op's own class code receives the
 op (or a bound method of it, or an object that holds it), and the op's code never runs under another
 module's frame (a helper calling back into it). Both hold for every path of every op (``WALKS``), at a
-signature's first call (checks, agreement, planning) and at a repeat call.
+signature's first call (checks, agreement, planning, the first call's mark) and at a repeat call.
 
 Two emulated ranks, the plain (not float8) call of each op on small shapes.
 """
@@ -48,6 +48,15 @@ def test_nothing_below_the_op_calls_back_up_into_it(walks, op, label, path):
     for rank, results in enumerate(walks):
         for which, found in zip(("first call", "repeat call"), results[op, label]):
             assert found["back_up"] == [], (rank, which)
+
+
+@pytest.mark.parametrize("op, label, path", CASES)
+def test_a_signatures_first_call_is_marked_as_one_and_a_repeat_is_not(walks, op, label, path):
+    # The mark that keeps a peer's bounded wait from counting this rank's first compile of the call's
+    # kernels (test_first_call_bound.py).
+    for rank, results in enumerate(walks):
+        first, repeat = results[op, label]
+        assert (first["first_call"], repeat["first_call"]) == (True, False), rank
 
 
 # -- the tracer itself, on a package made here ------------------------------------------------------------

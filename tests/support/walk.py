@@ -23,7 +23,8 @@ it (one level down); and the op's code never runs under a frame of another tilew
 that calls back into the op, through a closure or a bound method).
 
 Also recorded: every file whose functions ran at all during the call (the temporal count, for the
-engineering record).
+engineering record), and whether the call marked itself as a signature's first call
+(``runtime.agreement.first_call``).
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def _inputs(op_name: str, world: int, rank: int):
 def walk_check(rank: int, world: int) -> dict:
     """Every call of ``WALKS``, twice (the first call of its signature, then a repeat), traced; per
     ``(op, call)`` the two walks as plain data: files on the walk, files that ran, the breaches of no
-    call back up, and the path."""
+    call back up, whether the call was marked as a first call (``runtime.agreement.first_call``), and
+    the path."""
     import tileweave
     from tileweave.runtime.backend import get_backend
 
@@ -254,6 +256,7 @@ def walk_check(rank: int, world: int) -> dict:
             for _ in range(2):
                 walk = trace(lambda: op(*args), inputs=args, op=op, rule=rule)
                 walks.append({"files": sorted(walk.files), "ran": sorted(walk.ran), "back_up": walk.back_up,
+                              "first_call": ("runtime/agreement.py", "first_call") in walk.functions,
                               "path": tileweave.last_path(op_name)})
             results[op_name, label] = walks
     return results

@@ -9,7 +9,8 @@ The dense ops agree at a signature's first call (``_decide``), not at every call
 rank alone (shape, dtype and device are the plan's key, so only values such as a bias or ``out`` are
 checked again). A signature's first call runs its argument checks inside that agreement, so that a bad
 argument on one rank raises the same error on every rank (the operands being 2-D tensors, which the
-agreed shapes need, is checked before, on this rank).
+agreed shapes need, is checked before, on this rank), and its transport inside ``skeleton.first_call``,
+where its kernels compile.
 
 FP8. The semantics are ``matmul``'s (``tileweave.ops.compute.scaling``): float8 ``a`` and ``b`` (e4m3fn
 or e5m2), float32 scales of this rank's operands, fp32 accumulation, ``out_dtype`` (bfloat16 by default,
@@ -34,7 +35,7 @@ from tileweave.runtime import settings
 from tileweave.ops import common
 from tileweave.ops.compute import scaling
 from tileweave.ops.compute.oneshot_launch import OneshotPlan
-from tileweave.ops.skeleton import Call, TPOp, meeting, option
+from tileweave.ops.skeleton import Call, TPOp, first_call, meeting, option
 from tileweave.ops.workspace import Memory, Workspace
 from tileweave.runtime.backend import Backend
 from tileweave.tune.autotune import select_config
@@ -56,6 +57,8 @@ class Plan:
     """Whether the transport's flags carry epochs, which a CUDA-graph replay would not advance."""
     first: bool = True
     """The first launch is still to come: every rank compiles, then meets (``push.launch_fused``)."""
+    called: bool = False
+    """The signature was called before (its first call runs in ``skeleton.first_call``)."""
     scaling: str | None = None
     """Float8 calls: the scaling of the signature's scales (``Scaled.scaling``)."""
     out_dtype: torch.dtype | None = None
@@ -237,8 +240,14 @@ class DenseOp(TPOp):
 
     def _run(self, plan: Plan, capturing: bool, args: tuple, run: Callable | None = None, **options):
         """The call on ``plan``'s transport (or ``run``): ``run(call, *args)`` with this call's context
-        (``_call``; ``options``: the op's settings the transport reads)."""
-        return (run or plan.run)(self._call(plan, capturing, **options), *args)
+        (``_call``; ``options``: the op's settings the transport reads); a signature's first call inside
+        ``skeleton.first_call``, where its kernels compile."""
+        call = self._call(plan, capturing, **options)
+        if plan.called:
+            return (run or plan.run)(call, *args)
+        plan.called = True
+        with first_call(plan.backend):
+            return (run or plan.run)(call, *args)
 
     # -- the skeleton ------------------------------------------------------------------------------
 

@@ -198,12 +198,13 @@ class MoEAllGatherGemm(MoEOp):
         self._mark_ids(plan, x_shard.device)
         if path == "fused" and x_shard.shape[0] == 0:
             path = "fallback"
-        if path == "fused":
-            gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered, epilogue)
-        else:
-            gathered = x_shard if path == "local" else common.all_gather_rows(x_shard, backend)
-            grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=w0.shape[0], out=out,
-                         epilogue=epilogue)
+        with self._first_call(backend, (path, *signature.items())):
+            if path == "fused":
+                gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered, epilogue)
+            else:
+                gathered = x_shard if path == "local" else common.all_gather_rows(x_shard, backend)
+                grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=w0.shape[0], out=out,
+                             epilogue=epilogue)
         self._finish(backend, plan, path)
         return (out, gathered) if return_gathered else out
 
@@ -268,17 +269,19 @@ class MoEGemmReduceScatter(MoEOp):
         tc = plan.tokens // backend.world_size
         out = common.out_or_new(out, (tc, w1.shape[2]), h.dtype, h.device)
         self._mark_ids(plan, h.device)
-        if path == "local":
-            z = grouped_gemm(h, w1, plan.offsets, experts=w1.shape[0])
-            topk_reduce(z, plan.pair_row, topk_weights_shard, out=out)
-        else:
-            weights = None if topk_weights_shard is None else common.all_gather_rows(topk_weights_shard, backend)
-            if path == "fused" and tc > 0:
-                path = "chunked"
-                _reduce_scatter_chunked(self._call(backend, path), h, w1, plan, weights, out)
+        if path != "local":
+            path = "chunked" if path == "fused" and tc > 0 else "fallback"
+        with self._first_call(backend, (path, *signature.items())):
+            if path == "local":
+                z = grouped_gemm(h, w1, plan.offsets, experts=w1.shape[0])
+                topk_reduce(z, plan.pair_row, topk_weights_shard, out=out)
             else:
-                path = "fallback"
-                _reduce_scatter_nccl(backend, h, w1, plan, weights, out)
+                weights = None if topk_weights_shard is None else common.all_gather_rows(topk_weights_shard,
+                                                                                          backend)
+                if path == "chunked":
+                    _reduce_scatter_chunked(self._call(backend, path), h, w1, plan, weights, out)
+                else:
+                    _reduce_scatter_nccl(backend, h, w1, plan, weights, out)
         self._finish(backend, plan, path)
         return out
 

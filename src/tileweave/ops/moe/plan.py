@@ -29,6 +29,7 @@ import triton
 
 from tileweave.kernels.moe_plan import plan_count_kernel, plan_place_kernel
 from tileweave.ops import common
+from tileweave.ops.skeleton import first_call
 from tileweave.ops.workspace import agree
 from tileweave.runtime.backend import _group_size, get_backend
 
@@ -206,6 +207,10 @@ def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
                    invalid=invalid)
 
 
+_built: set[tuple] = set()
+"""The signatures of ``moe_plan`` built before, per group."""
+
+
 def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
              validate: bool = True) -> MoEPlan:
     """Collective: gather every rank's ``topk_ids_shard [T/W, k]`` (NCCL all-gather on GPUs, gloo on
@@ -235,4 +240,10 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
     gathered = ids if world == 1 else common.all_gather_rows(ids, backend)
     if (validate or common.debug_mode()) and not capturing:
         check_id_values(gathered, num_experts, name="topk_ids_shard", rows_per_rank=ids.shape[0])
-    return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
+    if world == 1:
+        return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
+    key = (group.group_name, topk_ids_shard.device, *signature.items())
+    # A signature's first build compiles the plan's kernels (skeleton.first_call).
+    with contextlib.nullcontext() if key in _built else first_call(backend):
+        _built.add(key)
+        return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
