@@ -16,8 +16,8 @@ from support import slow_compile
 from tileweave.runtime import agreement, settings
 from tileweave.testing.emulated import run_ranks
 
-HOST_BOUND_S = 2.5
-COMPILE_S = 4.0
+HOST_BOUND_S = 2.0
+COMPILE_S = 3.0
 
 
 def test_a_slow_first_compile_is_not_counted_in_a_peers_bounded_wait():

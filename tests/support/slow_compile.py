@@ -9,16 +9,20 @@ import time
 
 import torch
 import torch.distributed as dist
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 import tileweave
-from support.launches import TRITON_VERSIONS  # noqa: F401  (the seam is checked for these versions there)
+from support.launches import TRITON_VERSIONS
 
 
 @contextlib.contextmanager
 def slow_first_launches(seconds: float, kernels: set[str]):
     """Within the block, the first launch of each kernel named in ``kernels`` sleeps ``seconds``
     before it runs; later launches run at once."""
+    if ".".join(triton.__version__.split(".")[:2]) not in TRITON_VERSIONS:
+        raise RuntimeError(f"support.slow_compile wraps InterpretedFunction.run of Triton {TRITON_VERSIONS}, "
+                           f"this is {triton.__version__}: check that it is still the launch entry")
     original = InterpretedFunction.run
     pending = set(kernels)
 
