@@ -8,7 +8,7 @@ be compared kernel by kernel.
 ``--env KEY=VALUE,...`` sets tileweave options for the ``ours`` variants (for example
 ``TILEWEAVE_RS_TRANSPORT=chunked``). The variant ``ours+`` is ours with ``--patch
 module.NAME=VALUE,...`` applied (module constants such as
-``tileweave.tune.heuristics.MIN_CHUNKED_K_LOCAL=2048``), on fresh shared ops; ``ours=`` is ours on the
+``tileweave.ops.reduce_scatter.rule.MIN_CHUNKED_K_LOCAL=2048``), on fresh shared ops; ``ours=`` is ours on the
 shared ops of the previous ours variant (no new workspaces). Variants may repeat, and ``churn`` and
 ``idle`` between them change the allocator's state or let the GPU cool (they time nothing), to find
 what one variant leaves behind for the next: ``--variants torch,ours,floor,ours,churn,ours,idle,ours``.

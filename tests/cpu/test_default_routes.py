@@ -7,8 +7,8 @@ import torch
 
 import tileweave
 from tileweave.bench.suite import M_VALUES, SUITE_LAYERS, local_shapes
-from tileweave.ops.all_gather import op as all_gather
-from tileweave.ops.reduce_scatter import op as reduce_scatter
+from tileweave.ops.all_gather import rule as all_gather
+from tileweave.ops.reduce_scatter import rule as reduce_scatter
 from tileweave.ops.reduce_scatter.blocks import blocks_for
 
 # AG rows: "fallback" (NCCL + cuBLAS), "chunked" (cuBLAS per shard) or "mesh" (the fused kernel).

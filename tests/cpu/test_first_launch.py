@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from tileweave.ops import dense, skeleton
+from tileweave.ops.all_gather import push
 from tileweave.ops.compute import oneshot_launch
 from tileweave.runtime import triton_launch
 
 
 def _record(monkeypatch):
     calls = []
-    monkeypatch.setattr(dense, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
-    monkeypatch.setattr(dense, "launch_cached", lambda **kw: calls.append(("launch", False)))
+    monkeypatch.setattr(push, "launch", lambda **kw: calls.append(("launch", kw.get("compile_only", False))))
+    monkeypatch.setattr(push, "launch_cached", lambda **kw: calls.append(("launch", False)))
     monkeypatch.setattr(skeleton.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     return calls
 
@@ -26,8 +27,8 @@ def _launch_twice(backend) -> None:
     """A plan's first launch, then its second."""
     plan = dense.Plan("fused", None, backend)
     call = skeleton.Call("all_gather_gemm", backend, plan, None, None, False, 1)
-    dense.launch_fused(call, a=None)
-    dense.launch_fused(call, a=None)
+    push.launch_fused(call, a=None)
+    push.launch_fused(call, a=None)
 
 
 def test_first_call_compiles_then_meets_then_launches(monkeypatch):
@@ -44,8 +45,8 @@ def test_a_failed_compile_still_meets_and_lets_the_launch_report(monkeypatch):
         if kw.get("compile_only"):
             raise RuntimeError("compile failed")
 
-    monkeypatch.setattr(dense, "launch", launch)
-    monkeypatch.setattr(dense, "launch_cached", launch)
+    monkeypatch.setattr(push, "launch", launch)
+    monkeypatch.setattr(push, "launch_cached", launch)
     monkeypatch.setattr(skeleton.dist, "barrier", lambda **kw: calls.append(("barrier", kw["device_ids"])))
     _launch_twice(types.SimpleNamespace(interpreter=False, group="tp", device=torch.device("cuda", 0)))
     assert calls == [("launch", True), ("barrier", [0]), ("launch", False), ("launch", False)]
@@ -98,3 +99,4 @@ def test_a_oneshot_plan_in_the_interpreter_meets_without_compiling():
     for _ in range(2):
         plan.launch(_Kernel(calls), ("key",), (torch.zeros(1),), (1,), {})
     assert calls == ["meet", "launch", "launch"]
+

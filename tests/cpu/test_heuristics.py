@@ -6,7 +6,8 @@ import torch
 
 from tileweave.ops.reduce_scatter.blocks import (BLOCK_FLAGS, CHUNK_GFLOP, CHUNK_ROWS, PULL_MAX_BLOCKS, blocks_for,
                                                chunk_rows_for)
-from tileweave.tune import heuristics
+from tileweave.ops.all_gather import rule as all_gather
+from tileweave.ops.reduce_scatter import rule as reduce_scatter
 
 
 def _random_shapes(max_rows_per_rank, count=200):
@@ -48,49 +49,49 @@ def test_pulls_take_the_push_blocks_up_to_two():
 
 def test_reduce_scatter_transports_by_default():
     for w, m, n, k in _random_shapes(8192):
-        chunked = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
+        chunked = reduce_scatter.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
         # The chunked transport needs enough GEMM work per owner to hide the copies behind.
         rows = m // w
-        assert chunked == (k >= heuristics.MIN_CHUNKED_K_LOCAL and rows >= heuristics.MIN_CHUNKED_ROWS_PER_RANK
-                           and rows * k >= heuristics.MIN_CHUNKED_ROWS_X_K_LOCAL)
+        assert chunked == (k >= reduce_scatter.MIN_CHUNKED_K_LOCAL and rows >= reduce_scatter.MIN_CHUNKED_ROWS_PER_RANK
+                           and rows * k >= reduce_scatter.MIN_CHUNKED_ROWS_X_K_LOCAL)
         if chunked:  # more rows or a longer K never turns it off
-            assert heuristics.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16)
-            assert heuristics.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16)
-        assert heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, interpreter=True)
+            assert reduce_scatter.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16)
+            assert reduce_scatter.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16)
+        assert reduce_scatter.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, interpreter=True)
 
 
 def test_pulling_reduce_scatter_takes_the_chunked_path_on_fewer_rows():
     for w, m, n, k in _random_shapes(8192):
-        pushing = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
-        pulling = heuristics.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, pull=True)
+        pushing = reduce_scatter.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16)
+        pulling = reduce_scatter.prefer_fused_reduce_scatter(m, n, k, w, torch.bfloat16, pull=True)
         rows = m // w
         if w != 2:  # only two ranks pull
             assert pulling == pushing
             continue
-        assert pulling == (k >= heuristics.MIN_CHUNKED_K_LOCAL and rows >= heuristics.MIN_PULL_ROWS_PER_RANK
-                           and rows * k >= heuristics.MIN_PULL_ROWS_X_K_LOCAL)
+        assert pulling == (k >= reduce_scatter.MIN_CHUNKED_K_LOCAL and rows >= reduce_scatter.MIN_PULL_ROWS_PER_RANK
+                           and rows * k >= reduce_scatter.MIN_PULL_ROWS_X_K_LOCAL)
         assert pulling or not pushing  # wherever pushing pays, pulling does
         if pulling:
-            assert heuristics.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16, pull=True)
-            assert heuristics.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16, pull=True)
+            assert reduce_scatter.prefer_fused_reduce_scatter(2 * m, n, k, w, torch.bfloat16, pull=True)
+            assert reduce_scatter.prefer_fused_reduce_scatter(m, n, 2 * k, w, torch.bfloat16, pull=True)
 
 
 def test_all_gather_fuses_from_its_work_threshold():
     for w, m, n, k in _random_shapes(4096):
-        fused = heuristics.prefer_fused_all_gather(m, n, k, w, torch.bfloat16)
-        assert fused == (2.0 * m * n * k >= heuristics.MIN_FUSED_GFLOP_AG * 1e9)
+        fused = all_gather.prefer_fused_all_gather(m, n, k, w, torch.bfloat16)
+        assert fused == (2.0 * m * n * k >= all_gather.MIN_FUSED_GFLOP_AG * 1e9)
         if fused:  # more rows or more work never turns fusion off
-            assert heuristics.prefer_fused_all_gather(2 * m, n, k, w, torch.bfloat16)
-            assert heuristics.prefer_fused_all_gather(m, 2 * n, k, w, torch.bfloat16)
+            assert all_gather.prefer_fused_all_gather(2 * m, n, k, w, torch.bfloat16)
+            assert all_gather.prefer_fused_all_gather(m, 2 * n, k, w, torch.bfloat16)
 
 
 def test_all_gather_transport_is_chunked_below_its_work_threshold():
     for w, m, n, k in _random_shapes(8192):
-        chosen = heuristics.all_gather_transport(m, n, k, w, torch.bfloat16)
-        assert chosen == ("chunked" if 2.0 * m * n * k < heuristics.CHUNKED_BELOW_GFLOP_AG * 1e9 else "mesh")
-        assert heuristics.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
+        chosen = all_gather.all_gather_transport(m, n, k, w, torch.bfloat16)
+        assert chosen == ("chunked" if 2.0 * m * n * k < all_gather.CHUNKED_BELOW_GFLOP_AG * 1e9 else "mesh")
+        assert all_gather.all_gather_transport(m, n, k, w, torch.bfloat16, interpreter=True) == "mesh"
         if chosen == "mesh":  # more work never turns the kernel off
-            assert heuristics.all_gather_transport(2 * m, n, k, w, torch.bfloat16) == "mesh"
+            assert all_gather.all_gather_transport(2 * m, n, k, w, torch.bfloat16) == "mesh"
 
 
 def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():
@@ -98,19 +99,19 @@ def test_all_gather_stream_k_where_whole_tiles_leave_programs_idle():
     for w, m, n, k in _random_shapes(8192, count=400):
         programs = rng.choice([4, 66, 132])
         mc = m // w
-        chosen = heuristics.all_gather_stream_k(mc, n, k, w, 128, 256, programs)
+        chosen = all_gather.all_gather_stream_k(mc, n, k, w, 128, 256, programs)
         # Independently: deal the tiles out one by one and see how full the busiest program's waves are.
         tiles = w * -(-mc // 128) * -(-n // 256)
         busiest = max(len(range(p, tiles, programs)) for p in range(min(programs, tiles)))
         fill = tiles / (busiest * programs)
         full_waves = tiles // programs
-        assert chosen == (k >= heuristics.AG_STREAM_K_MIN_K and full_waves >= heuristics.AG_STREAM_K_MIN_WAVES
-                          and fill < heuristics.AG_STREAM_K_BELOW), (w, m, n, k, programs)
+        assert chosen == (k >= all_gather.AG_STREAM_K_MIN_K and full_waves >= all_gather.AG_STREAM_K_MIN_WAVES
+                          and fill < all_gather.AG_STREAM_K_BELOW), (w, m, n, k, programs)
     # gpt3-175b fc1 at TP=2: 768 tiles (5.8 waves of 132) at M=1024, 3072 (23.3) at M=4096, 6144 (46.5,
     # 0.99 full) at M=8192.
-    assert not heuristics.all_gather_stream_k(512, 24576, 12288, 2, 128, 256, 132)
-    assert heuristics.all_gather_stream_k(2048, 24576, 12288, 2, 128, 256, 132)
-    assert not heuristics.all_gather_stream_k(4096, 24576, 12288, 2, 128, 256, 132)
+    assert not all_gather.all_gather_stream_k(512, 24576, 12288, 2, 128, 256, 132)
+    assert all_gather.all_gather_stream_k(2048, 24576, 12288, 2, 128, 256, 132)
+    assert not all_gather.all_gather_stream_k(4096, 24576, 12288, 2, 128, 256, 132)
 
 
 def test_all_gather_stream_k_tail_lies_in_the_last_chunk():

@@ -93,7 +93,7 @@ def test_ids_other_than_int32_or_int64_are_refused_by_name(dtype):
 
 
 def test_path_rule_worked_example():
-    # The examples of tileweave.ops.moe.paths.choose_path's docstring.
+    # The examples of tileweave.ops.moe.rule.choose_path's docstring.
     bf16 = torch.bfloat16
     mixtral = dict(hidden=4096, f_loc=14336 // 2, topk=2, world=2, dtype=bf16)
     qwen = dict(hidden=2048, f_loc=768 // 2, topk=8, world=2, dtype=bf16)

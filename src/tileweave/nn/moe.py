@@ -69,12 +69,12 @@ from torch import nn
 
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, FusedExperts, MoEOps
 from tileweave.nn.shards import gather_shards
+from tileweave.ops.common import signature_of
 from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
 from tileweave.ops.compute.topk_reduce import topk_reduce
 from tileweave.ops.functional import all_reduce_sum
 from tileweave.ops.moe.plan import build_plan
 from tileweave.ops.workspace import agree
-from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import get_backend
 
 
@@ -161,14 +161,14 @@ class TPMoE(nn.Module):
         def check() -> None:
             if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
                 raise ValueError(f"TPMoE.replicated: x must be [T, hidden={self.hidden}], got "
-                                 f"{describe(x)}")
+                                 f"{signature_of(x)}")
             if x.dtype != self.w0.dtype or x.device != self.w0.device:
                 raise ValueError(f"TPMoE.replicated: x is {x.dtype} on {x.device}, the experts are "
                                  f"{self.w0.dtype} on {self.w0.device}")
 
         if self.world > 1:
             device = x.device if isinstance(x, torch.Tensor) else self.w0.device
-            agree(get_backend(self.group, device), "TPMoE.replicated", {"x": describe(x)}, check,
+            agree(get_backend(self.group, device), "TPMoE.replicated", {"x": signature_of(x)}, check,
                   hint="; every rank must pass the same tokens")
         else:
             check()

@@ -1,11 +1,13 @@
-"""What every op shares on the host: argument checks, the record of the path each call took, CUDA-graph
-capture rules, and the errors raised from an error word (an expired wait, out-of-range routing ids)."""
+"""What every op shares on the host: argument checks and what the ranks compare of an argument, the
+record of the path each call took, CUDA-graph capture rules, the errors raised from an error word (an
+expired wait, out-of-range routing ids), and the gather of rows that the unfused paths share."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 
 from tileweave.runtime import settings
 from tileweave.runtime.backend import Backend, CollectiveTimeout, TileweaveError
@@ -64,6 +66,25 @@ def describe(t: object) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def signature_of(value: object, *, dims: tuple[int, ...] | None = None) -> object:
+    """What the ranks compare of an argument in an agreement (``tileweave.ops.workspace.agree``), as
+    text: a tensor's shape (``*`` for the dimensions not in ``dims`` when given, for a tensor whose other
+    dimensions may differ by rank), dtype and device type, e.g. ``"[4, *] float16 on cuda"``; None; a
+    number or string itself (its repr, so that NaN equals NaN); else the type's name."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        shape = list(value.shape)
+        if dims is not None:
+            kept = {d % len(shape) for d in dims if -len(shape) <= d < len(shape)}
+            shape = [size if d in kept else "*" for d, size in enumerate(shape)]
+        return f"[{', '.join(str(size) for size in shape)}] {str(value.dtype).removeprefix('torch.')} on " \
+               f"{value.device.type}"
+    if isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return type(value).__name__
 
 
 def check_index(name: str, t: torch.Tensor, device: torch.device,
@@ -198,3 +219,18 @@ def check_not_capturing(op: str, t: torch.Tensor) -> None:
     """Raise if ``t``'s stream is being captured: ``op``'s path there carries epochs."""
     if capturing(t):
         raise capture_refused(op)
+
+
+def all_gather_rows(t: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """Every rank's ``t [rows, ...]``, rank after rank along the first dimension, on the caller's stream:
+    NCCL's all-gather, or gloo's (emulated or GPU-sharing test ranks, whose groups have no
+    all_gather_into_tensor). Float8 rows travel as bytes, which every backend moves."""
+    t = t.contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return all_gather_rows(t.view(torch.uint8), backend).view(t.dtype)
+    out = t.new_empty((t.shape[0] * backend.world_size, *t.shape[1:]))
+    if dist.get_backend(backend.group) == "nccl":
+        dist.all_gather_into_tensor(out, t, group=backend.group)
+    else:
+        dist.all_gather(list(out.chunk(backend.world_size)), t, group=backend.group)
+    return out

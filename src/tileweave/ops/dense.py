@@ -1,15 +1,25 @@
 """The dense pair's part of the skeleton (``AllGatherGemm``, ``GemmReduceScatter``): a plan per call
 signature (shapes, dtypes, devices, whether there is a bias), decided at its first call, agreed by every
-rank and kept, with the kernel config every rank uses; and what their transports share: the fused
-kernel's first launch, the one-shot paths' slots and error word, the end of a call without a kernel.
+rank and kept, with the kernel config every rank uses; the checks of the GEMM's operands; the float8
+arguments (``Scaled``); and the one-shot paths' slots and error word, which both ops' one-shot transports
+share.
 
 The dense ops agree at a signature's first call (``_decide``), not at every call as the MoE ops and
 ``GemmAllReduce`` do: their small shapes are bound by host time, and a repeat call's checks run on this
 rank alone (shape, dtype and device are the plan's key, so only values such as a bias or ``out`` are
 checked again). A signature's first call runs its argument checks inside that agreement, so that a bad
 argument on one rank raises the same error on every rank (the operands being 2-D tensors, which the
-agreed shapes need, is checked before, on this rank). Float8 calls (``dense_fp8``) add their scales'
-shapes, ``out_dtype`` and ``use_fast_accum`` to the signature.
+agreed shapes need, is checked before, on this rank), and its transport inside ``skeleton.first_call``,
+where its kernels compile.
+
+FP8. The semantics are ``matmul``'s (``tileweave.ops.compute.scaling``): float8 ``a`` and ``b`` (e4m3fn
+or e5m2), float32 scales of this rank's operands, fp32 accumulation, ``out_dtype`` (bfloat16 by default,
+float16, float32). The scales' shapes, ``out_dtype`` and ``use_fast_accum`` are part of the signature
+(every rank must pass scales of the same shapes; their values may differ). An all-gather moves each
+shard's a-scales beside its rows in one form for the three scalings, ``[rows, KB]`` float32 with a row
+per row of ``a`` (``KB`` = 1, or ``K/128`` for blockwise): a tensorwise scale, which differs per rank,
+travels as its shard's rows each holding it (``Scaled.shard_rows``), so a gathered row's scale never
+depends on which rank sent it.
 """
 
 from __future__ import annotations
@@ -22,12 +32,11 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime import settings
-from tileweave.ops import common, dense_fp8
+from tileweave.ops import common
 from tileweave.ops.compute import scaling
-from tileweave.ops.compute.gemm_launch import launch, launch_cached
 from tileweave.ops.compute.oneshot_launch import OneshotPlan
-from tileweave.ops.skeleton import Call, TPOp, first_launch, meeting, option
-from tileweave.ops.workspace import Memory, Workspace, agree
+from tileweave.ops.skeleton import Call, TPOp, first_call, meeting, option
+from tileweave.ops.workspace import Memory, Workspace
 from tileweave.runtime.backend import Backend
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import GemmConfig
@@ -47,17 +56,103 @@ class Plan:
     epochs: bool = False
     """Whether the transport's flags carry epochs, which a CUDA-graph replay would not advance."""
     first: bool = True
-    """The first launch is still to come: every rank compiles, then meets (``launch_fused``)."""
+    """The first launch is still to come: every rank compiles, then meets (``push.launch_fused``)."""
+    called: bool = False
+    """The signature was called before (its first call runs in ``skeleton.first_call``)."""
     scaling: str | None = None
-    """Float8 calls: the scaling of the signature's scales (``dense_fp8.Scaled.scaling``)."""
+    """Float8 calls: the scaling of the signature's scales (``Scaled.scaling``)."""
     out_dtype: torch.dtype | None = None
     """Float8 calls: the output dtype."""
 
-    def scaled(self, scale_a, scale_b, use_fast_accum) -> dense_fp8.Scaled | None:
+    def scaled(self, scale_a, scale_b, use_fast_accum) -> Scaled | None:
         """A repeat call's float8 arguments (its signature's checks passed at the first call)."""
         if self.scaling is None:
             return None
-        return dense_fp8.Scaled(scale_a, scale_b, self.out_dtype, bool(use_fast_accum), self.scaling)
+        return Scaled(scale_a, scale_b, self.out_dtype, bool(use_fast_accum), self.scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A float8 call's scales and output dtype, as the dense transports take them."""
+
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    out_dtype: torch.dtype
+    fast_accum: bool
+    scaling: str
+    """``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``."""
+
+    def matmul_args(self, rows: slice | None = None, *, scale_a: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> dict:
+        """``matmul``'s FP8 keyword arguments for ``rows`` of ``a`` (all rows when None), or for another
+        ``a`` whose scales are ``scale_a``; ``out_dtype``: another output dtype (float32 for a partial
+        that is summed before it is rounded)."""
+        sa = self.scale_a if scale_a is None else scale_a
+        if rows is not None and self.scaling != "tensorwise":
+            sa = sa[rows]
+        return {"scale_a": sa, "scale_b": self.scale_b, "out_dtype": out_dtype or self.out_dtype,
+                "use_fast_accum": self.fast_accum}
+
+    def shard_rows(self, rows: int) -> torch.Tensor:
+        """``scale_a`` of a shard of ``rows`` rows in the gathered form (module docstring): ``[rows, KB]``,
+        contiguous, ready for a copy engine."""
+        sa = self.scale_a
+        if self.scaling == "tensorwise":
+            return sa.reshape(1, 1).expand(rows, 1).contiguous()
+        return sa.reshape(rows, -1).contiguous()
+
+    def gathered_args(self, gathered_scales: torch.Tensor, n: int) -> dict:
+        """``matmul``'s FP8 keyword arguments for gathered rows whose a-scales are ``gathered_scales`` (the
+        gathered form): tensorwise calls become rowwise ones, ``scale_b`` broadcast along N (no copy)."""
+        scale_b = self.scale_b
+        if self.scaling == "tensorwise":
+            scale_b = scale_b.reshape(1, 1).expand(1, n)
+        return {"scale_a": gathered_scales, "scale_b": scale_b, "out_dtype": self.out_dtype,
+                "use_fast_accum": self.fast_accum}
+
+
+def wanted(a, b, scale_a, scale_b, out_dtype) -> bool:
+    """Whether a call is a float8 one, or meant to be (its checks then decide): float8 operands, scales or
+    an ``out_dtype``. A call without any takes no float8 check."""
+    return scale_a is not None or scale_b is not None or out_dtype is not None or float8(a) or float8(b)
+
+
+def float8(t) -> bool:
+    """Whether ``t`` is a float8 tensor (e4m3fn or e5m2)."""
+    return isinstance(t, torch.Tensor) and t.dtype in scaling.FP8_DTYPES
+
+
+def fp8_key(scale_a, scale_b, out_dtype, use_fast_accum) -> tuple | None:
+    """The float8 part of a dense call's signature: the scales' shapes, dtypes and devices, the output
+    dtype and ``use_fast_accum``; ``()`` for a call without them, None for scales that are not tensors."""
+    if scale_a is None and scale_b is None and out_dtype is None and not use_fast_accum:
+        return ()
+    parts = []
+    for s in (scale_a, scale_b):
+        if s is not None and type(s) is not torch.Tensor:
+            return None
+        parts.append(None if s is None else (s.shape, s.stride(), s.dtype, s.device))
+    return (*parts, out_dtype, bool(use_fast_accum))
+
+
+def check_fp8(op: str, a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype, use_fast_accum, *,
+              m: int, n: int, k: int) -> Scaled | None:
+    """The float8 arguments of ``a [m, k] @ b [k, n]`` (this rank's GEMM, before any communication), or
+    None for a call on float16/bfloat16/float32 inputs (after refusing scales and an ``out_dtype`` other
+    than theirs there). For calls that ``wanted`` says are float8 ones."""
+    scaled = scaling.check_operands(op, a, b, scale_a, scale_b)
+    dtype = scaling.out_dtype_of(op, a, out_dtype)
+    if not scaled:
+        return None
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+    if dtype == torch.bfloat16 and common.interpreting():
+        raise TypeError(f"{op}: out_dtype is bfloat16 (the default for float8 inputs), which Triton's interpreter "
+                        "(TRITON_INTERPRET=1, the CPU) computes wrongly in the fused kernels; pass "
+                        "out_dtype=torch.float16 or torch.float32 on the CPU (bfloat16 runs on GPUs)")
+    scales = scaling.dense_scales(op, m, n, k, scale_a, scale_b, fast_accum=use_fast_accum)
+    return Scaled(scale_a, scale_b, dtype, bool(use_fast_accum), scales.scaling)
 
 
 def _check_transport(op: "DenseOp", transport) -> None:
@@ -107,9 +202,8 @@ class DenseOp(TPOp):
         self._plans: dict[tuple, Plan] = {}
         self.memory = Memory(graphable)
         super().__init__(group, policy=policy, max_spin=max_spin, graphable=graphable)
-        memory = self.memory
         # The one-shot kernels write an expired wait into the pinned word and the workspace's word.
-        self.errors.host(lambda: memory.host_err, lambda: memory.ws.err if memory.ws is not None else None)
+        self.errors.host(self.memory.pinned_word, self.memory.kernel_word)
         self.transport = transport or self.default_transport
         self.config = config
 
@@ -143,6 +237,17 @@ class DenseOp(TPOp):
         self.errors.raise_pending(plan.backend, capturing)
         return Call(self.op_name, plan.backend, plan, self.memory, self.errors, self.graphable,
                     self.spin_bound(plan.backend), options)
+
+    def _run(self, plan: Plan, capturing: bool, args: tuple, run: Callable | None = None, **options):
+        """The call on ``plan``'s transport (or ``run``): ``run(call, *args)`` with this call's context
+        (``_call``; ``options``: the op's settings the transport reads); a signature's first call inside
+        ``skeleton.first_call``, where its kernels compile."""
+        call = self._call(plan, capturing, **options)
+        if plan.called:
+            return (run or plan.run)(call, *args)
+        plan.called = True
+        with first_call(plan.backend):
+            return (run or plan.run)(call, *args)
 
     # -- the skeleton ------------------------------------------------------------------------------
 
@@ -179,7 +284,7 @@ class DenseOp(TPOp):
         backend = self.backend_for(a.device)
         checked = []
 
-        def check() -> dense_fp8.Scaled | None:
+        def check() -> Scaled | None:
             checked.append(self._check(a, b, bias, out, fp8))
             return checked[-1][2]
 
@@ -198,7 +303,7 @@ class DenseOp(TPOp):
                 return "fallback"
             return "fallback" if self._auto_route(m, n, k, a.dtype, backend) == "fallback" else "fused"
 
-        fp8_shape = () if not dense_fp8.wanted(a, b, *fp8[:3]) else (
+        fp8_shape = () if not wanted(a, b, *fp8[:3]) else (
             describe_scale(fp8[0]), describe_scale(fp8[1]), str(fp8[2]), bool(fp8[3]))
         path, config = self._decide(backend, m, n, k, a.dtype, shape + fp8_shape, bias is not None, auto, check)
         scaled = checked[0][2]
@@ -211,7 +316,7 @@ class DenseOp(TPOp):
         return self._with_scaling(plan, scaled), checked[0]
 
     @staticmethod
-    def _with_scaling(plan: Plan, scaled: dense_fp8.Scaled | None) -> Plan:
+    def _with_scaling(plan: Plan, scaled: Scaled | None) -> Plan:
         if scaled is not None:
             plan.scaling, plan.out_dtype = scaled.scaling, scaled.out_dtype
         return plan
@@ -221,13 +326,13 @@ class DenseOp(TPOp):
 
     def _check(self, a, b, bias, out, fp8: tuple) -> tuple:
         """``(bias, out, scaled)`` as the transports take them, after checking every argument
-        (``scaled``: ``dense_fp8.check``'s)."""
+        (``scaled``: ``check_fp8``'s)."""
         raise NotImplementedError
 
     def _check_operands(self, a, b, a_name: str, rows: str, depth: str, cols: str, fp8: tuple) -> tuple:
         """Check the GEMM's operands ``a [rows, depth]`` (called ``a_name``) and ``b [depth, cols]`` and the
-        float8 arguments ``fp8``; return the group size and ``dense_fp8.check``'s result."""
-        if scaling.is_fp8(a) or scaling.is_fp8(b):
+        float8 arguments ``fp8``; return the group size and ``check_fp8``'s result."""
+        if float8(a) or float8(b):
             for name, t in ((a_name, a), ("b", b)):
                 if not isinstance(t, torch.Tensor) or t.dim() != 2:
                     raise ValueError(f"{self.op_name}: {name} must be a 2-D tensor, got {common.describe(t)}")
@@ -238,7 +343,9 @@ class DenseOp(TPOp):
         if b.shape[0] != a.shape[1]:
             raise ValueError(f"{a_name} is [{rows}={a.shape[0]}, {depth}={a.shape[1]}] but b is {list(b.shape)}: "
                              f"b must be [{depth}={a.shape[1]}, {cols}]")
-        scaled = dense_fp8.check(self.op_name, a, b, *fp8, m=a.shape[0], n=b.shape[1], k=a.shape[1])
+        scaled = None
+        if wanted(a, b, *fp8[:3]):
+            scaled = check_fp8(self.op_name, a, b, *fp8, m=a.shape[0], n=b.shape[1], k=a.shape[1])
         return self.backend_for(a.device).world_size, scaled
 
     def _gemm_shape(self, a, b, world: int) -> tuple[int, int, int, tuple]:
@@ -260,7 +367,7 @@ class DenseOp(TPOp):
         for arguments that are not tensors (they take the checks, which name what is wrong)."""
         if type(a) is not torch.Tensor or type(b) is not torch.Tensor:
             return None
-        fp8 = dense_fp8.key(scale_a, scale_b, out_dtype, use_fast_accum)
+        fp8 = fp8_key(scale_a, scale_b, out_dtype, use_fast_accum)
         if fp8 is None:
             return None
         return (a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, bias is not None, *fp8)
@@ -287,7 +394,7 @@ class DenseOp(TPOp):
 
     def _decide(self, backend: Backend, m: int, n: int, k: int, dtype: torch.dtype, shape: tuple,
                 has_bias: bool, auto: Callable[[], str],
-                check: Callable[[], dense_fp8.Scaled | None]) -> tuple[str, GemmConfig]:
+                check: Callable[[], Scaled | None]) -> tuple[str, GemmConfig]:
         """``(path, config)`` of a new signature: the policy's path, or under "auto" ``auto()``'s, with
         rank 0's config, after checking with every rank that it was called with the same ``shape``
         (collective: every rank decides the same signature at the same call), and that ``check()`` (this
@@ -304,7 +411,7 @@ class DenseOp(TPOp):
             return dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
 
         path = auto() if self.policy == "auto" or not backend.peer_access else self.policy
-        config = agree(backend, self.op_name, (self.op_name, *shape, str(dtype), has_bias, path), propose)
+        config = self._agreed(backend, (self.op_name, *shape, str(dtype), has_bias, path), propose)
         if not (m > 0 and n > 0 and k > 0):
             path = "fallback"
         return path, config
@@ -316,34 +423,9 @@ class DenseOp(TPOp):
 
 
 def describe_scale(s) -> object:
-    """What the ranks compare of a scale: its shape, dtype and device type (``agreement.describe``)."""
+    """What the ranks compare of a scale: its shape, dtype and device type (``common.signature_of``)."""
     return None if s is None else common.describe(s) if not isinstance(s, torch.Tensor) else \
         (tuple(s.shape), str(s.dtype), s.device.type)
-
-
-# -- what the dense transports share ------------------------------------------------------------------
-
-def programs(config: GemmConfig, backend: Backend) -> int:
-    """Persistent programs of a fused launch: the config's count, or one per SM, within what every
-    program resident at once allows (``Backend.max_programs``)."""
-    return min(config.programs or backend.num_sms, backend.max_programs(False))
-
-
-def launch_fused(call: Call, **launch_args) -> None:
-    """Launch the fused GEMM kernel; a plan's first launch compiles and meets the other ranks first
-    (``skeleton.first_launch``)."""
-    plan = call.plan
-    if plan.first:
-        first_launch(call.backend, lambda: launch(**launch_args, compile_only=True))
-        plan.first = False
-    launch_cached(**launch_args)
-
-
-def finish_kernel(call: Call, ws: Workspace) -> None:
-    """After a fused launch: watch the workspace's error word (``ErrorWords.watch``), so that an expired
-    in-kernel wait is reported, at once on the CPU and in debug mode, else by the next call (the outputs
-    of a call whose wait expired are wrong, never silently)."""
-    call.errors.watch("kernel", ws.err, call.backend)
 
 
 # -- the one-shot paths' shared part ---------------------------------------------------------------------

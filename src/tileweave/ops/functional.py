@@ -10,8 +10,7 @@ import torch.distributed as dist
 from tileweave.ops import registry
 from tileweave.ops.all_gather.op import AllGatherGemm, gathered_like
 from tileweave.ops.all_reduce.op import shared_op as shared_all_reduce
-from tileweave.ops.moe.layer0 import MoEAllGatherGemm
-from tileweave.ops.moe.layer1 import MoEGemmReduceScatter
+from tileweave.ops.moe.op import MoEAllGatherGemm, MoEGemmReduceScatter
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 
@@ -119,7 +118,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
 def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
                         group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
                         return_gathered: bool = False, epilogue=None):
-    """Functional form of :class:`MoEAllGatherGemm` (``tileweave.ops.moe.layer0``: shapes and
+    """Functional form of :class:`MoEAllGatherGemm` (``tileweave.ops.moe.op``: shapes and
     semantics), with one op per (group, device): ``y [T*k, F_loc]``, or ``(y, x [T, H])`` with
     ``return_gathered``. Under ``torch.compile`` this is ``torch.ops.tileweave.moe_all_gather_gemm``
     (or ``moe_all_gather_gemm_gathered``), without ``epilogue``."""
@@ -137,7 +136,7 @@ def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
 
 def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor | None,
                             group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Functional form of :class:`MoEGemmReduceScatter` (``tileweave.ops.moe.layer1``: shapes and
+    """Functional form of :class:`MoEGemmReduceScatter` (``tileweave.ops.moe.op``: shapes and
     semantics), with one op per (group, device): ``out_shard [T/W, H]``. Under ``torch.compile`` this is
     ``torch.ops.tileweave.moe_gemm_reduce_scatter``."""
     group = group if group is not None else dist.group.WORLD

@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from tileweave.ops.all_gather.op import AllGatherGemm, gathered_like
 from tileweave.ops.all_reduce.op import shared_op as shared_all_reduce
-from tileweave.ops.moe.layer0 import MoEAllGatherGemm
-from tileweave.ops.moe.layer1 import MoEGemmReduceScatter
+from tileweave.ops.moe.op import MoEAllGatherGemm, MoEGemmReduceScatter
 from tileweave.ops.moe.plan import MoEPlan
 from tileweave.ops.reduce_scatter.op import GemmReduceScatter
 

@@ -12,8 +12,10 @@
 This module is the one home of what the five ops (``AllGatherGemm``, ``GemmReduceScatter``,
 ``MoEAllGatherGemm``, ``MoEGemmReduceScatter``, ``GemmAllReduce``) share: their base class ``TPOp``
 (group and backend, the policy and ``max_spin`` checks, the op shared per group and device, settings
-from ``tileweave.runtime.settings``, the rule that a signature's first call is eager), the error words
-(``ErrorWords``) and the compile-then-meet of a kernel's first launch (``first_launch``).
+from ``tileweave.runtime.settings``, the agreement run by the op itself (``TPOp._agreed``), the rule that
+a signature's first call is eager), the error words (``ErrorWords``), the compile-then-meet of a kernel's
+first launch (``first_launch``) and the mark of a signature's first call, whose compiles no peer's bounded
+wait counts (``first_call``).
 
 Policies, the same words for every op (an op lists the ones it has in ``policies``): ``"auto"`` (the
 op's rule per shape), ``"fused"`` (an overlapped path, its transport by the op's rule), ``"oneshot"``
@@ -24,6 +26,7 @@ Paths, what ``tileweave.last_path(op)`` reports, the same words for every op (``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from typing import Callable
@@ -31,8 +34,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tileweave.runtime import settings
+from tileweave.runtime import agreement, settings
 from tileweave.ops import common
+from tileweave.ops.workspace import agree
 from tileweave.runtime.backend import Backend, HostWord, TileweaveError, get_backend
 
 PATHS = {
@@ -129,6 +133,15 @@ def first_launch(backend: Backend, compile_kernel: Callable[[], object]) -> None
     meeting(backend)()
 
 
+def first_call(backend: Backend) -> contextlib.AbstractContextManager:
+    """Around the rest of a signature's first call, after its agreement, where this rank launches, and so
+    compiles, the call's kernels (seconds to a minute with a cold cache, each rank at its own pace):
+    marked on the agreement segments (``runtime.agreement.first_call``), so that no peer's bounded wait
+    for this rank (its next call's agreement, bounded by ``TILEWEAVE_TIMEOUT_S``) counts it. Nothing in
+    a group of one."""
+    return agreement.first_call() if backend.world_size > 1 else contextlib.nullcontext()
+
+
 def finish_streams(backend: Backend) -> None:
     """After a call whose waits are stream waits, with no kernel of ours (the chunked transports): the
     waits are bounded on the host, on the CPU and in debug mode; not under CUDA-graph capture, where the
@@ -162,6 +175,8 @@ class TPOp:
         self.group = group if group is not None else dist.group.WORLD
         self.graphable = graphable
         self._backend: Backend | None = None
+        self._called: set = set()
+        """The signatures called before (``_first_call``)."""
         self.errors = ErrorWords(self.op_name)
         self.policy = settings.policy() if policy == "auto" else policy
         self.max_spin = max_spin
@@ -219,6 +234,28 @@ class TPOp:
     def spin_bound(self, backend: Backend) -> int:
         """Polls a flag wait of this op may take: ``max_spin`` or the backend's default."""
         return self.max_spin or backend.default_max_spin
+
+    def _agreed(self, backend: Backend, signature: object, propose: Callable[[], object], *,
+                hint: str = "") -> object:
+        """Rank 0's ``propose()``, every rank together (``workspace.agree``): this rank's ``propose()``
+        (its checks, then its proposal) runs here, in the op; what it raises (``TypeError``,
+        ``ValueError``, ``TileweaveError``) is exchanged with the other ranks' outcomes and ``signature``
+        (what the ranks must share) and raised on every rank. A group of one runs ``propose()`` alone."""
+        if backend.world_size == 1:
+            return propose()
+        try:
+            proposal, failure = propose(), None
+        except (TypeError, ValueError, TileweaveError) as exc:
+            proposal, failure = None, exc
+        return agree(backend, self.op_name, signature, proposal, failure=failure, hint=hint)
+
+    def _first_call(self, backend: Backend, signature: object) -> contextlib.AbstractContextManager:
+        """Around the rest of a call after its agreement: ``first_call`` at the first call of
+        ``signature``, nothing at later ones."""
+        if signature in self._called:
+            return contextlib.nullcontext()
+        self._called.add(signature)
+        return first_call(backend)
 
     def require_eager(self, what: str) -> None:
         """Raise the error of a signature's first call under CUDA-graph capture: ``what`` that call does

@@ -205,6 +205,15 @@ class Memory:
             self.host_err = HostWord(device)
         return self.host_err
 
+    def pinned_word(self) -> HostWord | None:
+        """The one-shot kernels' pinned error word, None before the first one-shot call."""
+        return self.host_err
+
+    def kernel_word(self) -> torch.Tensor | None:
+        """The workspace's error word (which the one-shot kernels set together with the pinned one), None
+        before the workspace exists."""
+        return self.ws.err if self.ws is not None else None
+
 
 def oneshot_slots(ws: Workspace, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's two slots of ``shape`` in the one-shot buffer (grown to hold them), used in turn by
@@ -254,30 +263,33 @@ def _grow(backend: Backend, what: str, current: int | None, nbytes: int) -> int:
     return max(nbytes, 2 * current)
 
 
-def agree(backend: Backend, op: str, signature: object, proposal: object, *, hint: str = "") -> object:
+def agree(backend: Backend, op: str, signature: object, proposal: object, *, failure: Exception | None = None,
+          hint: str = "") -> object:
     """Exchange with every rank, at every call, what it was called with, and return rank 0's proposal
     (a path, a kernel config) so that all ranks use the same one. Collective: every rank of the group
     calls it at the same call of ``op``; none may skip it (say, because it met ``signature`` before).
 
     ``signature``: what every rank must share (shapes, dtypes, which optional arguments are given), best
-    a dict of argument name to ``tileweave.runtime.agreement.describe``'s text, which makes the error
-    of differing signatures name the arguments that differ. ``proposal``: this rank's
-    proposal, or a function that checks this rank's arguments and returns it. What that function
-    raises (``TypeError``, ``ValueError``, ``TileweaveError``) is exchanged instead of raised, so that
-    every rank raises it, after the exchange: checks that can differ between ranks run here, never
-    before. Differing signatures raise ``TileweaveError`` on every rank (``hint`` ends its message);
-    a rank that does not come within the backend's ``timeout_s``, ``CollectiveTimeout`` naming it.
+    a dict of argument name to ``tileweave.ops.common.signature_of``'s text, which makes the error of
+    differing signatures name the arguments that differ. ``proposal``: this rank's proposal, or a
+    function that checks this rank's arguments and returns it (an op evaluates its own, as
+    ``TPOp._agreed`` does, and passes the value). ``failure``: what this rank's checks raised
+    (``TypeError``, ``ValueError``, ``TileweaveError``; a raising ``proposal`` function gives it too),
+    exchanged instead of raised, so that every rank raises it, after the exchange: checks that can
+    differ between ranks run before, never instead of, the exchange. Differing signatures raise
+    ``TileweaveError`` on every rank (``hint`` ends its message); a rank that does not come within the
+    backend's ``timeout_s``, ``CollectiveTimeout`` naming it.
 
     Runs before any symmetric allocation or communication of the call: ranks that disagree fail
     together, here, rather than allocate different sizes or wait on each other's flags.
     """
-    failure = None
     if callable(proposal):
         try:
             proposal = proposal()
         except (TypeError, ValueError, TileweaveError) as exc:
-            failure, proposal = (type(exc).__name__, str(exc)), None
-    everyone = exchange(backend.group, backend.rank, backend.world_size, op, (signature, failure, proposal),
+            failure, proposal = exc, None
+    reported = None if failure is None else (type(failure).__name__, str(failure))
+    everyone = exchange(backend.group, backend.rank, backend.world_size, op, (signature, reported, proposal),
                         timeout_s=backend.timeout_s, one_host=backend.one_host)
     judge(op, everyone, hint=hint)
     return everyone[0][2]

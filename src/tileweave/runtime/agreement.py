@@ -12,11 +12,14 @@ Layout: per rank two slots of ``SLOT_BYTES``, used by the rank's exchanges in tu
 stamp (the exchange's number + 1), the record's length and CRC, and the pickled record. A rank writes
 exchange ``n`` into its slot ``n % 2`` only after reading every rank's exchange ``n - 1``, which every
 rank posted only after reading exchange ``n - 2``: no slot is overwritten while a peer may still read
-it. The CRC makes a reader that races a writer read again instead of taking half a record.
+it. The CRC makes a reader that races a writer read again instead of taking half a record. After the
+slots, per rank, whether it is in a signature's first call (``first_call``): its process id and since
+when, so that a wait for it does not count the time it spends compiling that call's kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import mmap
 import os
@@ -26,7 +29,6 @@ import tempfile
 import time
 import zlib
 
-import torch
 import torch.distributed as dist
 
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
@@ -35,6 +37,12 @@ SLOT_BYTES = 16 << 10
 """One record's slot: far above a call's signature and proposal (a few hundred bytes pickled)."""
 _HEADER = struct.Struct("<qqq")  # stamp, length, crc32
 _STAMP = struct.Struct("<q")
+_PID = struct.Struct("<q")  # of a rank in a first call, 0 when none; then since when (time.monotonic)
+_SINCE = struct.Struct("<d")
+FIRST_CALL_ALLOWANCE_S = 600.0
+"""How long a peer may stay in a signature's first call (``first_call``) before a wait for it counts
+against the bound anyway: long enough for a cold compile of a call's kernels (seconds to a minute),
+short of a compile that hangs."""
 
 
 class _Segment:
@@ -56,6 +64,29 @@ class _Segment:
 
     def withdraw(self, n: int) -> None:
         _HEADER.pack_into(self.memory, self.offset(self.rank, n), 0, 0, 0)
+
+    def first_call_offset(self, rank: int) -> int:
+        return 2 * self.world * SLOT_BYTES + rank * (_PID.size + _SINCE.size)
+
+    def mark_first_call(self, inside: bool) -> None:
+        at = self.first_call_offset(self.rank)
+        if inside:
+            _SINCE.pack_into(self.memory, at + _PID.size, time.monotonic())
+        _PID.pack_into(self.memory, at, os.getpid() if inside else 0)
+
+    def in_first_call(self, rank: int) -> bool:
+        """Whether rank ``rank`` is in a signature's first call, alive, for less than the allowance."""
+        at = self.first_call_offset(rank)
+        (pid,), (since,) = _PID.unpack_from(self.memory, at), _SINCE.unpack_from(self.memory, at + _PID.size)
+        if not pid or time.monotonic() - since > FIRST_CALL_ALLOWANCE_S:
+            return False
+        try:
+            os.kill(pid, 0)  # the ranks of a segment share a host, and so process ids
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # alive, another user's
+        return True
 
     def read(self, rank: int, n: int) -> bytes | None:
         """Rank ``rank``'s record of exchange ``n``, or None while it has not (wholly) posted it."""
@@ -91,7 +122,7 @@ def _segment(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) 
     store = _store(group)
     if store is None:
         return None
-    size = 2 * world * SLOT_BYTES
+    size = 2 * world * SLOT_BYTES + world * (_PID.size + _SINCE.size)
     name_key = "tileweave/agreement-segment"
     if rank == 0:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -124,8 +155,9 @@ def exchange(group: dist.ProcessGroup, rank: int, world: int, op: str, record: o
 
     Raises ``CollectiveTimeout`` naming the ranks that did not post within ``timeout_s`` seconds; this
     rank's post is then withdrawn and the exchange does not count, so the next call of every rank
-    exchanges again at the same place. ``one_host=False`` (a group across hosts, which share no memory):
-    a collective, not bounded."""
+    exchanges again at the same place. The time a late rank spends in a signature's first call
+    (``first_call``: compiling its kernels) does not count, up to ``FIRST_CALL_ALLOWANCE_S``.
+    ``one_host=False`` (a group across hosts, which share no memory): a collective, not bounded."""
     if world == 1:
         return [record]
     segment = _segment(group, rank, world, timeout_s) if one_host else None
@@ -150,8 +182,13 @@ def exchange(group: dist.ProcessGroup, rank: int, world: int, op: str, record: o
         if all(entry is not None for entry in records):
             break
         if time.monotonic() > deadline:
+            late = [r for r, entry in enumerate(records) if entry is None]
+            if any(segment.in_first_call(r) for r in late):
+                # Compiling the kernels of a first call, at its own pace: the bound starts again after.
+                deadline = time.monotonic() + timeout_s
+                continue
             segment.withdraw(n)
-            missing = ", ".join(str(r) for r, entry in enumerate(records) if entry is None)
+            missing = ", ".join(str(r) for r in late)
             raise CollectiveTimeout(
                 f"{op} on rank {rank}: a bounded wait of {timeout_s:.0f} s for rank {missing} to join this call "
                 "expired; a peer is missing, far behind, raised before it reached the call, or calls the ops in "
@@ -165,6 +202,31 @@ def exchange(group: dist.ProcessGroup, rank: int, world: int, op: str, record: o
     return _records(op, [pickle.loads(entry) for entry in records])
 
 
+_inside_first_call = 0
+
+
+@contextlib.contextmanager
+def first_call():
+    """Within the block, this process is in a signature's first call, after its agreement: it launches,
+    and so compiles, the call's kernels (seconds to a minute with a cold cache, each rank at its own
+    pace). Marked on the segment of every group this process has exchanged in (the compile holds up
+    its calls on any of them), so that a peer's bounded wait for this rank there (its next call's
+    agreement) does not count the time spent here. Nothing where there is no segment (groups of one,
+    exchanges that are collectives, unbounded anyway). Blocks may nest."""
+    global _inside_first_call
+    _inside_first_call += 1
+    if _inside_first_call == 1:
+        for segment in _segments.values():
+            segment.mark_first_call(True)
+    try:
+        yield
+    finally:
+        _inside_first_call -= 1
+        if _inside_first_call == 0:
+            for segment in _segments.values():
+                segment.mark_first_call(False)
+
+
 def _records(op: str, everyone: list) -> list:
     """The records of ``everyone``'s ``(op, record)``, after checking that every rank is in ``op``."""
     if any(theirs != op for theirs, _ in everyone):
@@ -172,25 +234,6 @@ def _records(op: str, everyone: list) -> list:
         raise TileweaveError(f"the ranks of the group are in different calls ({calls}): every rank must call the "
                              "ops in the same order, the same number of times")
     return [record for _, record in everyone]
-
-
-def describe(value: object, *, dims: tuple[int, ...] | None = None) -> object:
-    """What the ranks compare of an argument, as text: a tensor's shape (``*`` for the dimensions not in
-    ``dims`` when given, for a tensor whose other dimensions may differ by rank), dtype and device type,
-    e.g. ``"[4, *] float16 on cuda"``; None; a number or string itself (its repr, so that NaN equals
-    NaN); else the type's name."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        shape = list(value.shape)
-        if dims is not None:
-            kept = {d % len(shape) for d in dims if -len(shape) <= d < len(shape)}
-            shape = [size if d in kept else "*" for d, size in enumerate(shape)]
-        return f"[{', '.join(str(size) for size in shape)}] {str(value.dtype).removeprefix('torch.')} on " \
-               f"{value.device.type}"
-    if isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    return type(value).__name__
 
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "CollectiveTimeout": CollectiveTimeout}
@@ -201,7 +244,7 @@ def judge(op: str, everyone: list, *, hint: str = "") -> None:
     ``everyone``: each rank's ``(signature, failure, proposal)``, where ``failure`` is None or the
     ``(type name, message)`` of what that rank's checks raised. The lowest failing rank's error is
     raised; its message carries the rank unless every rank failed alike. A signature that is a dict
-    (argument name: ``describe``'s text) gives a message that names the arguments that differ.
+    (argument name: ``tileweave.ops.common.signature_of``'s text) gives a message that names the arguments that differ.
     ``hint``: appended to the message of differing signatures (what every rank must share)."""
     failures = [(r, entry[1]) for r, entry in enumerate(everyone) if entry[1] is not None]
     if failures:

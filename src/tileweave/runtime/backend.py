@@ -245,7 +245,7 @@ class CudaBackend(Backend):
         # it takes: at most a few). Stream waits are not bounded on the GPU; the host bounds them in
         # synchronize (timeout_s).
         self.default_max_spin = settings.max_spin(1 << 26)
-        self.timeout_s = settings.number(settings.TIMEOUT_S, 120)
+        self.timeout_s = settings.timeout_s()
         self.comm_stream = torch.cuda.Stream(device=device, priority=-1)
         self._comm_handle = self.comm_stream.cuda_stream
         with torch.cuda.device(device):

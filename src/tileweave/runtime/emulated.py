@@ -97,7 +97,7 @@ class EmulatedBackend(Backend):
         self.interpreter = True
         self.launch_blocks = True
         self.num_sms = 4
-        self.timeout_s = settings.number(settings.EMULATED_TIMEOUT_S, 60)
+        self.timeout_s = settings.emulated_timeout_s()
         self.default_max_spin = settings.max_spin(default_max_spin(self.timeout_s))
         self.region = int(os.environ[HEAP_BYTES_ENV])
         self.heap = _heap(path, self.region * dist.get_world_size())

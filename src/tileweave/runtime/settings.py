@@ -16,7 +16,9 @@ variable                            default    what it sets
                                                expired wait at once instead of at the next call
 ``TILEWEAVE_MAX_SPIN``              backend's  polls an in-kernel flag wait may take before it reports a
                                                lost peer
-``TILEWEAVE_TIMEOUT_S``             120        seconds a host-side wait for a peer may take (GPUs)
+``TILEWEAVE_TIMEOUT_S``             60         seconds a host-side wait for a peer may take (GPUs): the
+                                               agreement before a call (not counting a peer's first
+                                               compile of a call's kernels), a debug-mode synchronisation
 ``TILEWEAVE_EMULATED_TIMEOUT_S``    60         the same for emulated CPU ranks
 ``TILEWEAVE_FAST_LAUNCH``           1          0: every launch through Triton's public ``kernel[grid]``
 ``TILEWEAVE_CACHE_DIR``             home       where tuned kernel configs are kept (``~/.cache/tileweave``)
@@ -74,6 +76,26 @@ def number(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+TIMEOUT_DEFAULT_S = 60.0
+"""``TILEWEAVE_TIMEOUT_S`` when unset. A rank's first compile of a call's kernels (seconds to a minute
+with a cold cache) does not count against it: a peer's wait for a rank that is in a signature's first
+call, after its agreement, starts again when that call ends (``tileweave.runtime.agreement.first_call``),
+and a kernel's first launch meets the other ranks after compiling, before it spins on their flags
+(``tileweave.ops.skeleton.first_launch``). What remains is a straggler's lead, milliseconds, so a
+minute reports a missing peer without mistaking a slow one for it."""
+EMULATED_TIMEOUT_DEFAULT_S = 60.0
+
+
+def timeout_s() -> float:
+    """``TILEWEAVE_TIMEOUT_S``: the host's bound on a wait for a peer on GPUs, in seconds."""
+    return number(TIMEOUT_S, TIMEOUT_DEFAULT_S)
+
+
+def emulated_timeout_s() -> float:
+    """``TILEWEAVE_EMULATED_TIMEOUT_S``: the same bound for emulated CPU ranks."""
+    return number(EMULATED_TIMEOUT_S, EMULATED_TIMEOUT_DEFAULT_S)
 
 
 def max_spin(default: int) -> int:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import tileweave
+from tileweave.ops.all_gather import rule
 from tileweave.ops.compute import gemm_launch
 from tileweave.ops.workspace import ONESHOT_HEADER
-from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 from tileweave.runtime.backend import set_producer_delay
 from support.scenarios.common import Case, device_name, randn, rel_err, weight_b
@@ -114,7 +114,7 @@ def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], ro
     def by_width(m, n_local, k, world, dtype, *, interpreter=False):
         return "chunked" if n_local < chunked_below_n else "mesh"
 
-    heuristics.all_gather_transport = by_width
+    rule.all_gather_transport = by_width
     device = device_name()
     op = tileweave.AllGatherGemm(policy="fused", graphable=graphable)
     return [all_gather_call(op, case, it, rank, world, device) for it in range(rounds) for case in cases]

@@ -1,6 +1,6 @@
 """AllGather+GEMM's unfused path: NCCL all-gather, then one GEMM (cuBLAS; tileweave's matmul on the
 CPU). It captures in a CUDA graph like any NCCL + cuBLAS code. Float8 calls gather the rows as bytes
-and the a-scales in their gathered form (``tileweave.ops.dense_fp8``), then run tileweave's scaled
+and the a-scales in their gathered form (``tileweave.ops.dense``), then run tileweave's scaled
 ``matmul`` once over all rows."""
 
 from __future__ import annotations
@@ -8,26 +8,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tileweave.ops import common
 from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.skeleton import Call
-
-
-def _gather(backend, t: torch.Tensor) -> torch.Tensor:
-    """``t``'s rows from every rank, rank after rank (NCCL on GPUs, gloo's all_gather on the CPU)."""
-    gathered = t.new_empty((t.shape[0] * backend.world_size, *t.shape[1:]))
-    if t.is_cuda:
-        dist.all_gather_into_tensor(gathered, t, group=backend.group)
-    else:
-        dist.all_gather(list(gathered.chunk(backend.world_size)), t, group=backend.group)
-    return gathered
 
 
 def run(call: Call, a_shard, b, bias, out, return_gathered: bool, gathered_out, scaled=None):
     backend = call.backend
     if scaled is not None:
         # float8 travels as bytes (what every backend moves); the scales as float32 rows.
-        rows = _gather(backend, a_shard.contiguous().view(torch.uint8)).view(a_shard.dtype)
-        gathered_scales = _gather(backend, scaled.shard_rows(a_shard.shape[0]))
+        rows = common.all_gather_rows(a_shard, backend)
+        gathered_scales = common.all_gather_rows(scaled.shard_rows(a_shard.shape[0]), backend)
         out = matmul(rows, b, bias=bias, out=out, **scaled.gathered_args(gathered_scales, b.shape[1]))
         call.record("fallback")
         return (out, rows, gathered_scales) if return_gathered else out

@@ -13,7 +13,7 @@ gathered            ``[M, K]``                  ``AllGather_M(a_shard)`` (backwa
 ==================  ==========================  ==========================================
 
 Paths. ``policy="auto"`` takes a fused transport where it was measured faster than NCCL + cuBLAS, the
-unfused path elsewhere (``auto_route``). The fused transports share one protocol (``push``): each
+unfused path elsewhere (``rule.auto_route``). The fused transports share one protocol (``push``): each
 rank's copy stream pushes its shard into every peer's symmetric gather buffer (``mesh``, for
 NVSwitch-class nodes) or forwards every chunk to rank+1 (``ring``, for PCIe or partial meshes), then
 writes the peer's ready flag with a stream memory op; the consumer computes its own rows straight from
@@ -29,7 +29,7 @@ differ per rank; rowwise ``[M/W, 1]`` and ``[1, N_loc]``; blockwise ``[M/W, K/12
 ceil(N_loc/128)]``), the result is ``AllGather_M(a_shard * scale_a) @ (b * scale_b)`` in ``out_dtype``
 (bfloat16 by default, float16, float32), fp32 accumulation: each gathered row keeps its source rank's
 scale. The float8 rows travel (half the bytes of bfloat16) and each shard's a-scales beside them, in
-the gathered form of ``tileweave.ops.dense_fp8`` (a row per row; a tensorwise scale as its shard's
+the gathered form of ``tileweave.ops.dense`` (a row per row; a tensorwise scale as its shard's
 rows each holding it): the push copies a shard's scales into a second region of the peer's gather
 buffer, ``[M, KB]`` float32 after the rows, before it raises the ready flag, so one flag covers both;
 the kernel reads a peer's rows' scales from there, its own rows' from ``scale_a``. The chunked transport
@@ -58,38 +58,19 @@ import torch
 import torch.distributed as dist
 
 from tileweave.runtime import settings
-from tileweave.ops import common, dense_fp8
-from tileweave.ops.all_gather import nccl, oneshot
-from tileweave.ops.all_gather.push import run_chunked, run_mesh, run_ring, start
-from tileweave.ops.dense import DenseOp, Plan, programs
+from tileweave.ops import common
+from tileweave.ops.all_gather import nccl, oneshot, rule
+from tileweave.ops.all_gather.push import PendingGather, programs, run_chunked, run_mesh, run_ring
+from tileweave.ops.dense import DenseOp, Plan, wanted
 from tileweave.ops.skeleton import option
 from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
-from tileweave.ops.workspace import FlagValues, agree
+from tileweave.ops.workspace import agree
 from tileweave.runtime.backend import Backend
-from tileweave.tune import heuristics
 from tileweave.tune.configs import GemmConfig
 
 OP = "all_gather_gemm"
 TRANSPORTS = ("auto", "mesh", "ring", "chunked")
 _RUN = {"mesh": run_mesh, "ring": run_ring, "chunked": run_chunked}
-
-
-def auto_route(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *, interpreter: bool = False,
-               transport: str = "auto") -> str:
-    """The route of a call under ``policy="auto"``: "fallback" (NCCL + cuBLAS), or the fused transport
-    (``transport``, or under "auto" "chunked" or "mesh" by ``heuristics.all_gather_transport``).
-    ``m``: gathered rows; ``n_local``: this rank's output columns. The same on every rank: it depends on
-    the agreed shape alone."""
-    if not heuristics.prefer_fused_all_gather(m, n_local, k, world, dtype, interpreter=interpreter):
-        return "fallback"
-    return fused_transport(m, n_local, k, world, dtype, interpreter=interpreter, transport=transport)
-
-
-def fused_transport(m: int, n_local: int, k: int, world: int, dtype: torch.dtype, *, interpreter: bool,
-                    transport: str) -> str:
-    if transport == "auto":
-        return heuristics.all_gather_transport(m, n_local, k, world, dtype, interpreter=interpreter)
-    return transport
 
 
 class AllGatherGemm(DenseOp):
@@ -103,7 +84,7 @@ class AllGatherGemm(DenseOp):
     be captured in a CUDA graph. ``stream_k`` (every rank alike; ``TILEWEAVE_AG_STREAM_K`` for the
     shared op): whether the fused kernel shares the tiles of its last, partial wave out by K steps over
     every program instead of leaving the programs without a whole tile idle; None (default): where
-    ``heuristics.all_gather_stream_k`` says so (with a ``config`` given, as that config says). Only
+    ``rule.all_gather_stream_k`` says so (with a ``config`` given, as that config says). Only
     where the partial wave's tiles all lie in the last chunk. Other arguments: :class:`tileweave.ops.dense.DenseOp`.
     """
 
@@ -140,21 +121,21 @@ class AllGatherGemm(DenseOp):
         ``TILEWEAVE_DEBUG=1`` or on the CPU). FP8 (``scale_a``, ``scale_b``, ``out_dtype``,
         ``use_fast_accum`` as ``matmul``'s): the module docstring; a bad float8 argument raises on every
         rank at a signature's first call, whichever rank passed it."""
-        if gathered_out is not None and dense_fp8.wanted(a_shard, b, scale_a, scale_b, out_dtype):
+        if gathered_out is not None and wanted(a_shard, b, scale_a, scale_b, out_dtype):
             raise TypeError(f"{OP}: gathered_out is not supported with float8 inputs (the gathered rows come with "
                             "their scales); pass return_gathered=True, which returns fresh (gathered, scales)")
         if gathered_out is not None and isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2:
             # Before the plan: a bad argument must raise on every rank before any collective.
             _check_gathered_out(gathered_out, a_shard, self.backend_for(a_shard.device).world_size)
         plan, bias, out, scaled = self._plan_call(a_shard, b, bias, out, (scale_a, scale_b, out_dtype, use_fast_accum))
-        call = self._call(plan, common.capturing(a_shard))
+        capturing = common.capturing(a_shard)
         if scaled is not None:  # gathered float8 rows are fresh tensors, never the lent buffer
-            return plan.run(call, a_shard, b, bias, out, return_gathered, None, scaled)
+            return self._run(plan, capturing, (a_shard, b, bias, out, return_gathered, None, scaled))
         if gathered_out is not None:
             return_gathered = True
         elif return_gathered and self.graphable:
             gathered_out = gathered_like(a_shard, plan.backend.world_size)
-        return plan.run(call, a_shard, b, bias, out, return_gathered, gathered_out)
+        return self._run(plan, capturing, (a_shard, b, bias, out, return_gathered, gathered_out))
 
     def _check(self, a_shard, b, bias, out, fp8) -> tuple:
         w, scaled = self._check_operands(a_shard, b, "a_shard", "M/W", "K", "N_loc", fp8)
@@ -175,11 +156,11 @@ class AllGatherGemm(DenseOp):
         return mc * world, b.shape[1], k, (mc, k, b.shape[1])
 
     def _auto_route(self, m: int, n: int, k: int, dtype: torch.dtype, backend: Backend) -> str:
-        return auto_route(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter)
+        return rule.auto_route(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter)
 
     def _fused_plan(self, backend: Backend, config: GemmConfig, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
         # A function of the shapes, which every rank has just agreed on.
-        transport = fused_transport(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter,
+        transport = rule.fused_transport(m, n, k, backend.world_size, dtype, interpreter=backend.interpreter,
                                     transport=self.transport)
         return Plan("chunked" if transport == "chunked" else "fused", _RUN[transport], backend, config, epochs=True)
 
@@ -193,7 +174,7 @@ class AllGatherGemm(DenseOp):
             return self.stream_k
         if self.config is not None:
             return self.config.stream_k
-        return heuristics.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, count)
+        return rule.all_gather_stream_k(m // w, n, k, w, config.block_m, config.block_n, count)
 
     def gather_buffer(self, m: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """This rank's ``[M, K]`` gather buffer. A producer that writes its output straight into rows
@@ -203,7 +184,7 @@ class AllGatherGemm(DenseOp):
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.memory.workspace(backend, m * k * itemsize).data.view(backend.rank, dtype, (m, k))
 
-    def all_gather(self, a_shard: torch.Tensor) -> "PendingGather":
+    def all_gather(self, a_shard: torch.Tensor) -> PendingGather:
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
         same copy-engine transport, so it needs no SM and can run next to kernels that spin on their
         peers. ``wait()`` on the result makes the caller's stream wait for every shard and returns the
@@ -216,49 +197,20 @@ class AllGatherGemm(DenseOp):
         w = backend.world_size
         mc, k = a_shard.shape
         if w == 1:
-            return PendingGather(backend, a_shard, ())
+            return PendingGather(backend, a_shard)
         if self.policy == "fallback" or not backend.peer_access:
             gathered = a_shard.new_empty((mc * w, k))
             dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
-            return PendingGather(backend, gathered, ())
+            return PendingGather(backend, gathered)
         if not self.graphable:
             common.check_not_capturing(OP, a_shard)
         key = ("all_gather", mc, k, a_shard.dtype)
         if key not in self._plans:
-            self._decide_gather(backend, key)
+            agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
+            self._plans[key] = Plan("all_gather", None, backend)
         self.errors.raise_pending(backend, common.capturing(a_shard))
-        ws, plan, a_shard, values = start(self.memory, backend, a_shard, self.transport == "ring", self.graphable)
-        if plan.own_slot.data_ptr() != a_shard.data_ptr():
-            backend.comm_copy(plan.own_slot, a_shard)
-        return PendingGather(backend, plan.gathered, plan.releases, values=values, arrivals=plan.arrivals)
-
-    def _decide_gather(self, backend: Backend, key: tuple) -> None:
-        agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
-        self._plans[key] = Plan("all_gather", None, backend)
-
-
-class PendingGather:
-    """An all-gather in flight on the copy engines (``AllGatherGemm.all_gather``)."""
-
-    def __init__(self, backend: Backend, gathered: torch.Tensor, releases: tuple, *,
-                 values: FlagValues | None = None, arrivals: tuple = ()) -> None:
-        self._backend, self._gathered, self._releases = backend, gathered, releases
-        self._values, self._arrivals = values, arrivals
-
-    def wait(self) -> torch.Tensor:
-        """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
-        for address in self._arrivals:
-            self._backend.main_wait(address, self._values.ready)
-        self._backend.comm_end()  # our own rows, copied on the copy stream
-        if common.debug_mode() and not common.capturing(self._gathered):
-            self._backend.synchronize()  # bounded: a lost peer raises here instead of hanging
-        return self._gathered
-
-    def release(self) -> None:
-        """Let the peers fill the buffer for the next call (after the kernels that read it)."""
-        if self._values is not None:
-            self._values.release(self._backend, self._arrivals, self._releases)
-        self._releases = self._arrivals = ()
+        return PendingGather.start(backend, self.memory, a_shard, ring=self.transport == "ring",
+                                   constant=self.graphable)
 
 
 def _check_gathered_out(gathered_out: torch.Tensor, a_shard: torch.Tensor, world: int) -> None:

@@ -1,8 +1,8 @@
 """AllGather+GEMM's copy-engine transport and its two consumers: each rank's copy stream pushes its
 shard into every peer's symmetric gather buffer (mesh) or forwards chunks to rank+1 (ring), and raises
 the peer's ready flag after each copy; the consumer waits for those flags; after the GEMM each rank
-releases its buffer to the peers for the next call. Also the gather of ``AllGatherGemm.all_gather`` and
-of MoE layer 0 (``tileweave.ops.moe.gather``).
+releases its buffer to the peers for the next call. Also the gather alone (``PendingGather``), of
+``AllGatherGemm.all_gather`` and of MoE layer 0, and the fused kernel's launch (``launch_fused``).
 
 Consumers. ``run_mesh`` / ``run_ring`` (path "fused"): the persistent GEMM (``tileweave.kernels.gemm``,
 ``ALL_GATHER``) computes its own rows straight from ``a_shard`` while the shards travel, then each
@@ -11,7 +11,7 @@ cuBLAS, one GEMM for the own rows while the shards travel, then one per peer's r
 stream has waited for that peer's ready flag (a stream memory op, no SM spins).
 
 Float8 calls: each copy of a shard's rows is followed by a copy of its a-scales (the gathered form of
-``tileweave.ops.dense_fp8``, ``[M/W, KB]`` float32) into the scale region of the same gather buffer,
+``tileweave.ops.dense``, ``[M/W, KB]`` float32) into the scale region of the same gather buffer,
 ``[M, KB]`` at ``scale_offset`` after the rows, and only then by the ready flag: one flag covers both.
 The kernel reads the gathered scales of the peers' rows (``gathered_scales``); the chunked consumer
 runs tileweave's scaled ``matmul`` per shard."""
@@ -23,12 +23,14 @@ from typing import Callable
 
 import torch
 
+from tileweave.ops import common
+from tileweave.ops.compute.gemm_launch import launch, launch_cached
 from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.compute.scaling import dense_scales
-from tileweave.ops.dense import finish_kernel, launch_fused, programs
-from tileweave.ops.skeleton import Call, finish_streams
+from tileweave.ops.skeleton import Call, finish_streams, first_launch
 from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspace
 from tileweave.runtime.backend import Backend
+from tileweave.tune.configs import GemmConfig
 
 OP_NAME = "all_gather_gemm"
 
@@ -162,13 +164,89 @@ def copy_out(backend: Backend, ws: Workspace, plan: PushPlan, a_shard, gathered_
             backend.comm_copy(scales_out[rows], plan.gathered_scales[rows])
 
 
+def programs(config: GemmConfig, backend: Backend) -> int:
+    """Persistent programs of a fused launch: the config's count, or one per SM, within what every
+    program resident at once allows (``Backend.max_programs``)."""
+    return min(config.programs or backend.num_sms, backend.max_programs(False))
+
+
+def launch_fused(call: Call, **launch_args) -> None:
+    """Launch the fused GEMM kernel; a plan's first launch compiles and meets the other ranks first
+    (``skeleton.first_launch``)."""
+    plan = call.plan
+    if plan.first:
+        first_launch(call.backend, lambda: launch(**launch_args, compile_only=True))
+        plan.first = False
+    launch_cached(**launch_args)
+
+
+def finish_kernel(call: Call, ws: Workspace) -> None:
+    """After a fused launch: watch the workspace's error word (``ErrorWords.watch``), so that an expired
+    in-kernel wait is reported, at once on the CPU and in debug mode, else by the next call (the outputs
+    of a call whose wait expired are wrong, never silently)."""
+    call.errors.watch("kernel", ws.err, call.backend)
+
+
+class PendingGather:
+    """A gather in flight on the copy engines, with none of the push's GEMMs (``PendingGather.start``): of
+    ``AllGatherGemm.all_gather`` and of MoE layer 0, whose kernels read ``gathered``. ``wait()`` makes
+    the caller's stream wait for every shard (for readers that are not gated on ``ready_flags``);
+    ``release()``, once the kernels that read the buffer are queued, lets the peers refill it. Made
+    without a push (a group of one, NCCL's gather), it holds the gathered rows alone."""
+
+    def __init__(self, backend: Backend, gathered: torch.Tensor, *, ws: Workspace | None = None,
+                 plan: PushPlan | None = None, values: FlagValues | None = None) -> None:
+        self.backend, self.gathered, self.ws, self.plan, self.values = backend, gathered, ws, plan, values
+
+    @staticmethod
+    def start(backend: Backend, memory: Memory, a_shard: torch.Tensor, *, ring: bool = False,
+              constant: bool = False, own_rows: str = "copy") -> "PendingGather":
+        """Queue this call's pushes of ``a_shard [M/W, K]`` (``start``: ``memory``'s workspace grown or
+        replaced here, collectively); the own rows go into the own slot of the buffer on the copy stream
+        (``own_rows="copy"``) or on the caller's stream (``"main"``: ahead of a kernel that reads them
+        ungated)."""
+        ws, plan, a_shard, values = start(memory, backend, a_shard, ring, constant)
+        if plan.own_slot.data_ptr() != a_shard.data_ptr():
+            if own_rows == "main":
+                plan.own_slot.copy_(a_shard)
+            else:
+                backend.comm_copy(plan.own_slot, a_shard)
+        return PendingGather(backend, plan.gathered, ws=ws, plan=plan, values=values)
+
+    @property
+    def ready_flags(self) -> torch.Tensor:
+        """int32 ``[W]``: word s reaches ``epoch`` once source s's rows are in ``gathered``."""
+        return self.ws.flag_slice(READY)
+
+    @property
+    def epoch(self) -> int:
+        return self.values.ready
+
+    def wait(self) -> torch.Tensor:
+        """The ``[M, K]`` gathered tensor, once the caller's stream has waited for every shard."""
+        for address in self.plan.arrivals if self.plan is not None else ():
+            self.backend.main_wait(address, self.values.ready)
+        self.backend.comm_end()  # our own rows, copied on the copy stream
+        if common.debug_mode() and not common.capturing(self.gathered):
+            self.backend.synchronize()  # bounded: a lost peer raises here instead of hanging
+        return self.gathered
+
+    def release(self) -> None:
+        """Let the peers fill the buffer for the next call, after the kernels that read it (the copy
+        stream joined first: its copies read the buffer too)."""
+        if self.plan is not None:
+            self.backend.comm_end()
+            self.values.release(self.backend, self.plan.arrivals, self.plan.releases)
+            self.plan = None
+
+
 def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
                scaled=None, ring: bool = False):
     """One call on the push transport: the pushes, ``consume(call, ws, push_plan, a_shard, b, bias, out,
     ready, scaled)`` (the GEMM that waits for each shard's flag), then the release of the gather buffer
     (or its loan to the caller, for ``return_gathered``). ``scaled``: a float8 call's
-    ``dense_fp8.Scaled``, whose a-scales travel with the rows; with ``return_gathered`` it returns
-    ``(out, gathered, gathered_scales)``, copied out on the copy stream."""
+    ``dense.Scaled``, whose a-scales travel with the rows; with ``return_gathered`` it returns ``(out,
+    gathered, gathered_scales)``, copied out on the copy stream."""
     backend = call.backend
     mc, k = a_shard.shape
     w = backend.world_size

@@ -57,8 +57,6 @@ from tileweave.ops.all_reduce import nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
 from tileweave.ops.compute import scaling
 from tileweave.ops.skeleton import TPOp
-from tileweave.ops.workspace import agree
-from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import Backend, TileweaveError
 
 OP = "gemm_all_reduce"
@@ -100,10 +98,10 @@ class GemmAllReduce(TPOp):
             raise TypeError(f"a must be a torch.Tensor [M, K_loc], got {type(a).__name__}")
         backend = self.backend_for(a.device)
         scales = (scale_a, scale_b) if scaling.is_fp8(a) or scale_a is not None or scale_b is not None else None
-        path = self._plan(backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
+        path, key = self._plan(backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype)
         dtype = scaling.out_dtype_of(OP, a, out_dtype)
         bias = common.check_bias(bias, b.shape[1], dtype, a.device)
-        return self._run(backend, path, a, b, bias, residual, norm_weight, eps, out, scales, dtype)
+        return self._run(backend, path, key, a, b, bias, residual, norm_weight, eps, out, scales, dtype)
 
     def all_reduce(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, out: torch.Tensor | None = None):
@@ -116,11 +114,13 @@ class GemmAllReduce(TPOp):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor [M, N], got {type(x).__name__}")
         backend = self.backend_for(x.device)
-        path = self._plan(backend, x, None, None, residual, norm_weight, eps, out, None, None)
-        return self._run(backend, path, x, None, None, residual, norm_weight, eps, out, None, x.dtype)
+        path, key = self._plan(backend, x, None, None, residual, norm_weight, eps, out, None, None)
+        return self._run(backend, path, key, x, None, None, residual, norm_weight, eps, out, None, x.dtype)
 
-    def _run(self, backend: Backend, path: str, a, b, bias, residual, norm_weight, eps, out, scales, dtype):
-        """The call on ``path``; ``b`` None: ``a`` is this rank's partial (``all_reduce``)."""
+    def _run(self, backend: Backend, path: str, key: tuple, a, b, bias, residual, norm_weight, eps, out, scales,
+             dtype):
+        """The call on ``path``; ``b`` None: ``a`` is this rank's partial (``all_reduce``). The first call
+        of its signature ``key`` runs in ``skeleton.first_call``, where its kernels compile."""
         m, n = a.shape[0], a.shape[1] if b is None else b.shape[1]
         capturing = common.capturing(a)
         if capturing and path in ("oneshot", "twoshot") and not self.graphable:
@@ -129,10 +129,12 @@ class GemmAllReduce(TPOp):
             path = "fallback"  # NCCL captures; the epochs of the fused transports would not advance on replay
         y = out if out is not None else torch.empty((m, n), dtype=dtype, device=a.device)
         resid = torch.empty((m, n), dtype=dtype, device=a.device) if norm_weight is not None else None
-        if path in ("oneshot", "twoshot"):
-            self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
-        else:
-            nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
+        with self._first_call(backend, key):
+            if path in ("oneshot", "twoshot"):
+                self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid,
+                                                   scales)
+            else:
+                nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
         common.record_path(OP, path)
         return y if norm_weight is None else (y, resid)
 
@@ -148,11 +150,13 @@ class GemmAllReduce(TPOp):
                                          max_spin=self.spin_bound(backend))
         return self._fused
 
-    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out, scales, out_dtype) -> str:
-        """The path of this call, every rank together: this rank checks its arguments and proposes a
-        path (its signature's, decided at its first call: the policy's, or the rule's under "auto"),
-        then every rank's signature, check outcome and proposal are exchanged and judged (``agree``), so
-        that a bad argument on one rank raises the same error on every rank; rank 0's path is taken."""
+    def _plan(self, backend: Backend, a, b, bias, residual, norm_weight, eps, out, scales,
+              out_dtype) -> tuple[str, tuple]:
+        """``(path, signature)`` of this call, every rank together: this rank checks its arguments and
+        proposes a path (its signature's, decided at its first call: the policy's, or the rule's under
+        "auto"), then every rank's signature, check outcome and proposal are exchanged and judged
+        (``TPOp._agreed``), so that a bad argument on one rank raises the same error on every rank; rank
+        0's path is taken."""
         summed = b is None  # all_reduce: ``a`` is the partial itself
         m = a.shape[0] if a.dim() >= 1 else 0  # the key of a bad call is never stored: the checks raise
         if summed:
@@ -174,24 +178,24 @@ class GemmAllReduce(TPOp):
         if key not in self._plans and common.capturing(a):
             self.require_eager("sizes the buffers with the other ranks")
         w = backend.world_size
-        if w == 1:
-            path = propose()
-        else:
+        signature = None
+        if w > 1:
             # K_loc may differ by rank: a's rows and b's columns are what every rank shares.
+            describe = common.signature_of
             signature = {"form": "all_reduce" if summed else "gemm",
                          "a": describe(a, dims=(0, 1) if summed else (0,)), "b": describe(b, dims=(-1,)),
                          "bias": describe(bias),
                          "residual": describe(residual), "norm_weight": describe(norm_weight),
                          "policy": repr(self.policy), "graphable": repr(self.graphable),
                          "out_dtype": repr(out_dtype), "scales": "given" if scales is not None else "none"}
-            path = agree(backend, OP, signature, propose)
+        path = self._agreed(backend, signature, propose)
         if w > 1 and (m == 0 or n == 0):
             path = "fallback"
         if key not in self._plans and path in ("oneshot", "twoshot"):
             dtype = scaling.out_dtype_of(OP, a, out_dtype)
             self._fused_transport(backend).prepare(path, m, n, dtype, norm_weight is not None)
         self._plans[key] = path
-        return path
+        return path, key
 
     def _propose(self, backend: Backend, a, m: int, n: int, norm: bool, dtype: torch.dtype) -> str:
         """This rank's path for a new signature (partials in ``dtype``): the policy's, or under "auto" the

@@ -29,8 +29,8 @@ import triton
 
 from tileweave.kernels.moe_plan import plan_count_kernel, plan_place_kernel
 from tileweave.ops import common
+from tileweave.ops.skeleton import first_call
 from tileweave.ops.workspace import agree
-from tileweave.runtime.agreement import describe
 from tileweave.runtime.backend import _group_size, get_backend
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -103,6 +103,27 @@ class MoEPlan:
     def signature(self) -> tuple[int, int, int, int]:
         """(W, T, k, E): what two calls' plans must share to be interchangeable."""
         return (self.world_size, self.tokens, self.topk, self.num_experts)
+
+
+def plan_signature(plan: object) -> object:
+    """What the ranks compare of a plan: its (W, T, k, E), or the type's name of something else."""
+    return plan.signature() if isinstance(plan, MoEPlan) else type(plan).__name__
+
+
+def check_plan(plan: MoEPlan, *, world: int, tokens: int | None, experts: int, device: torch.device) -> None:
+    """The plan was built for this group, these tokens (None: any) and these experts, on this device."""
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan must be a tileweave MoEPlan (from moe_plan or build_plan), got {type(plan).__name__}")
+    if plan.world_size != world:
+        raise ValueError(f"plan was built for world_size={plan.world_size} but the group has {world} ranks: "
+                         "build it with moe_plan on this group")
+    if tokens is not None and plan.tokens != tokens:
+        raise ValueError(f"plan was built for T={plan.tokens} tokens but the inputs hold T={tokens} "
+                         f"({tokens // world} per rank): build the plan from this batch's topk_ids")
+    if plan.num_experts != experts:
+        raise ValueError(f"plan was built for E={plan.num_experts} experts but the weights have {experts}")
+    if plan.offsets.device != device:
+        raise ValueError(f"plan is on {plan.offsets.device} but the inputs are on {device}")
 
 
 def check_ids(topk_ids: torch.Tensor, num_experts: int, *, name: str = "topk_ids") -> None:
@@ -186,6 +207,10 @@ def build_plan(topk_ids: torch.Tensor, *, num_experts: int, world_size: int,
                    invalid=invalid)
 
 
+_built: set[tuple] = set()
+"""The signatures of ``moe_plan`` built before, per group."""
+
+
 def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.ProcessGroup | None = None,
              validate: bool = True) -> MoEPlan:
     """Collective: gather every rank's ``topk_ids_shard [T/W, k]`` (NCCL all-gather on GPUs, gloo on
@@ -206,15 +231,19 @@ def moe_plan(topk_ids_shard: torch.Tensor, *, num_experts: int, group: dist.Proc
     capturing = topk_ids_shard.is_cuda and torch.cuda.is_current_stream_capturing()
     if world > 1:
         backend = get_backend(group, topk_ids_shard.device)
-        agree(backend, "moe_plan", {"topk_ids_shard": describe(topk_ids_shard), "num_experts": describe(num_experts)},
+        signature = {"topk_ids_shard": common.signature_of(topk_ids_shard),
+                     "num_experts": common.signature_of(num_experts)}
+        agree(backend, "moe_plan", signature,
               lambda: check_ids(topk_ids_shard, num_experts, name="topk_ids_shard"),
               hint="; every rank must route the same number of tokens with the same k over the same experts")
     ids = topk_ids_shard.contiguous()
-    gathered = ids if world == 1 else ids.new_empty((ids.shape[0] * world, ids.shape[1]))
-    if world > 1 and dist.get_backend(group) == "nccl":
-        dist.all_gather_into_tensor(gathered, ids, group=group)
-    elif world > 1:
-        dist.all_gather(list(gathered.chunk(world)), ids, group=group)
+    gathered = ids if world == 1 else common.all_gather_rows(ids, backend)
     if (validate or common.debug_mode()) and not capturing:
         check_id_values(gathered, num_experts, name="topk_ids_shard", rows_per_rank=ids.shape[0])
-    return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
+    if world == 1:
+        return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)
+    key = (group.group_name, topk_ids_shard.device, *signature.items())
+    # A signature's first build compiles the plan's kernels (skeleton.first_call).
+    with contextlib.nullcontext() if key in _built else first_call(backend):
+        _built.add(key)
+        return build_plan(gathered, num_experts=num_experts, world_size=world, validate=False)

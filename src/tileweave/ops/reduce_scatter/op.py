@@ -13,7 +13,7 @@ result              ``[M / W, N]``              rows ``[r*M/W, (r+1)*M/W)`` of
 ==================  ==========================  ==========================================
 
 Paths. ``policy="auto"`` takes the chunked transport where it was measured faster than GEMM + NCCL
-reduce-scatter, the unfused path elsewhere (``auto_route``). The chunked transport runs cuBLAS per
+reduce-scatter, the unfused path elsewhere (``rule.auto_route``). The chunked transport runs cuBLAS per
 owner and row block and moves each finished block with the copy engines, overlapping it with the next
 block's GEMM: pushed into the owner's receive slots (``chunked``) or, at two ranks, pulled by the owner
 straight into its output (``pull``). ``policy="oneshot"``: one GEMM into a symmetric buffer, then one
@@ -44,24 +44,12 @@ import torch.distributed as dist
 from tileweave.runtime import settings
 from tileweave.ops import common
 from tileweave.ops.dense import DenseOp, Plan
-from tileweave.ops.reduce_scatter import chunked, nccl, oneshot, pull
+from tileweave.ops.reduce_scatter import chunked, nccl, oneshot, pull, rule
 from tileweave.ops.skeleton import option
 from tileweave.runtime.backend import Backend, TileweaveError
-from tileweave.tune import heuristics
 
 OP = "gemm_reduce_scatter"
 TRANSPORTS = ("chunked",)
-
-
-def auto_route(m: int, n: int, k_local: int, world: int, dtype: torch.dtype, *, pull: bool,
-               interpreter: bool = False) -> str:
-    """The route of a call under ``policy="auto"``: "fallback" (GEMM + NCCL reduce-scatter), "pull" (two
-    ranks, with ``pull``) or "chunked". ``m``: rows before the scatter; ``k_local``: this rank's slice
-    of K. The same on every rank: it depends on the agreed shape alone."""
-    pulls = pull and world == 2
-    if not heuristics.prefer_fused_reduce_scatter(m, n, k_local, world, dtype, interpreter=interpreter, pull=pulls):
-        return "fallback"
-    return "pull" if pulls else "chunked"
 
 
 class GemmReduceScatter(DenseOp):
@@ -112,10 +100,9 @@ class GemmReduceScatter(DenseOp):
             out = torch.empty((a.shape[0] // plan.backend.world_size, b.shape[1]), dtype=dtype, device=a.device)
         if plan.path == "chunked" and a.stride(1) != 1 and a.stride(0) != 1:
             a = a.contiguous()
-        run = plan.run
-        if run is pull.run and not out.is_contiguous():
-            run = chunked.run  # the pulls land in out's rows: an out with padded rows takes the pushes
-        run(self._call(plan, common.capturing(a), chunk_rows=self.chunk_rows), a, b, bias, out, scaled)
+        # The pulls land in out's rows: an out with padded rows takes the pushes.
+        run = chunked.run if plan.run is pull.run and not out.is_contiguous() else None
+        self._run(plan, common.capturing(a), (a, b, bias, out, scaled), run, chunk_rows=self.chunk_rows)
         return out
 
     def _check(self, a, b, bias, out, fp8) -> tuple:
@@ -137,7 +124,7 @@ class GemmReduceScatter(DenseOp):
         return m, n, k, (m, k, n)
 
     def _auto_route(self, m: int, n: int, k: int, dtype: torch.dtype, backend: Backend) -> str:
-        return auto_route(m, n, k, backend.world_size, dtype, pull=self.pull, interpreter=backend.interpreter)
+        return rule.auto_route(m, n, k, backend.world_size, dtype, pull=self.pull, interpreter=backend.interpreter)
 
     def _fused_plan(self, backend: Backend, config, m: int, n: int, k: int, dtype: torch.dtype) -> Plan:
         pulls = self.pull and backend.world_size == 2

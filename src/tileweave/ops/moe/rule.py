@@ -1,4 +1,4 @@
-"""Which path an MoE op takes for a shape: the one rule, shared by both layers."""
+"""Which path an MoE op takes for a shape: the one rule of the pair (``policy="auto"``)."""
 
 from __future__ import annotations
 
