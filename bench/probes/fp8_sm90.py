@@ -9,12 +9,12 @@ GEMM suite shapes and each scaling: the Hopper kernel on several tile/buffer con
 output), every timed variant's output checked first. Writes ``OUT/fp8_sm90.json`` and prints a table."""
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 import tileweave
+from fp8_accum import _err, _ms  # the same timing and error as the earlier probe (run from this folder)
 from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm
 from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod
 from tileweave.tune.autotune import select_config
@@ -25,25 +25,6 @@ CHECK_SHAPES = ((1000, 1000, 384), (257, 520, 128), (4096, 4096, 8192))
 EXACT = {"s4": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 8},
          "s5": {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8}}
 FAST = {"w256": {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8}}
-
-
-def _ms(fn) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 20)
-    return statistics.median(times)
-
-
-def _err(got, ref) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
 
 
 def _hopper(a8, w8, sa, sb, fast, out_dtype=torch.bfloat16, bias=None, config=None):
