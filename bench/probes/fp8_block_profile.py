@@ -1,0 +1,103 @@
+"""Where the TP block's training step goes on one GPU (world size 1), bf16 against each FP8 recipe:
+per-kernel CUDA time of one forward + backward + AdamW step (torch.profiler, averaged over steps),
+summed into kinds (the GEMMs, quantization, attention, norms and elementwise, the optimizer), and the
+step's time with CUDA events. Prints a table; writes block_profile.json to argv[1]. Run by hand:
+``PYTHONPATH=src python3 bench/probes/fp8_block_profile.py OUT [RECIPES [MODEL [TOKENS]]]``
+(RECIPES comma-separated from bf16, tensorwise, rowwise, blockwise; the suffix ``-fast`` accumulates the
+backward GEMMs on the tensor cores)."""
+import dataclasses
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tileweave.nn import BlockConfig, Float8Recipe, TPTransformerBlock
+from tileweave.testing.emulated import run_ranks
+
+WIDTHS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, ffn=14336),
+          "70b": dict(hidden=8192, heads=64, kv_heads=8, ffn=28672)}
+KINDS = (  # first match wins; kernel names lower-cased
+    ("quantize", ("quant", "amax", "_cast", "scale_kernel")),
+    ("gemm-fp8", ("fp8", "scaled", "sm90_xmma_gemm_e4m3", "e4m3")),
+    ("gemm", ("gemm", "matmul", "nvjet", "cutlass", "xmma", "sm90_")),
+    ("attention", ("flash", "attention", "fmha", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("norm", ("norm",)),
+    ("copy", ("copy", "memcpy", "memset", "fill")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(key in low for key in keys):
+            return kind
+    return "elementwise/other"
+
+
+def probe(rank, world, recipes, model, tokens, steps=5):
+    device = torch.device("cuda", torch.cuda.current_device())
+    config = BlockConfig(**WIDTHS[model])
+    batch = 2
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, config.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    target = torch.randn(tokens, config.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    out = []
+    for name in recipes:
+        recipe = None
+        if name != "bf16":
+            base, fast = name.removesuffix("-fast"), name.endswith("-fast")
+            recipe = dataclasses.replace(getattr(Float8Recipe, base)(), backward_fast_accum=fast)
+        torch.manual_seed(0)
+        block = TPTransformerBlock(config, device=device, dtype=torch.bfloat16, fp8=recipe)
+        opt = torch.optim.AdamW(block.parameters(), lr=1e-4)
+
+        def step():
+            loss = torch.nn.functional.mse_loss(block(x, batch).float(), target.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        kernels, kinds = {}, {}
+        for ev in prof.key_averages():
+            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+                ms = ev.device_time_total / 3 / 1e3
+                kernels[ev.key[:100]] = (ms, ev.count // 3)
+                kinds[kind_of(ev.key)] = kinds.get(kind_of(ev.key), 0.0) + ms
+        entry = {"recipe": name, "model": model, "tokens": tokens, "step_ms": sorted(times)[len(times) // 2],
+                 "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+                 "kernels": sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]}
+        out.append(entry)
+        print(f"{name}: step {entry['step_ms']:.2f} ms (kernel sum {sum(kinds.values()):.2f} ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in entry["kinds_ms"].items()), flush=True)
+        for kname, (ms, count) in entry["kernels"][:18]:
+            print(f"    {ms:8.3f} ms  x{count:<3d} {kname}", flush=True)
+        del block, opt
+        torch.cuda.empty_cache()
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    recipes = sys.argv[2].split(",") if len(sys.argv) > 2 else ["bf16", "tensorwise", "rowwise", "blockwise"]
+    model = sys.argv[3] if len(sys.argv) > 3 else "70b"
+    tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 8192
+    result = run_ranks(1, probe, recipes, model, tokens, gpus=True, heap_bytes=64 << 20)[0]
+    with open(f"{sys.argv[1]}/block_profile.json", "w") as f:
+        json.dump(result, f, indent=1)
