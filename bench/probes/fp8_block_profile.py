@@ -4,9 +4,12 @@ summed into kinds (the GEMMs, quantization, attention, norms and elementwise, th
 step's time with CUDA events. Prints a table; writes block_profile.json to argv[1]. Run by hand:
 ``PYTHONPATH=src python3 bench/probes/fp8_block_profile.py OUT [RECIPES [MODEL [TOKENS]]]``
 (RECIPES comma-separated from bf16, tensorwise, rowwise, blockwise; the suffix ``-fast`` accumulates the
-backward GEMMs on the tensor cores)."""
+backward GEMMs on the tensor cores). ``fwd_bwd_ms``: forward + backward alone (no optimizer, gradients
+set to None first), as the benchmark's block section times it. With ``TILEWEAVE_PROBE_TILES`` naming a
+``quantize_tiles.json`` of ``fp8_block_parts.py``, the quantize launches take its best tiles."""
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -19,9 +22,9 @@ WIDTHS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, ffn=14336),
           "70b": dict(hidden=8192, heads=64, kv_heads=8, ffn=28672)}
 KINDS = (  # first match wins; kernel names lower-cased
     ("quantize", ("quant", "amax", "_cast", "scale_kernel")),
+    ("attention", ("flash", "attention", "fmha", "sdpa")),
     ("gemm-fp8", ("fp8", "scaled", "sm90_xmma_gemm_e4m3", "e4m3")),
     ("gemm", ("gemm", "matmul", "nvjet", "cutlass", "xmma", "sm90_")),
-    ("attention", ("flash", "attention", "fmha", "sdpa")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("norm", ("norm",)),
     ("copy", ("copy", "memcpy", "memset", "fill")),
@@ -43,6 +46,19 @@ def probe(rank, world, recipes, model, tokens, steps=5):
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, config.hidden, device=device, dtype=torch.bfloat16, generator=gen)
     target = torch.randn(tokens, config.hidden, device=device, dtype=torch.bfloat16, generator=gen)
+    dy = torch.randn(tokens, config.hidden, device=device, dtype=torch.bfloat16, generator=gen) * tokens ** -0.5
+    if os.environ.get("TILEWEAVE_PROBE_TILES"):
+        from tileweave.ops.compute import quantize as quantize_mod
+        with open(os.environ["TILEWEAVE_PROBE_TILES"]) as fh:
+            best = {kind: tuple(v["tiles"]) for kind, v in json.load(fh).items()}
+        real = quantize_mod.tiles_of
+
+        def tiles_of(group, stride_xr, stride_xc, *, interpreter):
+            kind = group if not (stride_xr == 1 and stride_xc != 1) else f"{group}_t"
+            return best.get(kind) or real(group, stride_xr, stride_xc, interpreter=interpreter)
+
+        quantize_mod.tiles_of = tiles_of
+        print(f"quantize tiles: {best}", flush=True)
     out = []
     for name in recipes:
         recipe = None
@@ -59,10 +75,19 @@ def probe(rank, world, recipes, model, tokens, steps=5):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        xg = x.detach().requires_grad_(True)
+
+        def fwd_bwd():  # as the block section's step: the input's gradient too
+            for p in block.parameters():
+                p.grad = None
+            xg.grad = None
+            block(xg, batch).backward(dy)
+
         for _ in range(3):
             step()
+            fwd_bwd()
         torch.cuda.synchronize()
-        times = []
+        times, fb_times = [], []
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -70,6 +95,11 @@ def probe(rank, world, recipes, model, tokens, steps=5):
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
+            start.record()
+            fwd_bwd()
+            end.record()
+            torch.cuda.synchronize()
+            fb_times.append(start.elapsed_time(end))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 step()
@@ -81,10 +111,11 @@ def probe(rank, world, recipes, model, tokens, steps=5):
                 kernels[ev.key[:100]] = (ms, ev.count // 3)
                 kinds[kind_of(ev.key)] = kinds.get(kind_of(ev.key), 0.0) + ms
         entry = {"recipe": name, "model": model, "tokens": tokens, "step_ms": sorted(times)[len(times) // 2],
+                 "fwd_bwd_ms": sorted(fb_times)[len(fb_times) // 2],
                  "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
                  "kernels": sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]}
         out.append(entry)
-        print(f"{name}: step {entry['step_ms']:.2f} ms (kernel sum {sum(kinds.values()):.2f} ms): "
+        print(f"{name}: fwd+bwd {entry['fwd_bwd_ms']:.2f} ms, step {entry['step_ms']:.2f} ms (kernel sum {sum(kinds.values()):.2f} ms): "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["kinds_ms"].items()), flush=True)
         for kname, (ms, count) in entry["kernels"][:18]:
             print(f"    {ms:8.3f} ms  x{count:<3d} {kname}", flush=True)
