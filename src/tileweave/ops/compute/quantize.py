@@ -44,14 +44,15 @@ _GROUP = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128", 
 EPS = 1e-12
 """The floor of an amax (torchao's): an all-zero group gets a finite scale."""
 
-TILES = {"tensor": (64, 128, 8), "row": (16, 256, 4), "row_t": (32, 128, 4), "1x128": (32, 128, 4),
-         "128x128": (128, 128, 8)}
-"""Per group kind, ``(BR, BC, num_warps)`` on GPUs (``"row_t"``: rows read across a transposed view,
-whose contiguous dimension is the tile's rows). Chosen for coalesced reads of 128 columns and more;
-not yet tuned."""
-INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_t": (128, 256, 4), "1x128": (128, 128, 4),
-                     "128x128": (128, 128, 4)}
-"""The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones."""
+TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_t": (16, 256, 4),
+         "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16), "128x128_t": (128, 128, 8)}
+"""Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
+(its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
+amax, then the cast: the second read finds the row in cache). Chosen on one H200 over the quantize
+launches of a transformer block's training step."""
+INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "1x128": (128, 128, 4), "128x128": (128, 128, 4)}
+"""The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
+transposed kinds take their group's)."""
 
 
 class Quantized(NamedTuple):
@@ -126,8 +127,9 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
 
 def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -> tuple[int, int, int]:
     """``(BR, BC, num_warps)`` of a launch of ``group`` over an input of strides ``(stride_xr, stride_xc)``."""
-    kind = "row_t" if group == "row" and stride_xr == 1 and stride_xc != 1 else group
-    return (INTERPRETER_TILES if interpreter else TILES)[kind]
+    if interpreter:
+        return INTERPRETER_TILES[group]
+    return TILES[f"{group}_t" if stride_xr == 1 and stride_xc != 1 else group]
 
 
 def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
