@@ -232,3 +232,142 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     tma.store_wait(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+
+
+# -- the warp-specialised form: a loader warp, the MMA and the adds in the other warps ----------------
+
+
+@gluon.jit
+def _ws_loader(a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    # One warp: every K step of the program's tiles into the ring of buffers, each once its last
+    # reader has released it (``empty``), announced on ``ready`` with the bytes to expect.
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    loads = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
+        for k in range(k_steps):
+            s = loads % STAGES
+            mbarrier.wait(empty.index(s), ((loads // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k * BK], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, k * BK], bar, b_bufs.index(s))
+            loads += 1
+
+
+@gluon.jit
+def _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES: gl.constexpr):
+    s = steps % STAGES
+    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+    return warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _ws_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                stride_sam, stride_sak, stride_sbk, stride_sbn, BM: gl.constexpr, BN: gl.constexpr,
+                BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALING: gl.constexpr,
+                HAS_BIAS: gl.constexpr):
+    # The MMA warps: each K step's product into a fresh register tile (two taking turns), the previous
+    # one added while it runs, its buffer released to the loader once its MMA is done.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BN, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    zero = gl.zeros((BM, BN), gl.float32, mma_layout)
+    steps = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
+        offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        acc = zero
+        p0 = _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES)
+        steps += 1
+        if SCALING == "block":
+            sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
+                                     stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+        else:
+            sa0 = 1.0
+            sb0 = 1.0
+        sa1 = sa0
+        sb1 = sb0
+        ki = 1
+        for _ in range((k_steps - 1) // 2):
+            p1 = _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES)
+            steps += 1
+            if SCALING == "block":
+                sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                         stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+            acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
+            mbarrier.arrive(empty.index((steps - 2) % STAGES), count=1)
+            p0 = _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES)
+            steps += 1
+            if SCALING == "block":
+                sa0, sb0 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki + 1,
+                                         stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+            acc = _retire(acc, p1, 1, sa1, sb1, SCALING, BN)
+            mbarrier.arrive(empty.index((steps - 2) % STAGES), count=1)
+            ki += 2
+        if ki < k_steps:
+            p1 = _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES)
+            steps += 1
+            if SCALING == "block":
+                sa1, sb1 = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                         stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+            acc = _retire(acc, p0, 1, sa0, sb0, SCALING, BN)
+            mbarrier.arrive(empty.index((steps - 2) % STAGES), count=1)
+            acc = _retire(acc, p1, 0, sa1, sb1, SCALING, BN)
+            mbarrier.arrive(empty.index((steps - 1) % STAGES), count=1)
+        else:
+            acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
+            mbarrier.arrive(empty.index((steps - 1) % STAGES), count=1)
+        if SCALING != "block":
+            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
+            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
+            acc = acc * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        tma.store_wait(0)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
+                            stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                            BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                            STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """``fp8_gemm_sm90_kernel``'s exact and blockwise modes (``SCALING`` "outer" or "block") with the
+    loads in a warp of their own: the MMA warps wait on a buffer's arrival only, never on a refill."""
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
+    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BM, BN],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BN], c_ptr.dtype.element_ty))
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_ws_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                       stride_sam, stride_sak, stride_sbk, stride_sbn, BM, BN, BK, GROUP_M, STAGES, SCALING,
+                       HAS_BIAS)),
+        (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+    ], [1], [24])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

@@ -52,8 +52,12 @@ def _int_key(v: int) -> tuple:
 def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales, *,
               config: dict | None = None, programs: int) -> tuple[int, tuple, tuple, tuple, int]:
     """``(grid, tensors, ints, constexprs, num_warps)`` of the kernel launch for these operands on a GPU
-    of ``programs`` SMs."""
+    of ``programs`` SMs. A config with ``"maxnreg"`` runs the warp-specialised kernel (exact and
+    blockwise modes; a loader warp beside the ``num_warps`` MMA warps, within that register cap)."""
     cfg = config or config_for(scales, c.dtype)
+    if "maxnreg" in cfg and scales.kernel_mode == "outer_fast":
+        raise ValueError("the warp-specialised FP8 kernel (a config with maxnreg) sums each K step in fp32: it "
+                         "takes exact and blockwise scaling, not use_fast_accum=True")
     m, k = a.shape
     n = b.shape[1]
     weight = b.t()  # [N, K], row-major
@@ -90,20 +94,22 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
            *, config: dict | None = None, programs: int | None = None) -> LaunchPlan:
     """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds); returns the
     plan that ``relaunch`` replays."""
-    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel
+    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel, fp8_gemm_sm90_ws_kernel
 
     triton_launch.install_allocator()
+    maxnreg = (config or {}).get("maxnreg")
+    fn, extra = (fp8_gemm_sm90_kernel, {}) if maxnreg is None else (fp8_gemm_sm90_ws_kernel, {"maxnreg": maxnreg})
     device = a.device.index
     grid, tensors, ints, constexprs, num_warps = arguments(
         a, b, c, bias, scales, config=config,
         programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
     plan = LaunchPlan(device, grid, ints, constexprs, bias is not None)
-    key = (device, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+    key = (device, fn.fn.__name__, maxnreg, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key) if triton_launch.FAST else None
     with torch.cuda.device(device):
         if kernel is None:
-            handle = fp8_gemm_sm90_kernel[(grid, )](*tensors, *ints, *constexprs, num_warps=num_warps)
+            handle = fn[(grid, )](*tensors, *ints, *constexprs, num_warps=num_warps, **extra)
             if triton_launch.FAST:
                 kernel = _compiled[key] = triton_launch.kept(handle)
         else:
