@@ -431,10 +431,8 @@ def _moe_step(hidden: int, ffn: int, experts: int, top_k: int, dtype: torch.dtyp
 def hopper_fp8_launches() -> list[Launch]:
     """The Hopper FP8 GEMM's launches (``tileweave.ops.compute.fp8_sm90``), which only a GPU runs (the
     interpreter does not run Gluon kernels): its arguments as its launcher derives them on an H200."""
-    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel
     from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod
 
-    names = fp8_gemm_sm90_kernel.arg_names
     found = []
     # Each SCALING mode, both tile configs (fast accumulation with a bf16 output takes 128 x 256), both
     # outputs, with and without a bias, zero and unit scale strides.
@@ -446,11 +444,12 @@ def hopper_fp8_launches() -> list[Launch]:
         a, b = _fp8(m, k), _fp8(n, k).t()
         scale_a, scale_b = _fp8_scales(scaling, m, n, k)
         scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b, fast_accum=fast)
-        _, tensors, ints, constexprs, num_warps = fp8_sm90.arguments(
+        _, tensors, ints, constexprs, options = fp8_sm90.arguments(
             a, b, torch.empty(m, n, dtype=out), bias, scales, programs=H200_SMS)
+        kernel = fp8_sm90.kernel_of(options)
         args = (*tensors, *ints)
-        kwargs = (*zip(names[len(args):], constexprs), ("num_warps", num_warps))
-        found.append(Launch(f"{fp8_gemm_sm90_kernel.fn.__module__}:{fp8_gemm_sm90_kernel.fn.__name__}",
+        kwargs = (*zip(kernel.arg_names[len(args):], constexprs), *options.items())
+        found.append(Launch(f"{kernel.fn.__module__}:{kernel.fn.__name__}",
                             tuple(map(_value, args)), tuple((key, _value(v)) for key, v in kwargs),
                             f"matmul on sm_90, fp8 {scaling}{' fast' if fast else ''}, {out}"))
     return found

@@ -25,6 +25,10 @@ flight while the previous product is scaled and summed:
 ===========  ===========================================================================================
 
 Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on store.
+
+``fp8_gemm_sm90_ws_kernel`` is the same exact and blockwise loop with the loads in a warp of their own
+(``gl.warp_specialize``): the loader waits for a buffer to be released and refills it, the MMA warps
+wait only for a buffer's arrival and release it once its MMA is done, with no refill in their loop.
 """
 
 from triton.experimental import gluon

@@ -31,12 +31,15 @@ def suits(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: Scales | No
 
 
 def config_for(scales: Scales, out_dtype: torch.dtype) -> dict:
-    """Tile, buffers and warps: 128 x 128 where each K step's product is summed in fp32 (three live
-    register tiles: the sum, the product being added, the next one in flight), 128 x 256 with the
-    tensor cores accumulating (a 16-bit output: a float32 tile of 128 x 256 leaves too little shared
-    memory for the operand buffers)."""
+    """Tile, buffers, warps and kernel. Fast accumulation: 128 x 256 (a 16-bit output: a float32 tile of
+    128 x 256 leaves too little shared memory for the operand buffers). Where each K step's product is
+    summed in fp32: 128 x 128 (three live register tiles, the sum, the product being added and the next
+    one in flight); exact scaling on the warp-specialised kernel (``maxnreg``: eight MMA warps and a
+    loader warp within the register file), blockwise on the other (its scales' registers would spill)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8}
+    if scales.kernel_mode == "outer":
+        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "maxnreg": 168}
     return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8}
 
 
@@ -50,10 +53,11 @@ def _int_key(v: int) -> tuple:
 
 
 def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales, *,
-              config: dict | None = None, programs: int) -> tuple[int, tuple, tuple, tuple, int]:
-    """``(grid, tensors, ints, constexprs, num_warps)`` of the kernel launch for these operands on a GPU
-    of ``programs`` SMs. A config with ``"maxnreg"`` runs the warp-specialised kernel (exact and
-    blockwise modes; a loader warp beside the ``num_warps`` MMA warps, within that register cap)."""
+              config: dict | None = None, programs: int) -> tuple[int, tuple, tuple, tuple, dict]:
+    """``(grid, tensors, ints, constexprs, options)`` of the kernel launch for these operands on a GPU
+    of ``programs`` SMs; ``options``: ``num_warps``, and ``maxnreg`` where the config has one, which runs
+    the warp-specialised kernel (``kernel_of``: exact and blockwise modes, a loader warp beside the
+    ``num_warps`` MMA warps, within that register cap)."""
     cfg = config or config_for(scales, c.dtype)
     if "maxnreg" in cfg and scales.kernel_mode == "outer_fast":
         raise ValueError("the warp-specialised FP8 kernel (a config with maxnreg) sums each K step in fp32: it "
@@ -68,8 +72,16 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
                   bias is not None)
+    options = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {})}
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
-    return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, cfg["num_warps"]
+    return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
+
+
+def kernel_of(options: dict):
+    """The kernel that ``arguments``' ``options`` launch."""
+    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel, fp8_gemm_sm90_ws_kernel
+
+    return fp8_gemm_sm90_ws_kernel if "maxnreg" in options else fp8_gemm_sm90_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,22 +106,19 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
            *, config: dict | None = None, programs: int | None = None) -> LaunchPlan:
     """``c = (a * scale_a) @ (b * scale_b) (+ bias)`` on the Hopper kernel (``suits`` holds); returns the
     plan that ``relaunch`` replays."""
-    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel, fp8_gemm_sm90_ws_kernel
-
     triton_launch.install_allocator()
-    maxnreg = (config or {}).get("maxnreg")
-    fn, extra = (fp8_gemm_sm90_kernel, {}) if maxnreg is None else (fp8_gemm_sm90_ws_kernel, {"maxnreg": maxnreg})
     device = a.device.index
-    grid, tensors, ints, constexprs, num_warps = arguments(
+    grid, tensors, ints, constexprs, options = arguments(
         a, b, c, bias, scales, config=config,
         programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
     plan = LaunchPlan(device, grid, ints, constexprs, bias is not None)
-    key = (device, fn.fn.__name__, maxnreg, constexprs, num_warps, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+    fn = kernel_of(options)
+    key = (device, tuple(options.items()), constexprs, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key) if triton_launch.FAST else None
     with torch.cuda.device(device):
         if kernel is None:
-            handle = fn[(grid, )](*tensors, *ints, *constexprs, num_warps=num_warps, **extra)
+            handle = fn[(grid, )](*tensors, *ints, *constexprs, **options)
             if triton_launch.FAST:
                 kernel = _compiled[key] = triton_launch.kept(handle)
         else:
