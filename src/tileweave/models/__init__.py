@@ -39,7 +39,8 @@ def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype:
     tokens) a KV cache may hold (``decoder_config``). ``ops``, ``prefill_sequence_parallel``: as
     ``TPDecoder``'s. ``fp8``: ``"rowwise"`` or ``"blockwise"`` quantizes the GEMM weights of each layer
     as it is read (FP8 inference, ``tileweave.nn.decoder``), so the high-precision weights are never all
-    held at once; the checkpoint itself must be unquantized (bf16, fp16 or fp32). Raises ``UnsupportedConfig`` for a config field the model cannot honour,
+    held at once; the checkpoint itself must be unquantized (bf16, fp16 or fp32). Raises
+    ``UnsupportedConfig`` for a config field the model cannot honour,
     ``ValueError`` for a tensor of the wrong shape (naming it, the expected and the actual shape) or one
     the model has no place for, ``KeyError`` for a missing one. Every rank must call it alike.
     """

@@ -30,8 +30,8 @@ e4m3, quantized once (rowwise: a scale per output row of each checkpoint weight;
 block of each checkpoint weight, DeepSeek-V3's blocks); every GEMM quantizes its input on the device per
 token (rowwise; a row-parallel GEMM's input per token of this rank's slice of the features, with no
 communication) or per 1 x 128 block of a token (blockwise) and runs in float8 on the same ops, prefill and
-decode alike (the decode step stays capturable in a CUDA graph). The embedding, the LM head, norms, RoPE, attention and the KV
-cache stay in the model's dtype (``tileweave.nn.fp8_weights``, ``decoder_layer.check_fp8``).
+decode alike (the decode step stays capturable in a CUDA graph). The embedding, the LM head, norms, RoPE,
+attention and the KV cache stay in the model's dtype (``tileweave.nn.fp8_weights``, ``decoder_layer.check_fp8``).
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ class TPDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             sizes = [layer.local_heads * hd, layer.local_kv_heads * hd, layer.local_kv_heads * hd]
-            named = [("weight", layer.full_weight("qkv"))] + ([("bias", layer.qkv_bias)] if layer.qkv_bias is not None else [])
+            named = [("weight", layer.full_weight("qkv"))]
+            named += [("bias", layer.qkv_bias)] if layer.qkv_bias is not None else []
             for kind, t in named:
                 q, k, v = t.split(sizes)
                 out[f"{a}q_proj.{kind}"] = gather_shards(to_rotate_half(q, hd), 0, g)
