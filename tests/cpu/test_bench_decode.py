@@ -24,9 +24,26 @@ def test_decode_bench_smoke(tmp_path, capsys):
         assert variants["tileweave"]["path"] in {"oneshot", "twoshot", "fallback"}, variants
     md = (tmp_path / "decode.md").read_text()
     # Interpreter times on emulated ranks: the report says they mean nothing and shows no ratios.
-    assert "| section | shape | M | tileweave | nccl | tileweave path |" in md, md
+    assert "| section | shape | M | dtype | tileweave | nccl | tileweave path |" in md, md
+    assert {r["dtype"] for r in records} == {"fp32"}
     assert "the times mean nothing" in md and "x nccl" not in md, md
     assert report["meta"]["world_size"] == 2 and report["meta"]["timed"].startswith("eager")
+
+
+def test_decode_bench_fp8_smoke(tmp_path, capsys):
+    # --dtype fp8: the model dtype's rows and beside them the float8 ones, each verified before timed
+    assert decode.main(["--out", str(tmp_path), "--smoke", "--sections", "gemm_ar", "--dtype", "fp8",
+                        "--scaling", "blockwise"]) == 0
+    records = json.loads((tmp_path / "decode.json").read_text())["results"]
+    assert {r["dtype"] for r in records} == {"fp32", "fp8-blockwise"}
+    fp8 = [r for r in records if r["dtype"] == "fp8-blockwise"]
+    assert {(r["name"], r["m"]) for r in fp8} == {(f"tiny-fp8 {n}", m) for n in ("o", "down") for m in decode.SMOKE_M}
+    # torch's scaled matmuls do not run on emulated CPU ranks: tileweave's rows only, each checked
+    assert {r["variant"] for r in fp8} == {"tileweave"}
+    for r in fp8:
+        assert r["ok"] and r["err"] < decode.TOL[decode.torch.float32] and r["path"] in {"oneshot", "twoshot"}, r
+    md = (tmp_path / "decode.md").read_text()
+    assert "| gemm_ar | tiny-fp8 o | 1 | fp8-blockwise |" in md, md
 
 
 def test_smoke_runs_write_outside_the_checkout_by_default(capsys):
@@ -45,10 +62,14 @@ def test_decode_bench_options():
     opts = decode.parse_args(["--out", "x", "--models", "llama3-70b", "--m", "1,64", "--sections", "gemm_ar"])
     assert opts.models == ("llama3-70b",) and opts.m_values == (1, 64) and opts.sections == ("gemm_ar",)
     assert decode.parse_args(["--out", "x"]).m_values == (1, 8, 32, 64, 128, 256, 512)
+    opts = decode.parse_args(["--out", "x", "--dtype", "fp8"])
+    assert opts.dtype == "bfloat16" and opts.scalings == ("rowwise", "blockwise")  # bf16 rows beside the FP8 ones
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--out", "x", "--dtype", "fp8", "--scaling", "tensorwise"])
 
 
 def test_decode_report_marks_failed_checks_and_ratios():
-    base = {"section": "gemm_ar", "name": "llama3-8b o", "m": 8, "path": None}
+    base = {"section": "gemm_ar", "name": "llama3-8b o", "m": 8, "dtype": "bf16", "path": None}
     records = [{**base, "variant": "tileweave", "ms": 0.010, "err": 1e-3, "path": "oneshot"},
                {**base, "variant": "nccl", "ms": 0.025, "err": 1e-3},
                {**base, "variant": "symm_one_shot", "ms": None, "err": 0.5}]
@@ -56,4 +77,4 @@ def test_decode_report_marks_failed_checks_and_ratios():
             "git_commit": "abc", "date": "d", "timed": "CUDA graph replays"}
     md = decode.markdown(records, meta)
     row = [line for line in md.splitlines() if line.startswith("| gemm_ar")][0]
-    assert "| 0.0100 | 0.0250 | FAILED (err 5.00e-01) | 2.50 | - | oneshot |" in row, row
+    assert "| bf16 | 0.0100 | 0.0250 | FAILED (err 5.00e-01) | 2.50 | - | oneshot |" in row, row

@@ -13,6 +13,11 @@ Sections (M: tokens of the decode batch, the same on every rank; K split over th
 * ``layer``: one ``TPDecoderLayer.forward_replicated`` step (QKV, attention over a ``--context``-token
   KV cache, o, MLP) with its two row-parallel calls on each variant's ops.
 
+``--dtype fp8 --scaling rowwise,blockwise``: the bf16 rows, and beside them each case with float8
+weights and per-token float8 activations (``tileweave.bench.decode_fp8``) on ``tileweave`` and
+``torch`` (torch's scaled matmul, NCCL, torch's epilogue); every row names its ``dtype`` (``bf16``,
+``fp8-rowwise``, ``fp8-blockwise``).
+
 Variants: ``tileweave`` (``GemmAllReduce(graphable=True)`` with the residual + RMSNorm fused),
 ``nccl`` (cuBLAS, ``dist.all_reduce``, residual + RMSNorm in torch), ``symm_one_shot`` /
 ``symm_two_shot`` (cuBLAS into a symmetric buffer, ``torch.ops.symm_mem.one_shot_all_reduce`` /
@@ -42,12 +47,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
-from tileweave.bench import output_dir
+from tileweave.bench import decode_fp8, output_dir
 from tileweave.bench.cli import ensure_env
 from tileweave.bench.metadata import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
 from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, Step, TPDecoderLayer, rms_norm
 from tileweave.nn.decoder_layer import rope_tables
+from tileweave.nn.fp8_weights import gemm_operands
 from tileweave.ops.all_reduce import GemmAllReduce
 from tileweave.ops.common import last_path
 from tileweave.testing.emulated import run_ranks
@@ -57,13 +63,16 @@ MODELS = {  # hidden, heads, kv_heads, ffn
     "llama3-8b": (4096, 32, 8, 14336),
     "llama3-70b": (8192, 64, 8, 28672),
 }
-SMOKE_MODELS = {"tiny": (32, 4, 2, 48)}
+SMOKE_MODELS = {"tiny": (32, 4, 2, 48), "tiny-fp8": (256, 2, 2, 256)}
+"""``tiny-fp8`` (``--smoke --dtype fp8``): at two ranks each rank's part of each weight is whole 128 x 128
+blocks, as blockwise FP8 needs."""
 SMOKE_M = (1, 5)
 EPS = 1e-5
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 """Relative Frobenius error allowed against the fp32 reference; above the per-dtype bounds of docs/design.md
 because the RMSNorm output is rounded after a sum that was itself rounded (two roundings)."""
-VARIANTS = ("tileweave", "nccl", "symm_one_shot", "symm_two_shot")
+VARIANTS = ("tileweave", "nccl", "symm_one_shot", "symm_two_shot", "torch")
+LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +85,9 @@ class Options:
     context: int = 512
     """Tokens in the KV cache before the timed decode step (layer section)."""
     dtype: str = "bfloat16"
+    """The model's dtype (bfloat16 under ``--dtype fp8``; float32 in a smoke run)."""
+    scalings: tuple[str, ...] = ()
+    """FP8 scalings run beside the model's dtype (``--dtype fp8``)."""
     iters: int = 20
     reps: int = 5
 
@@ -91,7 +103,11 @@ def parse_args(argv=None) -> Options:
     p.add_argument("--m", "--tokens", dest="m", default=",".join(map(str, M_VALUES)), help="decode batch sizes")
     p.add_argument("--sections", default="gemm_ar,layer", help="gemm_ar, layer or both")
     p.add_argument("--context", type=int, default=512, help="KV-cache tokens for the layer step")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "fp8"),
+                   help="the model's dtype; fp8: the bfloat16 rows and beside them each --scaling with float8 "
+                        "weights and activations")
+    p.add_argument("--scaling", default=",".join(decode_fp8.SCALINGS),
+                   help="with --dtype fp8: comma list from " + ", ".join(decode_fp8.SCALINGS))
     p.add_argument("--iters", type=int, default=20, help="graph replays per timed batch (>= 20)")
     p.add_argument("--reps", type=int, default=5, help="timed batches, median reported (>= 5)")
     a = p.parse_args(argv)
@@ -113,12 +129,18 @@ def parse_args(argv=None) -> Options:
         TimingConfig(iters=a.iters, reps=a.reps)  # refuses counts below the method's minimum
     except ValueError as exc:
         p.error(f"--iters/--reps: {exc}")
+    scalings = ()
+    if a.dtype == "fp8":
+        try:
+            scalings = decode_fp8.parse_scalings(a.scaling)
+        except ValueError as exc:
+            p.error(str(exc))
     if a.smoke:
-        models, m_values, context, dtype = ("tiny",), SMOKE_M, 6, "float32"
+        models, m_values, context, dtype = ("tiny-fp8" if scalings else "tiny",), SMOKE_M, 6, "float32"
     else:
-        context, dtype = a.context, a.dtype
+        context, dtype = a.context, "bfloat16" if a.dtype == "fp8" else a.dtype
     return Options(out=output_dir(a.out, a.smoke), smoke=a.smoke, models=models, m_values=m_values,
-                   sections=sections, context=context, dtype=dtype, iters=a.iters, reps=a.reps)
+                   sections=sections, context=context, dtype=dtype, scalings=scalings, iters=a.iters, reps=a.reps)
 
 
 def _dims(opts: Options, model: str) -> tuple[int, int, int, int]:
@@ -132,9 +154,7 @@ def _randn(shape, seed: int, device, dtype, scale: float = 1.0) -> torch.Tensor:
 
 # ---- the row-parallel call of each variant: (x, weight, residual, norm_weight, eps, group) -> (normed, h)
 
-def _torch_tail(y: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-    h = residual + y
-    return rms_norm(h, norm_weight, eps), h
+_torch_tail = decode_fp8.torch_tail
 
 
 def nccl_row(x, weight, residual, norm_weight, eps, group):
@@ -179,13 +199,21 @@ def tileweave_row(group: dist.ProcessGroup, graphable: bool) -> Callable:
     op = GemmAllReduce(group, graphable=graphable)
 
     def row(x, weight, residual, norm_weight, eps, group_):
-        return op(x, weight.t(), residual=residual, norm_weight=norm_weight, eps=eps)
+        a, b, fp8 = gemm_operands(x, weight)  # a Float8Weight: x quantized per token
+        return op(a, b, residual=residual, norm_weight=norm_weight, eps=eps, **fp8)
 
     return row
 
 
-def variant_rows(opts: Options, group: dist.ProcessGroup) -> dict[str, Callable]:
-    rows = {"tileweave": tileweave_row(group, graphable=True), "nccl": nccl_row}
+def variant_rows(opts: Options, group: dist.ProcessGroup, scaling: str | None = None) -> dict[str, Callable]:
+    """The variants of the rows of ``scaling`` (None: the model's dtype)."""
+    rows = {"tileweave": tileweave_row(group, graphable=True)}
+    if scaling is not None:
+        row, _ = decode_fp8.torch_row(scaling)
+        if row is not None and not opts.smoke:  # torch's scaled matmuls do not run on emulated CPU ranks
+            rows["torch"] = row
+        return rows
+    rows["nccl"] = nccl_row
     if not opts.smoke:
         rows["symm_one_shot"] = SymmRow(group, two_shot=False)
         rows["symm_two_shot"] = SymmRow(group, two_shot=True)
@@ -204,21 +232,32 @@ class Case:
     """Given a variant's row-parallel call, one step; returns its outputs."""
     reference: tuple[torch.Tensor, ...]
     """fp32 reference outputs."""
+    dtype: str = "bf16"
+    """The row's ``dtype`` field: the model's dtype, or ``fp8-<scaling>``."""
+    tol: float | None = None
+    """The check's tolerance (None: the model dtype's ``TOL``)."""
 
 
-def gemm_ar_cases(opts: Options, rank: int, world: int, device, dtype) -> list[Case]:
+def gemm_ar_cases(opts: Options, rank: int, world: int, device, dtype, scaling: str | None = None) -> list[Case]:
+    """The ``gemm_ar`` cases in the model's dtype, or with ``scaling``'s float8 weights (quantized once)
+    and activations (quantized in each call; the reference from the same quantization in plain torch)."""
     cases = []
+    label = LABELS[opts.dtype] if scaling is None else decode_fp8.label(scaling)
     for model in opts.models:
         hidden, _, _, ffn = _dims(opts, model)
         for layer, k in (("o", hidden), ("down", ffn)):
             kl = k // world
             # every rank's K slice, from per-rank seeds: the reference sums them in fp32 without a collective
             ws = [_randn((hidden, kl), 1000 * r + 1, device, dtype, k ** -0.5) for r in range(world)]
+            ws_ref = [w.float() for w in ws]
+            if scaling is not None:
+                ws, ws_ref = decode_fp8.quantized_weights(ws, scaling)
             g = 1 + _randn((hidden,), 7, device, dtype, 0.1)
             for m in opts.m_values:
                 xs = [_randn((m, kl), 1000 * r + 2 + m, device, dtype) for r in range(world)]
                 resid = _randn((m, hidden), 3 + m, device, dtype)
-                y = sum(x.float() @ w.float().t() for x, w in zip(xs, ws))
+                xs_ref = [x.float() if scaling is None else decode_fp8.dequantized_rows(x, scaling) for x in xs]
+                y = sum(x @ w.t() for x, w in zip(xs_ref, ws_ref))
                 h = resid.float() + y
                 ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * g.float(), h)
                 x, w = xs[rank], ws[rank]
@@ -226,9 +265,10 @@ def gemm_ar_cases(opts: Options, rank: int, world: int, device, dtype) -> list[C
                 def run(row, x=x, w=w, resid=resid, g=g):
                     return row(x, w, resid, g, EPS, None)
 
-                cases.append(Case("gemm_ar", f"{model} {layer}", m, run, ref))
+                cases.append(Case("gemm_ar", f"{model} {layer}", m, run, ref, dtype=label))
             del ws
     return cases
+
 
 
 def _context_cache(c: DecoderConfig, batch: int, kv_heads: int, context: int, device, dtype) -> KVCache:
@@ -242,16 +282,26 @@ def _context_cache(c: DecoderConfig, batch: int, kv_heads: int, context: int, de
     return cache
 
 
-def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> list[Case]:
+def layer_cases(opts: Options, rank: int, world: int, device, dtype, group, scaling: str | None = None) -> list[Case]:
+    """The ``layer`` cases in the model's dtype, or with ``scaling``'s float8 weights (``to_fp8``)
+    against the float32 layer on the dequantized weights (``decode_fp8.LAYER_TOL``)."""
     cases = []
+    label, tol = (LABELS[opts.dtype], None) if scaling is None else (decode_fp8.label(scaling), decode_fp8.LAYER_TOL)
     for model in opts.models:
         hidden, heads, kv_heads, ffn = _dims(opts, model)
         c = DecoderConfig(vocab=world, hidden=hidden, layers=1, heads=heads, kv_heads=kv_heads, ffn=ffn,
                           norm_eps=EPS, max_seq=opts.context + 1)
         torch.manual_seed(11 + rank)  # this rank's weight shards
-        layer = TPDecoderLayer(c, world, rank, device=device, dtype=dtype)
+        layer = TPDecoderLayer(c, world, rank, group=group, device=device, dtype=dtype)
         ref_layer = TPDecoderLayer(c, world, rank, device=device, dtype=torch.float32)
-        ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+        if scaling is not None:
+            layer.to_fp8(scaling)  # collective (rowwise: each row's amax over the ranks)
+            for name in ("qkv", "o", "gate_up", "down"):
+                getattr(ref_layer, name).copy_(layer.full_weight(name))
+            for name in ("attn_norm", "mlp_norm"):
+                getattr(ref_layer, name).copy_(getattr(layer, name))
+        else:
+            ref_layer.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
         next_norm = 1 + _randn((hidden,), 5, device, dtype, 0.1)
         for m in opts.m_values:
             cache = _context_cache(c, m, kv_heads // world, opts.context, device, dtype)
@@ -273,7 +323,7 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group) -> l
                 return layer.forward_replicated(normed, resid, next_norm, cache, 0, step,
                                                 DecoderOps(row_parallel_norm=row), group)
 
-            cases.append(Case("layer", f"{model} layer (context {opts.context})", m, run, ref))
+            cases.append(Case("layer", f"{model} layer (context {opts.context})", m, run, ref, dtype=label, tol=tol))
     return cases
 
 
@@ -295,7 +345,8 @@ def run_case(case: Case, variant: str, row: Callable, opts: Options, agree: Dist
              clocks: ClockReader | None, tol: float) -> dict:
     """Verify the variant on ``case`` (eager; on a GPU also a graph replay), then time it. The error
     is agreed over the ranks before deciding to time, so every rank makes the same calls."""
-    record = {"section": case.section, "name": case.name, "m": case.m, "variant": variant}
+    record = {"section": case.section, "name": case.name, "m": case.m, "dtype": case.dtype, "variant": variant}
+    tol = case.tol if case.tol is not None else tol
     outs = case.run(row)
     record["path"] = last_path("gemm_all_reduce") if variant == "tileweave" else None
     if opts.smoke:
@@ -342,17 +393,19 @@ def bench_rank(rank: int, world: int, opts: Options) -> list[dict]:
     group = dist.group.WORLD
     agree = DistAgreement(group, device)
     clocks = None if opts.smoke else ClockReader()
-    cases = []
-    if "gemm_ar" in opts.sections:
-        cases += gemm_ar_cases(opts, rank, world, device, dtype)
-    if "layer" in opts.sections:
-        cases += layer_cases(opts, rank, world, device, dtype, group)
     records = []
-    for variant, row in variant_rows(opts, group).items():
-        for case in cases:
-            records.append(run_case(case, variant, row, opts, agree, clocks, TOL[dtype]))
-            if not opts.smoke:
-                torch.cuda.empty_cache()
+    for scaling in (None, *opts.scalings):
+        cases = []
+        if "gemm_ar" in opts.sections:
+            cases += gemm_ar_cases(opts, rank, world, device, dtype, scaling)
+        if "layer" in opts.sections:
+            cases += layer_cases(opts, rank, world, device, dtype, group, scaling)
+        for variant, row in variant_rows(opts, group, scaling).items():
+            for case in cases:
+                records.append(run_case(case, variant, row, opts, agree, clocks, TOL[dtype]))
+                if not opts.smoke:
+                    torch.cuda.empty_cache()
+        del cases
     return records
 
 
@@ -362,7 +415,7 @@ def bench_rank(rank: int, world: int, opts: Options) -> list[dict]:
 def markdown(records: list[dict], meta: dict) -> str:
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        by_key.setdefault((r["section"], r["name"], r["m"]), {})[r["variant"]] = r
+        by_key.setdefault((r["section"], r["name"], r["m"], r.get("dtype", meta["dtype"])), {})[r["variant"]] = r
     present = [v for v in VARIANTS if any(v in row for row in by_key.values())]
     smoke = "smoke" in meta["timed"]
     # A smoke run's times are the interpreter's on emulated ranks: no ratios, which would read as speeds.
@@ -373,7 +426,7 @@ def markdown(records: list[dict], meta: dict) -> str:
              + ("Smoke run: emulated CPU ranks and Triton's interpreter, outputs checked; the times mean nothing "
                 "about speed, so no ratios are shown." if smoke else
                 "x: baseline time / tileweave time (> 1: tileweave faster)."), ""]
-    header = ["section", "shape", "M", *present, *(f"x {b}" for b in baselines), "tileweave path"]
+    header = ["section", "shape", "M", "dtype", *present, *(f"x {b}" for b in baselines), "tileweave path"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def cell(r):
@@ -381,21 +434,22 @@ def markdown(records: list[dict], meta: dict) -> str:
             return "-"
         return f"{r['ms']:.4f}" if r.get("ms") is not None else f"FAILED (err {r['err']:.2e})"
 
-    for (section, name, m), row in by_key.items():
+    for (section, name, m, dtype), row in by_key.items():
         ours = row.get("tileweave", {}).get("ms")
         ratios = []
         for b in baselines:
             t = row.get(b, {}).get("ms")
             ratios.append(f"{t / ours:.2f}" if t and ours else "-")
         path = row.get("tileweave", {}).get("path") or "-"
-        lines.append("| " + " | ".join([section, name, str(m), *(cell(row.get(v)) for v in present), *ratios, path])
+        lines.append("| " + " | ".join([section, name, str(m), dtype, *(cell(row.get(v)) for v in present), *ratios,
+                                        path])
                      + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_report(opts: Options, records: list[dict], world: int, argv) -> tuple[Path, Path]:
     meta = collect_metadata(world_size=world, timing={"iters": opts.iters, "reps": opts.reps}, argv=list(argv))
-    meta.update(dtype=opts.dtype, context=opts.context,
+    meta.update(dtype=opts.dtype, scalings=list(opts.scalings), context=opts.context,
                 timed="eager calls, host clock (smoke)" if opts.smoke else "CUDA graph replays")
     opts.out.mkdir(parents=True, exist_ok=True)
     js, md = opts.out / "decode.json", opts.out / "decode.md"

@@ -29,14 +29,18 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, max_seq: int | None = None,
-                    ops: DecoderOps | None = None, prefill_sequence_parallel: bool = True) -> TPDecoder:
+                    ops: DecoderOps | None = None, prefill_sequence_parallel: bool = True,
+                    fp8: str | None = None) -> TPDecoder:
     """The TP decoder of the checkpoint directory ``path``, this rank's shards loaded.
 
     ``group``: the TP group (None: the default group). ``dtype``: the weights' and activations' dtype
     (default: the config's ``dtype``, else float32; on the CPU float32 or float16). ``device``: default
     the current CUDA device, else the CPU. ``max_seq``: the longest sequence (prompt and generated
     tokens) a KV cache may hold (``decoder_config``). ``ops``, ``prefill_sequence_parallel``: as
-    ``TPDecoder``'s. Raises ``UnsupportedConfig`` for a config field the model cannot honour,
+    ``TPDecoder``'s. ``fp8``: ``"rowwise"`` or ``"blockwise"`` quantizes the GEMM weights of each layer
+    as it is read (FP8 inference, ``tileweave.nn.decoder``), so the high-precision weights are never all
+    held at once; the checkpoint itself must be unquantized (bf16, fp16 or fp32). Raises
+    ``UnsupportedConfig`` for a config field the model cannot honour,
     ``ValueError`` for a tensor of the wrong shape (naming it, the expected and the actual shape) or one
     the model has no place for, ``KeyError`` for a missing one. Every rank must call it alike.
     """
@@ -60,7 +64,7 @@ def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype:
 
     with torch.device("meta"):
         model = TPDecoder(config, group=group, ops=ops, prefill_sequence_parallel=prefill_sequence_parallel,
-                          dtype=dtype)
+                          dtype=dtype, fp8=fp8)
     model.to_empty(device=device)
     model.load(read)
     extra = [n for n in checkpoint.names if n not in used and not n.endswith(IGNORED_SUFFIXES)

@@ -23,6 +23,15 @@ query attends to, and positions count real tokens only (``tileweave.nn.kv_cache`
 call the same methods with the same token ids, like any collective; the logits come back whole and
 bitwise the same on every rank. The communicating calls are a seam (:class:`DecoderOps`), so that
 other implementations (the benchmark's baselines) run the same layers.
+
+FP8 inference: ``TPDecoder(config, fp8="rowwise" | "blockwise")`` (or ``tileweave.models.from_pretrained(...,
+fp8=...)``, or ``model.to_fp8(...)`` on a loaded model) holds every layer's four GEMM weights in float8
+e4m3, quantized once (rowwise: a scale per output row of each checkpoint weight; blockwise: per 128 x 128
+block of each checkpoint weight, DeepSeek-V3's blocks); every GEMM quantizes its input on the device per
+token (rowwise; a row-parallel GEMM's input per token of this rank's slice of the features, with no
+communication) or per 1 x 128 block of a token (blockwise) and runs in float8 on the same ops, prefill and
+decode alike (the decode step stays capturable in a CUDA graph). The embedding, the LM head, norms, RoPE,
+attention and the KV cache stay in the model's dtype (``tileweave.nn.fp8_weights``, ``decoder_layer.check_fp8``).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from torch import nn
 from tileweave.nn import generation
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_rotate_half
 from tileweave.nn.decoder_layer import (DecoderConfig, DecoderOps, MoEConfig, RopeScaling, RowNorm, Step,
-                                        TPDecoderLayer, rms_norm, rope_tables)
+                                        TPDecoderLayer, check_fp8, rms_norm, rope_tables)
 from tileweave.nn.kv_cache import KVCache
 from tileweave.nn.moe_decoder_layer import TPMoEDecoderLayer
 from tileweave.nn.shards import gather_shards
@@ -57,6 +66,10 @@ class TPDecoder(nn.Module):
     ``prefill_sequence_parallel``: run prefill sequence-parallel where ``B*S`` divides by W (else, or
     when False, replicated like decode). ``ops``: the communicating calls (:class:`DecoderOps`).
     ``dtype``: float16, bfloat16 or float32 (what the ops take; on the CPU float16 or float32).
+    ``fp8``: None, ``"rowwise"`` or ``"blockwise"``: FP8 inference (module docstring); the weights are
+    quantized as each layer is built and again whenever they are loaded. Refused, the same on every
+    rank and before any kernel runs (``ValueError`` naming the sizes): mixtures of experts, and
+    blockwise where a rank's part of a weight is not whole 128 x 128 blocks.
     A cache belongs to one sequence batch and one call at a time: calls that share a cache, or run on
     the same group from several threads, must not overlap. Weights: ``load_full_state_dict`` and
     ``full_state_dict`` use a Hugging Face causal LM's names and layouts (``model.layers.0.self_attn.
@@ -65,11 +78,12 @@ class TPDecoder(nn.Module):
 
     def __init__(self, config: DecoderConfig, *, group: dist.ProcessGroup | None = None,
                  prefill_sequence_parallel: bool = True, ops: DecoderOps | None = None, device=None,
-                 dtype=None) -> None:
+                 dtype=None, fp8: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        check_fp8(config, self.world, fp8)
         for name in ("vocab", "heads", "ffn"):
             if getattr(config, name) % self.world:
                 raise ValueError(f"DecoderConfig.{name}={getattr(config, name)} must be divisible by the "
@@ -82,13 +96,31 @@ class TPDecoder(nn.Module):
         self.ops = ops if ops is not None else DecoderOps()
         kw = dict(device=device, dtype=dtype)
         self.embed = nn.Parameter(torch.randn(config.vocab, config.hidden, **kw))
-        layer = TPDecoderLayer if config.moe is None else TPMoEDecoderLayer
-        self.layers = nn.ModuleList(layer(config, self.world, self.rank, group=self.group, **kw)
-                                    for _ in range(config.layers))
+        if config.moe is None:
+            self.layers = nn.ModuleList(TPDecoderLayer(config, self.world, self.rank, group=self.group, fp8=fp8, **kw)
+                                        for _ in range(config.layers))
+        else:
+            self.layers = nn.ModuleList(TPMoEDecoderLayer(config, self.world, self.rank, group=self.group, **kw)
+                                        for _ in range(config.layers))
         self.norm = nn.Parameter(torch.ones(config.hidden, **kw))
         self.lm_head = nn.Parameter(torch.empty(config.vocab // self.world, config.hidden, **kw))
         nn.init.normal_(self.lm_head, std=config.hidden ** -0.5)
         self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def fp8(self) -> str | None:
+        """The scaling of the float8 weights, or None."""
+        return self.layers[0].fp8
+
+    @torch.no_grad()
+    def to_fp8(self, scaling: str) -> "TPDecoder":
+        """Quantize a loaded model's GEMM weights once, in place, for FP8 inference (``scaling``:
+        ``"rowwise"`` or ``"blockwise"``; module docstring), layer by layer, dropping the
+        high-precision weights. Returns the model. Every rank must call it alike."""
+        check_fp8(self.config, self.world, scaling)
+        for layer in self.layers:
+            layer.to_fp8(scaling)
+        return self
 
     def new_cache(self, batch: int, max_seq: int | None = None) -> KVCache:
         """An empty KV cache for ``batch`` sequences of up to ``max_seq`` tokens (default
@@ -213,7 +245,8 @@ class TPDecoder(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded weights under Hugging Face names and layouts (what ``load_full_state_dict``
-        takes), the same on every rank. Collective: every rank must call it."""
+        takes), the same on every rank; float8 weights dequantized to the model's dtype. Collective:
+        every rank must call it."""
         c, hd, g = self.config, self.config.head_dim, self.group
         out = {"model.embed_tokens.weight": self.embed.detach().clone(), "model.norm.weight": self.norm.detach().clone()}
         if not c.tie_embeddings:
@@ -227,7 +260,8 @@ class TPDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             sizes = [layer.local_heads * hd, layer.local_kv_heads * hd, layer.local_kv_heads * hd]
-            named = [("weight", layer.qkv)] + ([("bias", layer.qkv_bias)] if layer.qkv_bias is not None else [])
+            named = [("weight", layer.full_weight("qkv"))]
+            named += [("bias", layer.qkv_bias)] if layer.qkv_bias is not None else []
             for kind, t in named:
                 q, k, v = t.split(sizes)
                 out[f"{a}q_proj.{kind}"] = gather_shards(to_rotate_half(q, hd), 0, g)
@@ -236,7 +270,7 @@ class TPDecoder(nn.Module):
             if layer.q_norm is not None:
                 out[a + "q_norm.weight"] = to_rotate_half(layer.q_norm.detach(), hd)
                 out[a + "k_norm.weight"] = to_rotate_half(layer.k_norm.detach(), hd)
-            out[a + "o_proj.weight"] = gather_shards(layer.o, 1, g)
+            out[a + "o_proj.weight"] = gather_shards(layer.full_weight("o"), 1, g)
             out[p + "input_layernorm.weight"] = layer.attn_norm.detach().clone()
             out[p + "post_attention_layernorm.weight"] = layer.mlp_norm.detach().clone()
             out.update(layer.mlp_full_state(p, g))

@@ -9,6 +9,12 @@ Per layer, with ``x`` the residual stream:
 Rank r of W runs query heads ``[r*heads/W, (r+1)*heads/W)`` and MLP features ``[r*ffn/W, (r+1)*ffn/W)``.
 Key/value heads split the same way when ``kv_heads >= W``; with fewer key/value heads than ranks each
 rank holds the one key/value head its query heads read (a copy of it lives on ``W / kv_heads`` ranks).
+
+FP8 inference (``fp8="rowwise"`` or ``"blockwise"``, ``tileweave.nn.fp8_weights``): the four GEMM
+weights (qkv, o, gate_up, down) are held in float8 e4m3 with their scales, quantized once (when built,
+loaded or converted by ``to_fp8``); each GEMM quantizes its input per token on the device and runs in
+float8 with fp32 accumulation, writing the model's dtype. Norms, RoPE, attention, the KV cache, the
+residual stream and the biases stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from torch import nn
 from tileweave.nn import inference
 from tileweave.nn.block import BlockConfig, rope
 from tileweave.nn.checkpoint import Reader, to_interleaved
+from tileweave.nn.fp8_weights import Float8Weight, check_scaling, gemm_operands, quantize_weight
 from tileweave.nn.kv_cache import KVCache
 from tileweave.nn.shards import gather_shards
+from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter
 
 
@@ -189,17 +197,56 @@ def local_heads(config: DecoderConfig, world: int, rank: int) -> tuple[int, int,
     return config.heads // world, kv_local, rank * config.kv_heads // world
 
 
+def check_fp8(config: DecoderConfig, world: int, scaling: str | None) -> None:
+    """Refuse an FP8 scaling that ``world`` ranks cannot run for ``config`` (the same on every rank):
+    mixtures of experts, and for blockwise a local size that is not a multiple of 128. Blockwise
+    quantizes every checkpoint weight (``q_proj``, ``k_proj``, ...) in its own 128 x 128 blocks, so each
+    rank's part of each weight must be whole blocks along both axes (as vLLM requires), and a head's
+    rows, which the RoPE layout reorders within the head, must lie in one block (head_dim divides 128)."""
+    if scaling is None:
+        return
+    check_scaling(scaling)
+    if config.moe is not None:
+        raise ValueError(f"fp8={scaling!r}: FP8 inference is not available for mixture-of-experts layers "
+                         "(DecoderConfig.moe) yet; load the model without fp8")
+    if scaling != "blockwise":
+        return
+    heads, kv_local, _ = local_heads(config, world, 0)
+    hd = config.head_dim
+    sizes = {"hidden": config.hidden, "query rows per rank (heads/W * head_dim)": heads * hd,
+             "key/value rows per rank": kv_local * hd, "ffn per rank (ffn/W)": config.ffn // world}
+    bad = {name: size for name, size in sizes.items() if size % 128}
+    if bad:
+        got = ", ".join(f"{name} = {size}" for name, size in bad.items())
+        raise ValueError(f"fp8='blockwise' needs every local weight dimension to be a multiple of 128 at TP size "
+                         f"{world}, got {got}; use fp8='rowwise' (or another TP size)")
+    if 128 % hd:
+        raise ValueError(f"fp8='blockwise' needs head_dim to divide 128 (a head's q/k rows are reordered for RoPE "
+                         f"within the head, which must stay inside one 128-row block), got head_dim = {hd}; use "
+                         "fp8='rowwise'")
+
+
+FP8_WEIGHTS = ("qkv", "o", "gate_up", "down")
+"""The layer's weights that FP8 inference holds in float8 (each ``[N, K]``, with ``<name>_scale``)."""
+ROW_PARALLEL = ("o", "down")
+"""Of those, the weights whose columns (K) are split over the ranks."""
+
+
 class TPDecoderLayer(nn.Module):
-    """One layer's weights (this rank's shards) and its two ways to run (``tileweave.nn.decoder``)."""
+    """One layer's weights (this rank's shards) and its two ways to run (``tileweave.nn.decoder``).
+    ``fp8``: None, ``"rowwise"`` or ``"blockwise"`` (module docstring; ``check_fp8``'s refusals)."""
 
     def __init__(self, config: DecoderConfig, world: int, rank: int = 0, *, group: dist.ProcessGroup | None = None,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, fp8: str | None = None) -> None:
         super().__init__()
+        check_fp8(config, world, fp8)
         c, hd = config, config.head_dim
         self.config = config
         self.local_heads, self.local_kv_heads, self.kv_start = local_heads(c, world, rank)
         self.local_ffn = c.ffn // world
         self.rank = rank
+        self.world = world
+        self.group = group
         kw = dict(device=device, dtype=dtype)
         self.attn_norm = nn.Parameter(torch.ones(c.hidden, **kw))
         # [q | k | v] of this rank's heads and [gate | up] of its features: one GEMM each. q and k rows
@@ -214,6 +261,59 @@ class TPDecoderLayer(nn.Module):
         for w in (self.qkv, self.o):
             nn.init.normal_(w, std=w.shape[1] ** -0.5)
         self.init_mlp(group, kw)
+        self.fp8: str | None = None
+        """None, or the scaling of the float8 weights (``to_fp8``)."""
+        if fp8 is not None:
+            self.to_fp8(fp8)
+
+    @torch.no_grad()
+    def to_fp8(self, scaling: str) -> None:
+        """Quantize the GEMM weights (``FP8_WEIGHTS``) once, in place: each parameter becomes a float8
+        buffer of the same name and a float32 ``<name>_scale`` (``tileweave.nn.fp8_weights``); the
+        high-precision weights are dropped. Collective (rowwise, W > 1: each row's amax over the ranks
+        that hold parts of it). Refusals: ``check_fp8``; a layer already in FP8."""
+        if self.fp8 is not None:
+            raise ValueError(f"the layer's weights are already float8 ({self.fp8!r}); build or load the model "
+                             "again to change the scaling")
+        check_fp8(self.config, self.world, scaling)
+        self.model_dtype = self.attn_norm.dtype
+        for name in FP8_WEIGHTS:
+            w = getattr(self, name).detach()
+            delattr(self, name)
+            q = self._quantize(name, w, scaling)
+            self.register_buffer(name, q.data)
+            self.register_buffer(name + "_scale", q.scale)
+        self.fp8 = scaling
+
+    def _quantize(self, name: str, w: torch.Tensor, scaling: str) -> Float8Weight:
+        """Rowwise scales are per row of the whole checkpoint weight, so that the quantized model is the
+        same at every TP size: a row-parallel weight's row amax is the maximum over the ranks."""
+        if scaling != "rowwise" or name not in ROW_PARALLEL or self.world == 1 or w.is_meta:
+            return quantize_weight(w, scaling)
+        amax = w.abs().amax(1, keepdim=True).float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return quantize_weight(w, scaling, row_amax=amax)
+
+    def weight(self, name: str) -> torch.Tensor | Float8Weight:
+        """The weight ``name`` as the GEMMs take it: the parameter, or a ``Float8Weight``."""
+        if self.fp8 is None:
+            return getattr(self, name)
+        return Float8Weight(getattr(self, name), getattr(self, name + "_scale"), self.fp8)
+
+    def full_weight(self, name: str) -> torch.Tensor:
+        """The weight ``name`` in the model's dtype (float8 weights dequantized)."""
+        w = self.weight(name)
+        return w.dequantize(self.model_dtype) if isinstance(w, Float8Weight) else w.detach()
+
+    def store(self, name: str, value: torch.Tensor) -> None:
+        """Set the weight ``name`` to ``value`` (its full local shape): copied, or quantized (collective,
+        as ``to_fp8``)."""
+        if self.fp8 is None:
+            getattr(self, name).copy_(value)
+            return
+        q = self._quantize(name, value.to(device=self.attn_norm.device, dtype=self.model_dtype), self.fp8)
+        getattr(self, name).copy_(q.data)
+        getattr(self, name + "_scale").copy_(q.scale)
 
     def init_mlp(self, group: dist.ProcessGroup | None, kw: dict) -> None:
         """The MLP's weights: this rank's ``gate | up`` rows and ``down`` columns (a subclass's own MLP
@@ -249,31 +349,45 @@ class TPDecoderLayer(nn.Module):
         """``(normed, resid)`` in, both ``[M, H]`` on every rank (``normed``: this layer's attention norm
         of ``resid``) -> the same for the next layer, normed with ``next_norm``."""
         eps = self.config.norm_eps
-        qkv = inference.column_parallel_linear(normed, self.qkv, self.qkv_bias, group)
+        qkv = self.column_linear(normed, "qkv", self.qkv_bias, group)
         attn = self.attention(qkv, cache, index, step)
-        normed, resid = ops.row_parallel_norm(attn, self.o, resid, self.mlp_norm, eps, group)
+        normed, resid = ops.row_parallel_norm(attn, self.weight("o"), resid, self.mlp_norm, eps, group)
         return self.mlp_replicated(normed, resid, next_norm, ops, group)
 
     def mlp_replicated(self, normed: torch.Tensor, resid: torch.Tensor, next_norm: torch.Tensor, ops: DecoderOps,
                        group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP on replicated rows: ``(rms_norm(h) * next_norm, h)`` with ``h = resid + mlp(normed)``."""
-        gate, up = inference.column_parallel_linear(normed, self.gate_up, None, group).chunk(2, dim=1)
-        return ops.row_parallel_norm(F.silu(gate) * up, self.down, resid, next_norm, self.config.norm_eps, group)
+        gate, up = self.column_linear(normed, "gate_up", None, group).chunk(2, dim=1)
+        return ops.row_parallel_norm(F.silu(gate) * up, self.weight("down"), resid, next_norm, self.config.norm_eps,
+                                     group)
+
+    def column_linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None,
+                      group: dist.ProcessGroup) -> torch.Tensor:
+        """``x [M, K] @ weight.T + bias`` of a column-parallel weight on replicated rows (local)."""
+        w = self.weight(name)
+        if not isinstance(w, Float8Weight):
+            return inference.column_parallel_linear(x, w, bias, group)
+        a, b, fp8 = w.operands(x)
+        return matmul(a, b, bias=bias, **fp8)
 
     def forward_sequence_parallel(self, x_shard: torch.Tensor, cache: KVCache, index: int, step: Step,
                                   ops: DecoderOps, group: dist.ProcessGroup) -> torch.Tensor:
         """``x_shard_m [M/W, H]`` -> the layer's output rows ``[M/W, H]``."""
         eps = self.config.norm_eps
         bias = {} if self.qkv_bias is None else {"bias": self.qkv_bias}
-        qkv = ops.all_gather_gemm(rms_norm(x_shard, self.attn_norm, eps), self.qkv.t(), group, **bias)
+        a, b, fp8 = gemm_operands(rms_norm(x_shard, self.attn_norm, eps), self.weight("qkv"))
+        qkv = ops.all_gather_gemm(a, b, group, **bias, **fp8)
         attn = self.attention(qkv, cache, index, step)
-        h = x_shard + ops.gemm_reduce_scatter(attn, self.o.t(), group)
+        a, b, fp8 = gemm_operands(attn, self.weight("o"))
+        h = x_shard + ops.gemm_reduce_scatter(a, b, group, **fp8)
         return h + self.mlp_sequence_parallel(rms_norm(h, self.mlp_norm, eps), ops, group)
 
     def mlp_sequence_parallel(self, x_shard: torch.Tensor, ops: DecoderOps, group: dist.ProcessGroup) -> torch.Tensor:
         """The MLP of this rank's rows ``x_shard_m [M/W, H]`` (normed) -> ``[M/W, H]``."""
-        gate, up = ops.all_gather_gemm(x_shard, self.gate_up.t(), group).chunk(2, dim=1)
-        return ops.gemm_reduce_scatter(F.silu(gate) * up, self.down.t(), group)
+        a, b, fp8 = gemm_operands(x_shard, self.weight("gate_up"))
+        gate, up = ops.all_gather_gemm(a, b, group, **fp8).chunk(2, dim=1)
+        a, b, fp8 = gemm_operands(F.silu(gate) * up, self.weight("down"))
+        return ops.gemm_reduce_scatter(a, b, group, **fp8)
 
     @torch.no_grad()
     def load(self, read: Reader, prefix: str) -> None:
@@ -295,27 +409,27 @@ class TPDecoderLayer(nn.Module):
 
         parts = [heads("q", c.heads, q0, hl, True), heads("k", c.kv_heads, kv0, kvl, True),
                  heads("v", c.kv_heads, kv0, kvl, False)]
-        self.qkv.copy_(torch.cat([w for w, _ in parts]))
+        self.store("qkv", torch.cat([w for w, _ in parts]))
         if self.qkv_bias is not None:
             self.qkv_bias.copy_(torch.cat([b for _, b in parts]))
         if self.q_norm is not None:
             self.q_norm.copy_(to_interleaved(read(a + "q_norm.weight", (hd,)), hd))
             self.k_norm.copy_(to_interleaved(read(a + "k_norm.weight", (hd,)), hd))
-        self.o.copy_(read(a + "o_proj.weight", (h, c.heads * hd), 1, q0 * hd, (q0 + hl) * hd))
+        self.store("o", read(a + "o_proj.weight", (h, c.heads * hd), 1, q0 * hd, (q0 + hl) * hd))
         self.load_mlp(read, prefix)
 
     def load_mlp(self, read: Reader, prefix: str) -> None:
         """This rank's shards of the MLP's tensors (``mlp.gate_proj.weight``, ...)."""
         c, f0, m = self.config, self.rank * self.local_ffn, prefix + "mlp."
         h = c.hidden
-        self.gate_up.copy_(torch.cat([read(m + "gate_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn),
-                                      read(m + "up_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn)]))
-        self.down.copy_(read(m + "down_proj.weight", (h, c.ffn), 1, f0, f0 + self.local_ffn))
+        self.store("gate_up", torch.cat([read(m + "gate_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn),
+                                         read(m + "up_proj.weight", (c.ffn, h), 0, f0, f0 + self.local_ffn)]))
+        self.store("down", read(m + "down_proj.weight", (h, c.ffn), 1, f0, f0 + self.local_ffn))
 
     @torch.no_grad()
     def mlp_full_state(self, prefix: str, group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
         """The MLP's unsharded tensors under their checkpoint names (collective)."""
-        gate, up = self.gate_up.chunk(2)
+        gate, up = self.full_weight("gate_up").chunk(2)
         m = prefix + "mlp."
         return {m + "gate_proj.weight": gather_shards(gate, 0, group), m + "up_proj.weight": gather_shards(up, 0, group),
-                m + "down_proj.weight": gather_shards(self.down, 1, group)}
+                m + "down_proj.weight": gather_shards(self.full_weight("down"), 1, group)}

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tileweave.nn.fp8_weights import Float8Weight, gemm_operands
 from tileweave.ops.functional import gemm_all_reduce
 
 
@@ -102,13 +103,16 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return _ReplicatedRow.apply(x, weight, bias, _group(group))
 
 
-def row_parallel_residual_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+def row_parallel_residual_norm(x: torch.Tensor, weight: torch.Tensor | Float8Weight, residual: torch.Tensor,
                                norm_weight: torch.Tensor, eps: float, group: dist.ProcessGroup | None = None,
                                *, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(h) * norm_weight, h)`` with ``h = residual [M, N] + row_parallel_linear(x, weight,
     bias)``: one ``gemm_all_reduce`` call with the residual add and the RMSNorm fused into its
-    reduction (fp32 math, outputs in ``x``'s dtype). Forward only: no gradient flows through it."""
-    _check("row_parallel_residual_norm", x, weight, 1)
+    reduction (fp32 math, outputs in ``x``'s dtype). ``weight`` may be a ``Float8Weight`` (FP8
+    inference: ``x`` is quantized per token on the device and the GEMM runs in float8, the sums, the
+    residual and the norm in ``x``'s dtype as before). Forward only: no gradient flows through it."""
+    _check("row_parallel_residual_norm", x, weight.data if isinstance(weight, Float8Weight) else weight, 1)
     with torch.no_grad():
-        return gemm_all_reduce(x, weight.t(), _group(group), bias=bias, residual=residual,
-                               norm_weight=norm_weight, eps=eps)
+        a, b, fp8 = gemm_operands(x, weight)
+        return gemm_all_reduce(a, b, _group(group), bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+                               **fp8)

@@ -23,6 +23,7 @@ its routing weight (0 where it is not among the token's top k).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -110,9 +111,17 @@ def _experts(m: torch.Tensor, w: dict[str, torch.Tensor], p: str, moe) -> torch.
     return out
 
 
+def _exact(x: torch.Tensor, name: str, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.T
+
+
 def reference_logits(state: dict[str, torch.Tensor], dims, tokens: torch.Tensor,
-                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Logits ``[B, S, V]`` of every position of ``tokens [B, S]`` (int64), computed in ``dtype``."""
+                     dtype: torch.dtype = torch.float64, linear: Callable | None = None) -> torch.Tensor:
+    """Logits ``[B, S, V]`` of every position of ``tokens [B, S]`` (int64), computed in ``dtype``.
+    ``linear(x, name, weight)``: the product ``x [..., in] @ weight.T`` of each dense linear layer's
+    weight (``name`` its state-dict name, ``...q_proj.weight`` to ``lm_head.weight``; default exact),
+    for a reference of other arithmetic (say, quantized operands)."""
+    lin = linear or _exact
     w = {k: v.to(dtype) for k, v in state.items()}
     b, s = tokens.shape
     hd = dims.hidden // dims.heads
@@ -120,17 +129,19 @@ def reference_logits(state: dict[str, torch.Tensor], dims, tokens: torch.Tensor,
     for i in range(dims.layers):
         p = f"model.layers.{i}."
         a = _rms(x, w[p + "input_layernorm.weight"], dims.norm_eps)
-        q = _rotate((a @ w[p + "self_attn.q_proj.weight"].T).reshape(b, s, dims.heads, hd), dims.rope_theta)
-        k = _rotate((a @ w[p + "self_attn.k_proj.weight"].T).reshape(b, s, dims.kv_heads, hd), dims.rope_theta)
-        v = (a @ w[p + "self_attn.v_proj.weight"].T).reshape(b, s, dims.kv_heads, hd)
-        x = x + _attend(q, k, v).reshape(b, s, dims.heads * hd) @ w[p + "self_attn.o_proj.weight"].T
+        proj = {n: lin(a, p + f"self_attn.{n}_proj.weight", w[p + f"self_attn.{n}_proj.weight"]) for n in "qkv"}
+        q = _rotate(proj["q"].reshape(b, s, dims.heads, hd), dims.rope_theta)
+        k = _rotate(proj["k"].reshape(b, s, dims.kv_heads, hd), dims.rope_theta)
+        v = proj["v"].reshape(b, s, dims.kv_heads, hd)
+        o = p + "self_attn.o_proj.weight"
+        x = x + lin(_attend(q, k, v).reshape(b, s, dims.heads * hd), o, w[o])
         m = _rms(x, w[p + "post_attention_layernorm.weight"], dims.norm_eps)
         if getattr(dims, "moe", None) is not None:
             x = x + _experts(m, w, p + "block_sparse_moe.", dims.moe)
             continue
-        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-        x = x + (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    return _rms(x, w["model.norm.weight"], dims.norm_eps) @ w["lm_head.weight"].T
+        gate, up = (lin(m, p + f"mlp.{n}_proj.weight", w[p + f"mlp.{n}_proj.weight"]) for n in ("gate", "up"))
+        x = x + lin(gate * torch.sigmoid(gate) * up, p + "mlp.down_proj.weight", w[p + "mlp.down_proj.weight"])
+    return lin(_rms(x, w["model.norm.weight"], dims.norm_eps), "lm_head.weight", w["lm_head.weight"])
 
 
 def reference_generate(state: dict[str, torch.Tensor], dims, prompt: torch.Tensor, steps: int,
