@@ -56,3 +56,13 @@ def test_bad_fp8_arguments_are_refused_by_name_on_every_rank():
             if name.endswith("one rank"):
                 assert "the arguments of rank 1" in got, (layer, name, got)
     assert outcomes[0]["after"] == "ok"
+
+
+def test_the_walk_of_a_float8_input_goes_through_at_most_six_files():
+    # test_op_walk.py's rule (support.walk) on float8 calls, the scales among the inputs: the float8
+    # checks live beside the grouped GEMM's launcher, so FP8 adds no file to either layer's walk.
+    for found in run_ranks(2, scenarios.fp8_moe_walk_check):
+        for (layer, policy), walks in found.items():
+            for files in walks:
+                assert len(files) <= 6, (layer, policy, files)
+            assert "ops/compute/grouped_gemm.py" in walks[0], (layer, policy, walks[0])

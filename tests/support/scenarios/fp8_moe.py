@@ -199,3 +199,31 @@ def fp8_moe_errors_check(rank: int, world: int) -> dict:
     call1()
     outcomes["after"] = "ok"
     return outcomes
+
+
+def fp8_moe_walk_check(rank: int, world: int) -> dict:
+    """The walk of one input (``support.walk``) through float8 calls of both layers on each path, the
+    scales among the inputs: per ``(layer, policy)`` the files of the first and the repeat call."""
+    from support import walk
+    from tileweave.runtime.backend import get_backend
+
+    get_backend(None, torch.device("cpu"))
+    rule = walk.Rule(walk.PACKAGE)
+    tc, hid, f, e, k = 4, 32, 16, 2, 2
+    ids, weights = _routing(tc * world, k, e, "walk", world)
+    plan = tileweave.moe_plan(ids[rank * tc:(rank + 1) * tc], num_experts=e)
+    x8, sa = quantize_a(_randn((tc, hid), "x", rank), "rowwise")
+    w0, sb0, _ = _expert_weights(_randn((e, hid, f), "w0", rank), "rowwise")
+    h8, sh = quantize_a(_randn((tc * world * k, f), "h", rank), "rowwise")
+    w1, sb1, _ = _expert_weights(_randn((e, f, hid), "w1", rank), "rowwise")
+    wt = weights[rank * tc:(rank + 1) * tc]
+    found = {}
+    for policy in ("auto", "fallback"):
+        for layer, op, args in (("layer 0", tileweave.MoEAllGatherGemm(policy=policy), (x8, w0, plan, sa, sb0)),
+                                ("layer 1", tileweave.MoEGemmReduceScatter(policy=policy), (h8, w1, plan, wt, sh, sb1))):
+            if layer == "layer 0":
+                call = lambda: op(x8, w0, plan, scale_a=sa, scale_b=sb0, out_dtype=torch.float32)  # noqa: E731
+            else:
+                call = lambda: op(h8, w1, plan, wt, scale_a=sh, scale_b=sb1, out_dtype=torch.float32)  # noqa: E731
+            found[layer, policy] = [sorted(walk.trace(call, inputs=args, op=op, rule=rule).files) for _ in range(2)]
+    return found
