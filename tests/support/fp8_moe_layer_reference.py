@@ -18,6 +18,18 @@ import torch.nn.functional as F
 from support.fp8_reference import Recipe
 
 
+def _pairs(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[T, k, N]``: ``a[t, j] @ w[ids[t, j]].T`` for ``a [T, k, K]`` (or ``[T, K]``, the same row for
+    every slot) and ``w [E, N, K]``, expert by expert."""
+    if a.dim() == 2:
+        a = a[:, None, :].expand(-1, ids.shape[1], -1)
+    out = torch.zeros(*ids.shape, w.shape[1], dtype=torch.float64)
+    for e in range(w.shape[0]):
+        chosen = ids == e
+        out[chosen] = a[chosen] @ w[e].t()
+    return out
+
+
 def _stack(r: Recipe, w: torch.Tensor) -> torch.Tensor:
     """float64 dequantized ``[E, N, K]`` stack, quantized along K as ``[E * N, K]``."""
     e, n, k = w.shape
@@ -25,9 +37,11 @@ def _stack(r: Recipe, w: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Tensor, top_k: int, world: int,
-                      *, normalize_topk: bool = True) -> dict:
+                      *, normalize_topk: bool = True, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Per rank r: ``out`` (its rows), ``dx`` (its rows), ``d_w0 [E, 2F/W, H]`` and ``d_w1 [E, H, F/W]``
-    (its slices), and ``d_router`` (over all tokens), float64; from full ``x [T, H]`` and ``dout [T, H]``."""
+    (its slices), and ``d_router`` (over all tokens), float64; from full ``x [T, H]``, ``dout [T, H]``
+    and ``state`` already in the model's ``dtype``, in which the layer also holds ``h`` and ``dy``
+    before quantizing them (rounded to it here too)."""
     r = Recipe(recipe)
     t, hid = x.shape
     gate, up, down = (state[n].double() for n in ("experts.gate", "experts.up", "experts.down"))
@@ -53,26 +67,26 @@ def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Ten
         w1 = down[:, :, cols]                                                   # [E, H, fl]
         w0q, w1q = _stack(r, w0), _stack(r, w1)
         w0tq, w1tq = _stack(r, w0.transpose(1, 2)), _stack(r, w1.transpose(1, 2))  # [E, H, 2fl], [E, fl, H]
-        pre = torch.einsum("th,tjnh->tjn", xq, w0q[ids])                       # [T, k, 2fl]
+        pre = _pairs(xq, w0q, ids)                                             # [T, k, 2fl]
         g, u = pre[..., :fl], pre[..., fl:]
         h = F.silu(g) * u
-        hq = r.a(h.float().reshape(t * top_k, fl)).view(t, top_k, fl).double()
-        z = torch.einsum("tjf,tjhf->tjh", hq, w1q[ids])
+        hq = r.a(h.to(dtype).float().reshape(t * top_k, fl)).view(t, top_k, fl).double()
+        z = _pairs(hq, w1q, ids)
         out += (wd[:, :, None] * z).sum(1)
-        gg = torch.einsum("th,tjfh->tjf", doq, w1tq[ids])                      # G = dO @ w1[e]
+        gg = _pairs(doq, w1tq, ids)                                            # G = dO @ w1[e]
         dh = wd[:, :, None] * gg
         s = torch.sigmoid(g)
         dy = torch.cat([dh * u * (s + g * s * (1 - s)), dh * F.silu(g)], dim=2)  # [T, k, 2fl]
-        dyq = r.a(dy.float().reshape(t * top_k, 2 * fl), grad=True).view(t, top_k, 2 * fl).double()
-        dx_experts += torch.einsum("tjn,tjhn->th", dyq, w0tq[ids])
+        dyq = r.a(dy.to(dtype).float().reshape(t * top_k, 2 * fl), grad=True).view(t, top_k, 2 * fl).double()
+        dx_experts += _pairs(dyq, w0tq, ids).sum(1)
         dwt += (gg * h).sum(2)
         d_w0 = torch.zeros(e, 2 * fl, hid, dtype=torch.float64)
         d_w1 = torch.zeros(e, hid, fl, dtype=torch.float64)
-        for tok in range(t):
-            for j in range(top_k):
-                ex = int(ids[tok, j])
-                d_w0[ex] += torch.outer(dy[tok, j], xq[tok])
-                d_w1[ex] += torch.outer(doq[tok], wd[tok, j] * h[tok, j])
+        tokens = torch.arange(t)[:, None].expand(t, top_k)
+        for ex in range(e):
+            chosen = ids == ex
+            d_w0[ex] = dy[chosen].t() @ xq[tokens[chosen]]
+            d_w1[ex] = doq[tokens[chosen]].t() @ (wd[:, :, None] * h)[chosen]
         grads.append((d_w0, d_w1))
     dx_route, d_router = torch.autograd.grad(wt, (xr, router), dwt)
     dx = dx_experts + dx_route

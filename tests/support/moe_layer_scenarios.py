@@ -189,24 +189,26 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase) -> dic
     from support.fp8_moe_layer_reference import fp8_moe_reference
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = getattr(torch, case.dtype)
     group = dist.group.WORLD
-    state = layer_state(case)
+    state = {k: v.to(dtype).float() for k, v in layer_state(case).items()}  # the reference sees them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
-                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), fp8=recipe, device=device)
-    layer.load_full_state_dict({k: v.to(device) for k, v in state.items()})
+                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), fp8=recipe, device=device,
+                  dtype=dtype)
+    layer.load_full_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
     rows = slice(rank * case.tokens // world, (rank + 1) * case.tokens // world)
     set_producer_delay(0.05 if rank == case.straggler else 0.0)
     results: dict = {"steps": [], "dtypes": set()}
     for step in range(case.steps):
-        x_full, dout = layer_tokens(case, step)
+        x_full, dout = (t.to(dtype).float() for t in layer_tokens(case, step))
         results.setdefault("gap", routing_gap(x_full, state["router.weight"], case.top_k))
         layer.zero_grad(set_to_none=True)
-        x = x_full[rows].clone().to(device).requires_grad_(True)
+        x = x_full[rows].clone().to(device=device, dtype=dtype).requires_grad_(True)
         out = layer(x)
-        out.backward(dout[rows].to(device))
+        out.backward(dout[rows].to(device=device, dtype=dtype))
         layer.all_reduce_replicated_grads()
-        ref = fp8_moe_reference(recipe, x_full, state, dout, case.top_k, world,
-                                normalize_topk=case.normalize_topk)[rank]
+        ref = fp8_moe_reference(recipe, x_full, state, dout, case.top_k, world, normalize_topk=case.normalize_topk,
+                                dtype=dtype)[rank]
         exact = reference_moe(x_full.double(), {k: v.double() for k, v in state.items()}, case.top_k,
                               normalize_topk=case.normalize_topk)
         results["dtypes"] |= {str(t.dtype) for t in (out, x.grad, layer.w0.grad, layer.w1.grad)}
@@ -217,6 +219,7 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase) -> dic
             "out_exact": _rel_err(out.cpu(), exact[rows])})
     set_producer_delay(0.0)
     results["dtypes"] = sorted(results["dtypes"])
+    results["dtype"] = str(dtype)
     results["paths"] = (common.last_path("moe_all_gather_gemm"), common.last_path("moe_gemm_reduce_scatter"))
     return results
 

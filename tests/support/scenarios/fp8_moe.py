@@ -20,7 +20,7 @@ from tileweave.ops import common
 from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.runtime.backend import set_producer_delay
 from support.scenarios.common import rel_err
-from support.scenarios.fp8_dense import E4M3, dequantize_a, dequantize_b, quantize_a, quantize_b
+from support.scenarios.fp8_dense import dequantize_a, dequantize_b, quantize_a, quantize_b
 
 # (scaling, tokens per rank, hidden, F_loc, experts, top-k, out dtype, swiglu, policy, straggler, delay_s)
 FIELDS = ("scaling", "tc", "hidden", "f_loc", "experts", "topk", "out_dtype", "swiglu", "policy", "straggler",
@@ -54,6 +54,15 @@ def _routing(tokens: int, k: int, e: int, *seed) -> tuple[torch.Tensor, torch.Te
     g = _gen("ids", *seed)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
     return ids, torch.softmax(torch.randn(tokens, k, generator=g), dim=1)
+
+
+def _per_expert(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float64 ``[T, k, N]``: ``a[t, j] @ w[ids[t, j]]`` for ``a [T, k, K]`` and ``w [E, K, N]``."""
+    out = torch.zeros(*ids.shape, w.shape[2], dtype=torch.float64)
+    for e in range(w.shape[0]):
+        chosen = ids == e
+        out[chosen] = a[chosen].double() @ w[e]
+    return out
 
 
 def _scale_rows(s: torch.Tensor, rows: int, scaling: str) -> torch.Tensor:
@@ -96,7 +105,7 @@ def fp8_moe_pair_check(rank: int, world: int, cases: list[tuple], iters: int = 1
                     scale_a=sa.to(device), scale_b=sb.to(device), out_dtype=out_dtype)
                 path0 = common.last_path("moe_all_gather_gemm")
                 pair_rows = plan.pair_row.reshape(-1).long().cpu()
-                ref0 = torch.einsum("tjh,tjhn->tjn", x_deq[:, None, :].expand(tokens, k, hid), w_deq[ids])
+                ref0 = _per_expert(x_deq[:, None, :].expand(tokens, k, hid), w_deq, ids)
                 err_pre = None
                 if c["swiglu"]:
                     gate, up = ref0.split(f, dim=2)
@@ -128,7 +137,7 @@ def fp8_moe_pair_check(rank: int, world: int, cases: list[tuple], iters: int = 1
                 ref1 = torch.zeros(tokens, hid, dtype=torch.float64)
                 for r in range(world):
                     h_deq = dequantize_a(*h_pairs[r]).view(tokens, k, f)
-                    z = torch.einsum("tjf,tjfh->tjh", h_deq, w1[r][2][ids])
+                    z = _per_expert(h_deq, w1[r][2], ids)
                     ref1 += (weights.double()[:, :, None] * z).sum(1)
                 err1 = rel_err(out.cpu(), ref1[mine])
                 rows.append({"case": case, "it": it, "err0": err0, "err_pre": err_pre, "err1": err1, "path0": path0,
@@ -219,8 +228,9 @@ def fp8_moe_walk_check(rank: int, world: int) -> dict:
     wt = weights[rank * tc:(rank + 1) * tc]
     found = {}
     for policy in ("auto", "fallback"):
-        for layer, op, args in (("layer 0", tileweave.MoEAllGatherGemm(policy=policy), (x8, w0, plan, sa, sb0)),
-                                ("layer 1", tileweave.MoEGemmReduceScatter(policy=policy), (h8, w1, plan, wt, sh, sb1))):
+        for layer, op, args in (
+                ("layer 0", tileweave.MoEAllGatherGemm(policy=policy), (x8, w0, plan, sa, sb0)),
+                ("layer 1", tileweave.MoEGemmReduceScatter(policy=policy), (h8, w1, plan, wt, sh, sb1))):
             if layer == "layer 0":
                 call = lambda: op(x8, w0, plan, scale_a=sa, scale_b=sb0, out_dtype=torch.float32)  # noqa: E731
             else:

@@ -332,9 +332,9 @@ class MoEGemmReduceScatter(MoEOp):
                      **_fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum)}
         backend, path = self._path(h.device, signature, check)
         scales, dtype = fp8
-        gemm = functools.partial(grouped_gemm, h, w1, plan.offsets, experts=plan.num_experts,
-                                 **({} if scales is None else {"scale_a": scale_a, "scale_b": scale_b, "out_dtype": dtype,
-                                                               "use_fast_accum": use_fast_accum}))
+        fp8_args = {} if scales is None else {"scale_a": scale_a, "scale_b": scale_b, "out_dtype": dtype,
+                                              "use_fast_accum": use_fast_accum}
+        gemm = functools.partial(grouped_gemm, h, w1, plan.offsets, experts=plan.num_experts, **fp8_args)
         tc = plan.tokens // backend.world_size
         out = common.out_or_new(out, (tc, w1.shape[2]), dtype, h.device)
         self._mark_ids(plan, h.device)
