@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from gpus import RANKS, needs_two
+from gpus import RANKS, needs_two, one_gpu_per_rank
 from support.moe_layer_scenarios import LayerCase, tp_moe_fp8_check
 from support.scenarios import fp8_moe as scenarios
 from tileweave.testing.emulated import run_ranks
@@ -74,3 +74,25 @@ def test_tp_moe_fp8_gpu(name):
         assert result["dtypes"] == [result["dtype"]], result
         if case.policy == "fallback":
             assert result["paths"] == ("fallback", "fallback"), result["paths"]
+
+
+@needs_two
+@one_gpu_per_rank("NCCL")
+def test_moe_benchmark_fp8_rows_verify_and_time_ours_and_torch(tmp_path):
+    import json
+
+    from tileweave.bench import moe
+
+    assert moe.main(["--models", "qwen3-30b-a3b", "--tokens", str(1024 * RANKS), "--routing", "uniform",
+                     "--parts", "layer0,layer1", "--variants", "ours", "--dtype", "fp8",
+                     "--scaling", "tensorwise,rowwise,blockwise", "--warmup-s", "0.1", "--nproc", str(RANKS),
+                     "--out", str(tmp_path), "--tag", "g"]) == 0
+    (report,) = tmp_path.glob("g_moe_*.json")
+    rows = json.loads(report.read_text())["measurements"]
+    seen = {(r["layer"].split()[1], r["dtype"], r["variant"]) for r in rows}
+    for part in ("layer0", "layer1"):
+        assert (part, "fp8-blockwise", "ours") in seen and (part, "bf16", "ours") in seen, seen
+        for scaling in ("tensorwise", "rowwise"):
+            assert {(part, f"fp8-{scaling}", "ours"), (part, f"fp8-{scaling}", "torch")} <= seen, seen
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0, r
