@@ -33,3 +33,19 @@ def test_bench_moe_help_and_bad_tokens(capsys):
         assert exc.code == 0
     assert "--smoke" in capsys.readouterr().out
     assert moe.main(["--smoke", "--nproc", "3", "--out", "/nonexistent"]) == 2
+
+
+def test_bench_moe_fp8_rows_name_their_scaling_and_are_verified(tmp_path):
+    # --dtype fp8: layer0 and layer1 in FP8 beside the bf16 (here fp32) rows, each checked against float64
+    # of the dequantized operands before it is timed; torch's _scaled_grouped_mm runs on GPUs only.
+    assert moe.main(["--smoke", "--dtype", "fp8", "--scaling", "rowwise", "--parts", "layer0,layer1",
+                     "--routing", "uniform", "--variants", "ours", "--out", str(tmp_path), "--tag", "f"]) == 0
+    (report,) = tmp_path.glob("f_moe_*.json")
+    rows = json.loads(report.read_text())["measurements"]
+    assert sorted((r["layer"], r["dtype"]) for r in rows) == sorted(
+        (f"smoke-fp8 {part} uniform", dtype) for part in ("layer0", "layer1") for dtype in ("bf16", "fp8-rowwise"))
+    for r in rows:
+        assert r["status"] == "ok" and r["variant"] == "ours", r
+        assert r["rel_err"] < moe.TOLERANCE[torch.float32], r
+    text = (tmp_path / report.name.replace(".json", ".md")).read_text()
+    assert "| smoke-fp8 layer1 uniform fp8-rowwise | 8 |" in text

@@ -73,5 +73,3 @@ def test_bad_fp8_arguments_are_refused_by_name_on_every_rank():
                 assert "the arguments of rank 1" in got, (kind, name, got)
     assert "policy='oneshot' does not take float8" in outcomes[0]["ag: oneshot"]
     assert "gathered_out is not supported with float8" in outcomes[0]["ag: gathered_out"]
-    for layer in ("moe layer 0", "moe layer 1"):
-        assert "do not take float8 inputs yet" in outcomes[0][layer], outcomes[0][layer]

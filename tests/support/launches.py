@@ -23,8 +23,8 @@ from triton.runtime.jit import KernelInterface
 
 import tileweave
 import tileweave.kernels
-from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, build_plan,
-                       grouped_gemm, moe_plan)
+from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, MoEAllGatherGemm,
+                       MoEGemmReduceScatter, build_plan, grouped_gemm, moe_plan)
 from tileweave.nn import TPMoE
 from tileweave.ops.all_reduce.transports import tiles as all_reduce_tiles
 from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
@@ -394,7 +394,24 @@ def _collective_calls(rank: int, world: int) -> dict[str, Callable[[], object]]:
                                                      group=group),
         "TPMoE forward and backward, fp16": lambda: _moe_step(16, 32, 4, 2, torch.float16, rank),
         "TPMoE forward and backward, one expert, k = 1, fp32": lambda: _moe_step(32, 16, 1, 1, torch.float32, rank),
+        # FP8 MoE pair: layer 0's gated grouped GEMM with gathered scales and the SwiGLU, layer 1 chunked.
+        **{f"moe pair, fp8 {scaling}": lambda scaling=scaling: _moe_fp8_pair(scaling, rank, world)
+           for scaling in SCALINGS},
     }
+
+
+def _moe_fp8_pair(scaling: str, rank: int, world: int) -> None:
+    group = dist.group.WORLD
+    tc, hidden, f_loc, experts = 8, 128, 128, 2
+    plan = moe_plan(_index(experts, tc * 2, seed=rank).view(tc, 2), num_experts=experts, group=group)
+    sa, sb = _fp8_scales(scaling, tc, 2 * f_loc, hidden, experts=experts)
+    h = MoEAllGatherGemm(group, policy="fused")(
+        _fp8(tc, hidden), _fp8(experts, 2 * f_loc, hidden).transpose(1, 2), plan, scale_a=sa, scale_b=sb,
+        out_dtype=torch.float16, epilogue=SwiGLU(pre=torch.empty(plan.rows, 2 * f_loc, dtype=torch.float16)))
+    sa, sb = _fp8_scales(scaling, plan.rows, hidden, f_loc, experts=experts)
+    MoEGemmReduceScatter(group, policy="fused")(
+        h.to(E4M3), _fp8(experts, hidden, f_loc).transpose(1, 2), plan, None, scale_a=sa, scale_b=sb,
+        out_dtype=torch.float16)
 
 
 def _collective_h200_calls(rank: int, world: int) -> dict[str, Callable[[], object]]:

@@ -17,6 +17,10 @@ device as one call: router GEMM in fp32, softmax + top-k, the plan). Variants, o
   the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
   backward GEMMs).
 
+``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: ``layer0`` and ``layer1`` also in FP8 on the
+same inputs quantized to e4m3 with each scaling, each row's ``dtype`` naming it (``fp8-rowwise``), with
+torch's ``torch._scaled_grouped_mm`` + NCCL as the variant ``torch`` (``tileweave.bench.moe_fp8``).
+
 ``route`` runs ``ours`` (the layer's plan, ``tileweave.nn.moe_autograd.TILEWEAVE_OPS``) and ``grouped``
 (all-gather of the ids + ``build_plan``) only; it is verified by routing: every (token, slot) pair's
 plan row must hold that token and the expert a float64 top-k of the same logits picks, and the top-k
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -53,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.bench import output_dir
+from tileweave.bench import fp8, moe_fp8, output_dir
 from tileweave.bench.moe_reference import reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.metadata import collect_metadata
@@ -74,6 +79,8 @@ MODELS: dict[str, tuple[int, int, int, int]] = {
 }
 """(hidden H, expert width F, experts E, top-k k)."""
 SMOKE_MODELS: dict[str, tuple[int, int, int, int]] = {"smoke": (16, 32, 4, 2)}
+FP8_SMOKE_MODELS: dict[str, tuple[int, int, int, int]] = {"smoke-fp8": (128, 256, 4, 2)}
+"""``--smoke --dtype fp8``: H and F/2 multiples of 128, as blockwise scaling needs."""
 TOKENS = (2048, 4096, 8192, 16384)
 ROUTINGS = ("uniform", "zipf")
 PARTS = ("layer0", "layer1", "layer", "layer-bwd", "route")
@@ -145,7 +152,7 @@ class Row:
     part: str
 
     def dims(self, smoke: bool) -> tuple[int, int, int, int]:
-        return (SMOKE_MODELS if smoke else MODELS)[self.model]
+        return {**SMOKE_MODELS, **FP8_SMOKE_MODELS}[self.model] if smoke else MODELS[self.model]
 
 
 def _routing_ids(t: int, e: int, k: int, routing: str, gen: torch.Generator) -> torch.Tensor:
@@ -294,6 +301,8 @@ class MoEBenchConfig:
     warmup_s: float = 0.5
     iters: int = 20
     reps: int = 5
+    scalings: tuple[str, ...] = ()
+    """FP8 rows of ``layer0`` and ``layer1`` for each of these scalings (``tileweave.bench.fp8``)."""
 
 
 def _agree_max(value: float, group, device) -> float:
@@ -332,17 +341,29 @@ def bench_rank(rank: int, world: int, cfg: MoEBenchConfig) -> list[dict]:
                         if key not in refs:
                             refs[key] = reference(part, variant, inp, group, device)
                         results.append(_one(row, variant, inp, refs[key], tol, cfg, group, dtype, device, world))
+                    for scaling in cfg.scalings if part in moe_fp8.PARTS else ():
+                        if not moe_fp8.variants(scaling, inp, cfg.variants):
+                            continue
+                        q = moe_fp8.FP8Inputs(inp, scaling)
+                        ref = reference(part, "ours", q.deq, group, device)
+                        for variant in moe_fp8.variants(scaling, inp, cfg.variants):
+                            make = functools.partial(moe_fp8.make_call, part, variant, q, group)
+                            results.append(_one(row, variant, inp, ref, tol, cfg, group, dtype, device, world, make,
+                                                fp8.dtype_label(scaling)))
+                        del q, ref
                     del inp, refs
     return results
 
 
 def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConfig, group, dtype, device,
-         world: int) -> dict:
+         world: int, make: Callable | None = None, label: str = "bf16") -> dict:
+    """One variant of a row, verified, then timed; ``make()``: its call (default ``make_call``'s),
+    ``label``: the row's ``dtype`` field."""
     h, f, e, k = row.dims(cfg.smoke)
     entry = {"op": "moe", "layer": f"{row.model} {row.part} {row.routing}", "world_size": world, "m": row.tokens,
-             "k": h, "n": f, "variant": variant, "status": "ok", "note": f"E={e} top-{k}"}
+             "k": h, "n": f, "variant": variant, "status": "ok", "note": f"E={e} top-{k}", "dtype": label}
     try:
-        call = make_call(row.part, variant, inp, group, dtype, device)
+        call = make() if make is not None else make_call(row.part, variant, inp, group, dtype, device)
         start = time.perf_counter()
         err = (route_err if row.part == "route" else rel_err)(call(), ref)
         host_ms = (time.perf_counter() - start) * 1e3
@@ -385,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", type=_csv(str, ROUTINGS), default=ROUTINGS)
     p.add_argument("--parts", type=_csv(str, PARTS), default=PARTS)
     p.add_argument("--variants", type=_csv(str, VARIANTS), default=VARIANTS)
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: layer0 and layer1 also in FP8 for every --scaling, beside the bf16 rows")
+    p.add_argument("--scaling", type=fp8.parse_scalings, default=fp8.SCALINGS,
+                   help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS + fp8.FAST))
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU; 2 with --smoke)")
     p.add_argument("--warmup-s", type=float, default=0.5)
     p.add_argument("--iters", type=int, default=20)
@@ -410,15 +435,17 @@ def _torchrun_rank(cfg: MoEBenchConfig) -> list[dict] | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
-        cfg = MoEBenchConfig(models=tuple(SMOKE_MODELS), tokens=(8,), routings=args.routing, parts=args.parts,
-                             variants=args.variants, smoke=True)
+        cfg = MoEBenchConfig(models=tuple(FP8_SMOKE_MODELS if args.dtype == "fp8" else SMOKE_MODELS), tokens=(8,),
+                             routings=args.routing, parts=args.parts, variants=args.variants, smoke=True,
+                             scalings=args.scaling if args.dtype == "fp8" else ())
         world, gpus = args.nproc or 2, False
     else:
         if not torch.cuda.is_available():
             print("tileweave.bench.moe: no CUDA GPU; use --smoke on the CPU", file=sys.stderr)
             return 2
         cfg = MoEBenchConfig(models=args.models, tokens=args.tokens, routings=args.routing, parts=args.parts,
-                             variants=args.variants, warmup_s=args.warmup_s, iters=args.iters, reps=args.reps)
+                             variants=args.variants, warmup_s=args.warmup_s, iters=args.iters, reps=args.reps,
+                             scalings=args.scaling if args.dtype == "fp8" else ())
         world, gpus = args.nproc or torch.cuda.device_count(), True
     bad = [t for t in cfg.tokens if t % world]
     if bad:

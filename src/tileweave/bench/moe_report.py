@@ -25,10 +25,12 @@ def is_smoke(meta: dict) -> bool:
 
 
 def _rows(measurements: list[Measurement]) -> dict[tuple, dict[str, Measurement]]:
-    """The measurements per (row, T), by variant, in report order."""
+    """The measurements per (row, T), by variant, in report order; an FP8 row's name ends in its
+    ``dtype`` (``fp8-rowwise``)."""
     by_row: dict[tuple, dict[str, Measurement]] = {}
     for r in measurements:
-        by_row.setdefault((r.layer, r.m), {})[r.variant] = r
+        layer = r.layer if r.dtype == "bf16" else f"{r.layer} {r.dtype}"
+        by_row.setdefault((layer, r.m), {})[r.variant] = r
     return by_row
 
 
@@ -65,13 +67,24 @@ def markdown(measurements: list[Measurement], meta: dict) -> str:
              "baselines; floor/ours: share of the compute floor reached. mem: peak MB (ours).", "",
              "| row | T | ours | grouped | loop | floor | x grouped | x loop | floor/ours | err ours | mem ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (layer, m), v in _rows(measurements).items():
+    fp8_rows = [r for r in measurements if r.dtype != "bf16"]
+    for (layer, m), v in _rows([r for r in measurements if r.dtype == "bf16"]).items():
         ours = v.get("ours")
         err = f"{ours.rel_err:.1e}" if ours is not None and ours.rel_err is not None else "-"
         mem = f"{ours.mem_peak_mb:.0f}" if ours is not None and ours.mem_peak_mb is not None else "-"
         lines.append(f"| {layer} | {m} | {cell(ours)} | {cell(v.get('grouped'))} | {cell(v.get('loop'))} | "
                      f"{cell(v.get('floor'))} | {ratio(v.get('grouped'), ours)} | {ratio(v.get('loop'), ours)} | "
                      f"{ratio(v.get('floor'), ours)} | {err} | {mem} |")
+    if fp8_rows:
+        lines += ["", "FP8 (e4m3 inputs, each row's scaling after its name; torch: torch._scaled_grouped_mm + NCCL, "
+                  "rowwise scales, tensorwise ones broadcast to them; no blockwise grouped GEMM in torch).", "",
+                  "| row | T | ours | torch | x torch | err ours | mem ours |", "|---|---|---|---|---|---|---|"]
+        for (layer, m), v in _rows(fp8_rows).items():
+            ours = v.get("ours")
+            err = f"{ours.rel_err:.1e}" if ours is not None and ours.rel_err is not None else "-"
+            mem = f"{ours.mem_peak_mb:.0f}" if ours is not None and ours.mem_peak_mb is not None else "-"
+            lines.append(f"| {layer} | {m} | {cell(ours)} | {cell(v.get('torch'))} | {ratio(v.get('torch'), ours)} | "
+                         f"{err} | {mem} |")
     failed = [r for r in measurements if r.status != "ok"]
     if failed:
         lines += ["", "Failed:"] + [f"- {r.layer} T={r.m} {r.variant}: {r.note}" for r in failed]
@@ -89,7 +102,7 @@ def write_chart(path: Path, measurements: list[Measurement], *, title: str = "")
         import matplotlib.pyplot as plt
     except Exception:
         return False
-    rows = _rows(measurements)
+    rows = _rows([r for r in measurements if r.dtype == "bf16"])  # the FP8 rows have no baselines charted
     labels = [f"{layer}\nT={m}" for layer, m in rows]
 
     def values(num: str) -> list[float]:

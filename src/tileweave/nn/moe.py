@@ -67,7 +67,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tileweave.nn.fp8 import resolve
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, ExpertsDown, ExpertsUp, FusedExperts, MoEOps
+from tileweave.nn.moe_fp8 import FusedExpertsFP8
 from tileweave.nn.shards import gather_shards
 from tileweave.ops.common import signature_of
 from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
@@ -97,11 +99,18 @@ class TPMoE(nn.Module):
     or gathers it again in backward (False). ``ops``: what runs the MoE pair (default: tileweave's;
     ``tileweave.nn.moe_autograd.MoEOps``). Parameters are created in ``dtype``; the router runs in fp32
     whatever the dtype.
+
+    ``fp8``: None, a ``tileweave.nn.fp8.Float8Recipe`` or ``"tensorwise"``, ``"rowwise"``,
+    ``"blockwise"``: both expert GEMMs and their input gradients in float8 with that recipe, the weight
+    gradients in the parameters' dtype (``tileweave.nn.moe_fp8`` has the table of which tensor is cast
+    to which format). Master weights and their gradients stay in the parameters' dtype. Blockwise needs
+    ``hidden`` and ``ffn / W`` to be multiples of 128; the ops must take float8 (``MoEOps.fp8``).
+    Training only: ``replicated`` and ``torch.compile`` run unquantized.
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
                  group: dist.ProcessGroup | None = None, normalize_topk: bool = True, save_gathered: bool = True,
-                 ops: MoEOps | None = None, device=None, dtype=None) -> None:
+                 ops: MoEOps | None = None, fp8=None, device=None, dtype=None) -> None:
         super().__init__()
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -116,6 +125,12 @@ class TPMoE(nn.Module):
         self.ffn_local = ffn // self.world
         self.normalize_topk, self.save_gathered = normalize_topk, save_gathered
         self.ops = ops if ops is not None else TILEWEAVE_OPS
+        self.fp8 = resolve(fp8)
+        if self.fp8 is not None:
+            if not (self.ops.fp8 and self.ops.swiglu):
+                raise ValueError("TPMoE: fp8 needs ops that take float8 arguments and the SwiGLU epilogue "
+                                 "(MoEOps.fp8 and MoEOps.swiglu, as tileweave's MoE pair); got ops without them")
+            self.fp8.check_features("TPMoE", {"hidden": hidden, "ffn/W": self.ffn_local})
         kw = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden, num_experts, bias=False, **kw)
         self.w0 = nn.Parameter(torch.empty(num_experts, 2 * self.ffn_local, hidden, **kw))
@@ -138,6 +153,9 @@ class TPMoE(nn.Module):
         weights, ids = route(logits, self.top_k, normalize=self.normalize_topk)
         with torch.autocast(x_shard.device.type, enabled=False):
             plan = self.ops.plan(ids, self.num_experts, self.group)
+            if self.fp8 is not None and not torch.compiler.is_compiling():
+                return FusedExpertsFP8.apply(x_shard, w0, w1, weights, plan, self.group, self.ops,
+                                             self.save_gathered, self.fp8, torch.is_grad_enabled())
             if self.ops.swiglu and not torch.compiler.is_compiling():
                 return FusedExperts.apply(x_shard, w0, w1, weights, plan, self.group, self.ops, self.save_gathered,
                                           torch.is_grad_enabled())
@@ -241,4 +259,5 @@ class TPMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn} (local {self.ffn_local}), num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, normalize_topk={self.normalize_topk}, tp={self.world}")
+                f"top_k={self.top_k}, normalize_topk={self.normalize_topk}, tp={self.world}"
+                + ("" if self.fp8 is None else f", fp8={self.fp8.scaling}"))

@@ -84,13 +84,16 @@ class MoEOps:
 
     ``swiglu``: ``layer0`` also takes the keyword ``epilogue=`` of
     ``tileweave.ops.moe.MoEAllGatherGemm`` (the SwiGLU fused into its epilogue), and the layer runs
-    ``FusedExperts`` on them.
+    ``FusedExperts`` on them. ``fp8``: both layers also take the ops' float8 keywords (``scale_a``,
+    ``scale_b``, ``out_dtype``, ``use_fast_accum``; ``layer0`` then returns ``(y, x, x_scales)`` with
+    ``return_gathered``), which ``TPMoE(fp8=...)`` needs (``tileweave.nn.moe_fp8``).
     """
 
     plan: Callable[..., MoEPlan]
     layer0: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     layer1: Callable[..., torch.Tensor]
     swiglu: bool = False
+    fp8: bool = False
 
 
 def _tileweave_plan(topk_ids_shard: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> MoEPlan:
@@ -105,11 +108,12 @@ def _tileweave_layer0(x_shard, w, plan, group, return_gathered, **options):
     return moe_all_gather_gemm(x_shard, w, plan, group, return_gathered=return_gathered, **options)
 
 
-def _tileweave_layer1(h, w, plan, weights_shard, group):
-    return moe_gemm_reduce_scatter(h, w, plan, weights_shard, group)
+def _tileweave_layer1(h, w, plan, weights_shard, group, **options):
+    return moe_gemm_reduce_scatter(h, w, plan, weights_shard, group, **options)
 
 
-TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1, swiglu=True)
+TILEWEAVE_OPS = MoEOps(plan=_tileweave_plan, layer0=_tileweave_layer0, layer1=_tileweave_layer1, swiglu=True,
+                       fp8=True)
 """tileweave's functional MoE ops (one cached op object per group and device, ``policy="auto"``)."""
 
 
@@ -124,10 +128,10 @@ def tileweave_ops(*, policy: str = "auto", group: dist.ProcessGroup | None = Non
     def layer0(x_shard, w, plan, group, return_gathered, **options):
         return up(x_shard, w, plan, return_gathered=return_gathered, **options)
 
-    def layer1(h, w, plan, weights_shard, group):
-        return down(h, w, plan, weights_shard)
+    def layer1(h, w, plan, weights_shard, group, **options):
+        return down(h, w, plan, weights_shard, **options)
 
-    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1, swiglu=True)
+    return MoEOps(plan=_tileweave_plan, layer0=layer0, layer1=layer1, swiglu=True, fp8=True)
 
 
 def gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -117,17 +117,20 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
 
 def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
                         group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
-                        return_gathered: bool = False, epilogue=None):
+                        return_gathered: bool = False, epilogue=None, **fp8):
     """Functional form of :class:`MoEAllGatherGemm` (``tileweave.ops.moe.op``: shapes and
     semantics), with one op per (group, device): ``y [T*k, F_loc]``, or ``(y, x [T, H])`` with
-    ``return_gathered``. Under ``torch.compile`` this is ``torch.ops.tileweave.moe_all_gather_gemm``
-    (or ``moe_all_gather_gemm_gathered``), without ``epilogue``."""
+    ``return_gathered`` (``(y, x, x_scales)`` for float8 inputs). ``fp8``: the op's ``scale_a``,
+    ``scale_b``, ``out_dtype``, ``use_fast_accum``. Under ``torch.compile`` this is
+    ``torch.ops.tileweave.moe_all_gather_gemm`` (or ``moe_all_gather_gemm_gathered``), without
+    ``epilogue`` or float8."""
     group = group if group is not None else dist.group.WORLD
     if not torch.compiler.is_compiling():
         return MoEAllGatherGemm.shared(group, x_shard.device)(x_shard, w0, plan, out=out, return_gathered=return_gathered,
-                                                               epilogue=epilogue)
-    if epilogue is not None:
-        raise NotImplementedError("moe_all_gather_gemm: epilogue is not supported under torch.compile; call it eagerly")
+                                                               epilogue=epilogue, **fp8)
+    if epilogue is not None or fp8:
+        raise NotImplementedError("moe_all_gather_gemm: epilogue and float8 arguments are not supported under "
+                                  "torch.compile; call it eagerly")
     if not return_gathered:
         return _into(out, registry.moe_all_gather_gemm_op(x_shard, w0, list(plan.tensors()), group.group_name))
     y, gathered = registry.moe_all_gather_gemm_gathered_op(x_shard, w0, list(plan.tensors()), group.group_name)
@@ -135,12 +138,17 @@ def moe_all_gather_gemm(x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan,
 
 
 def moe_gemm_reduce_scatter(h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor | None,
-                            group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                            group: dist.ProcessGroup | None = None, *, out: torch.Tensor | None = None,
+                            **fp8) -> torch.Tensor:
     """Functional form of :class:`MoEGemmReduceScatter` (``tileweave.ops.moe.op``: shapes and
-    semantics), with one op per (group, device): ``out_shard [T/W, H]``. Under ``torch.compile`` this is
-    ``torch.ops.tileweave.moe_gemm_reduce_scatter``."""
+    semantics), with one op per (group, device): ``out_shard [T/W, H]``. ``fp8``: the op's ``scale_a``,
+    ``scale_b``, ``out_dtype``, ``use_fast_accum``. Under ``torch.compile`` this is
+    ``torch.ops.tileweave.moe_gemm_reduce_scatter``, without float8."""
     group = group if group is not None else dist.group.WORLD
     if not torch.compiler.is_compiling():
-        return MoEGemmReduceScatter.shared(group, h.device)(h, w1, plan, topk_weights_shard, out=out)
+        return MoEGemmReduceScatter.shared(group, h.device)(h, w1, plan, topk_weights_shard, out=out, **fp8)
+    if fp8:
+        raise NotImplementedError("moe_gemm_reduce_scatter: float8 arguments are not supported under torch.compile; "
+                                  "call it eagerly")
     return _into(out, registry.moe_gemm_reduce_scatter_op(h, w1, list(plan.tensors()), topk_weights_shard,
                                                           group.group_name))

@@ -197,21 +197,30 @@ class PendingGather:
     def __init__(self, backend: Backend, gathered: torch.Tensor, *, ws: Workspace | None = None,
                  plan: PushPlan | None = None, values: FlagValues | None = None) -> None:
         self.backend, self.gathered, self.ws, self.plan, self.values = backend, gathered, ws, plan, values
+        self.gathered_scales = None if plan is None else plan.gathered_scales
+        """Float8 gathers: the ``[M, KB]`` float32 a-scales of ``gathered``'s rows (None otherwise)."""
 
     @staticmethod
     def start(backend: Backend, memory: Memory, a_shard: torch.Tensor, *, ring: bool = False,
-              constant: bool = False, own_rows: str = "copy") -> "PendingGather":
+              constant: bool = False, own_rows: str = "copy",
+              shard_scales: torch.Tensor | None = None) -> "PendingGather":
         """Queue this call's pushes of ``a_shard [M/W, K]`` (``start``: ``memory``'s workspace grown or
         replaced here, collectively); the own rows go into the own slot of the buffer on the copy stream
         (``own_rows="copy"``) or on the caller's stream (``"main"``: ahead of a kernel that reads them
-        ungated)."""
-        ws, plan, a_shard, values = start(memory, backend, a_shard, ring, constant)
-        if plan.own_slot.data_ptr() != a_shard.data_ptr():
+        ungated). ``shard_scales``: float8 rows' a-scales in the gathered form (contiguous ``[M/W, KB]``
+        float32), pushed beside the rows under the same flag and put in ``gathered_scales`` alike."""
+        ws, plan, a_shard, values = start(memory, backend, a_shard, ring, constant, shard_scales)
+        own = slice(backend.rank * a_shard.shape[0], (backend.rank + 1) * a_shard.shape[0])
+        copies = [(plan.own_slot, a_shard)] if plan.own_slot.data_ptr() != a_shard.data_ptr() else []
+        if shard_scales is not None:
+            copies.append((plan.gathered_scales[own], shard_scales))
+        for dst, src in copies:
             if own_rows == "main":
-                plan.own_slot.copy_(a_shard)
+                dst.copy_(src)
             else:
-                backend.comm_copy(plan.own_slot, a_shard)
+                backend.comm_copy(dst, src)
         return PendingGather(backend, plan.gathered, ws=ws, plan=plan, values=values)
+
 
     @property
     def ready_flags(self) -> torch.Tensor:

@@ -66,6 +66,30 @@ def grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype,
                                  interpreter=common.interpreting(), swiglu=swiglu)
 
 
+def check_fp8(op: str, a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype, use_fast_accum: bool = False
+              ) -> tuple[scaling.Scales | None, torch.dtype]:
+    """A fused op's float8 arguments for ``a [Ma, K]`` and ``b [E, K, N]``, checked by name before any
+    launch (``grouped_gemm``'s scale shapes, ``tileweave.ops.compute.scaling``): ``(scales, output
+    dtype)``, or ``(None, a.dtype)`` for float16/bfloat16/float32 inputs after refusing scales, an
+    ``out_dtype`` other than theirs and ``use_fast_accum`` there. A bfloat16 output is refused in
+    Triton's interpreter, whose fused kernels compute it wrongly."""
+    scaled = scaling.check_operands(op, a, b, scale_a, scale_b)
+    dtype = scaling.out_dtype_of(op, a, out_dtype)
+    if not scaled:
+        if use_fast_accum:
+            raise TypeError(f"{op}: use_fast_accum applies to float8 inputs only; a is {a.dtype}")
+        return None, dtype
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{op}: float8 operands must be a [Ma, K] and b [E, K, N], got {list(a.shape)} and "
+                         f"{list(b.shape)}")
+    if dtype == torch.bfloat16 and common.interpreting():
+        raise TypeError(f"{op}: out_dtype is bfloat16 (the default for float8 inputs), which Triton's interpreter "
+                        "(TRITON_INTERPRET=1, the CPU) computes wrongly in the fused kernels; pass "
+                        "out_dtype=torch.float16 or torch.float32 on the CPU (bfloat16 runs on GPUs)")
+    return scaling.grouped_scales(op, a.shape[0], b.shape[0], b.shape[2], b.shape[1], scale_a, scale_b,
+                                  fast_accum=use_fast_accum), dtype
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_rows: torch.Tensor | None = None,
                  row_scale: torch.Tensor | None = None, experts: int | None = None,
                  out: torch.Tensor | None = None, config: GroupedConfig | None = None,

@@ -65,6 +65,15 @@ grouped GEMM over every group, the top-k sum, NCCL reduce-scatter. ``Z [T*k, H]`
 both paths and read once by the top-k reduce (``tileweave.ops.compute.topk_reduce``), which sums each
 token's k rows in fp32 in slot order.
 
+FP8 (both layers; ``grouped_gemm``'s semantics, ``torch._scaled_grouped_mm``'s conventions): float8
+``x_shard``/``h`` and ``w0``/``w1`` (e4m3fn or e5m2) with float32 ``scale_a`` (of this rank's rows:
+one element, ``[rows, 1]`` or ``[rows, K/128]``) and per-expert ``scale_b`` (``[E]``, ``[E, 1, N]`` or
+``[E, K/128, ceil(N/128)]``: tensorwise, rowwise, blockwise), fp32 accumulation, result (and SwiGLU
+``pre``) in ``out_dtype`` (bfloat16 by default, float16, float32), ``use_fast_accum`` as ``matmul``'s.
+Layer 0's a-scales travel with the rows, ``[T/W, KB]`` per shard (KB = 1, or H/128), a tensorwise scale
+repeated on each row of its shard (it may differ per rank), under the rows' flag; ``return_gathered``
+then gives ``(y, x, x_scales [T, KB])``. Layer 1's ``Z`` and partials have ``out_dtype``, summed in fp32.
+
 Both layers: ``policy="auto"`` chooses per shape (``rule.choose_path``); a group of one communicates
 nothing (``"local"``); ``tileweave.last_path(op)`` says which ran. Every call first agrees with the
 other ranks (``MoEOp``): a bad argument on one rank raises the same error on every rank. A plan built
@@ -77,6 +86,7 @@ the same shapes; do not run two calls of one op object concurrently on different
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -84,7 +94,7 @@ import torch.distributed as dist
 
 from tileweave.ops import common
 from tileweave.ops.all_gather.push import PendingGather
-from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
+from tileweave.ops.compute.grouped_gemm import SwiGLU, check_fp8, grouped_gemm
 from tileweave.ops.compute.topk_reduce import topk_reduce
 from tileweave.ops.moe.plan import MoEPlan, check_plan, plan_signature
 from tileweave.ops.moe.rule import choose_path
@@ -93,6 +103,7 @@ from tileweave.ops.workspace import READY, RELEASED, FlagValues, Memory, Workspa
 from tileweave.runtime.backend import Backend
 
 WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class MoEOp(TPOp):
@@ -167,63 +178,111 @@ class MoEAllGatherGemm(MoEOp):
     op_name = "moe_all_gather_gemm"
 
     def __call__(self, x_shard: torch.Tensor, w0: torch.Tensor, plan: MoEPlan, *, out: torch.Tensor | None = None,
-                 return_gathered: bool = False, epilogue: SwiGLU | None = None):
-        """``y`` or ``(y, x)`` (module docstring). ``out``: an optional ``[T*k, F_loc]`` tensor of the
-        result's dtype with unit column stride (its width follows ``epilogue``). ``x`` is a fresh
-        tensor."""
+                 return_gathered: bool = False, epilogue: SwiGLU | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 use_fast_accum: bool = False):
+        """``y``, ``(y, x)`` or, for float8 inputs, ``(y, x, x_scales)`` (module docstring). ``out``: an
+        optional ``[T*k, F_loc]`` tensor of the result's dtype with unit column stride (its width follows
+        ``epilogue``). ``x`` and ``x_scales`` are fresh tensors."""
         if not isinstance(x_shard, torch.Tensor):  # its device says which backend to agree on
             raise TypeError(f"x_shard must be a torch.Tensor [T/W, H], got {type(x_shard).__name__}")
         op = self.op_name
+        fp8 = []
 
         def check(backend: Backend) -> dict:
             check_activation("x_shard", x_shard, "[T/W, H]")
-            common.check_no_grad(op, x_shard, w0, names=("x_shard", "w0"))
+            common.check_no_grad(op, x_shard, w0, scale_a, scale_b, names=("x_shard", "w0", "scale_a", "scale_b"))
             common.check_runs_dtype(op, "x_shard", x_shard)
             tc, h = x_shard.shape
             experts = check_weight("w0", w0, rows=h, rows_name="H", dtype=x_shard.dtype, device=x_shard.device,
                                    shape_doc="[E, H, F_loc]")
+            fp8.extend(check_fp8(op, x_shard, w0, scale_a, scale_b, out_dtype, use_fast_accum))
             check_plan(plan, world=backend.world_size, tokens=tc * backend.world_size, experts=experts,
                        device=x_shard.device)
             if epilogue is not None and (not isinstance(epilogue, SwiGLU) or w0.shape[2] % 2):
                 raise ValueError(f"epilogue must be None or SwiGLU over w0 [E, H, 2*F_loc] (gate columns, then "
                                  f"up columns), got {type(epilogue).__name__} with w0 {list(w0.shape)}")
-            common.check_out(out, (plan.rows, _width(w0, epilogue)), x_shard.dtype, x_shard.device)
+            common.check_out(out, (plan.rows, _width(w0, epilogue)), fp8[1], x_shard.device)
             return dict(tokens=plan.tokens, topk=plan.topk, hidden=h, f_loc=w0.shape[2], dtype=x_shard.dtype)
 
         describe = common.signature_of
         signature = {"x_shard": describe(x_shard), "w0": describe(w0), "plan (W, T, k, E)": plan_signature(plan),
-                     "epilogue": type(epilogue).__name__}
+                     "epilogue": type(epilogue).__name__, **_fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum)}
         backend, path = self._path(x_shard.device, signature, check)
-        out = common.out_or_new(out, (plan.rows, _width(w0, epilogue)), x_shard.dtype, x_shard.device)
+        scales, dtype = fp8
+        out = common.out_or_new(out, (plan.rows, _width(w0, epilogue)), dtype, x_shard.device)
         self._mark_ids(plan, x_shard.device)
         if path == "fused" and x_shard.shape[0] == 0:
             path = "fallback"
+        shard_scales = None if scales is None else _scale_rows(scales, x_shard.shape[0])
         with self._first_call(backend, (path, *signature.items())):
             if path == "fused":
-                gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered, epilogue)
+                gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered, epilogue,
+                                        scales, shard_scales, dtype)
             else:
-                gathered = x_shard if path == "local" else common.all_gather_rows(x_shard, backend)
-                grouped_gemm(gathered, w0, plan.offsets, a_rows=plan.row_token, experts=w0.shape[0], out=out,
-                             epilogue=epilogue)
+                local = path == "local"
+                gathered = x_shard if local else common.all_gather_rows(x_shard, backend)
+                if scales is not None:
+                    gathered = (gathered, shard_scales if local else common.all_gather_rows(shard_scales, backend))
+                grouped_gemm(gathered[0] if scales is not None else gathered, w0, plan.offsets,
+                             a_rows=plan.row_token, experts=w0.shape[0], out=out, epilogue=epilogue,
+                             **_fp8_args(scales, gathered, w0, dtype))
         self._finish(backend, plan, path)
-        return (out, gathered) if return_gathered else out
+        if not return_gathered:
+            return out
+        return (out, *gathered) if scales is not None else (out, gathered)
 
 
-def _gather_gemm(call: Call, x_shard, w0, plan: MoEPlan, out, return_gathered: bool, epilogue):
+def _gather_gemm(call: Call, x_shard, w0, plan: MoEPlan, out, return_gathered: bool, epilogue, scales,
+                 shard_scales, dtype):
     """Layer 0's fused path: the pushes, one gated grouped GEMM, the release (module docstring). The
     grouped GEMM reads its own rows from the gather buffer too, so they are copied there first, on the
-    caller's stream (no flag guards them). Returns a copy of the gathered input for ``return_gathered``."""
+    caller's stream (no flag guards them); float8 rows' a-scales travel beside them under the same flag.
+    Returns a copy of the gathered input (and its scales) for ``return_gathered``."""
     backend = call.backend
-    gather = PendingGather.start(backend, call.memory, x_shard, own_rows="main")
+    gather = PendingGather.start(backend, call.memory, x_shard, own_rows="main", shard_scales=shard_scales)
     err = gather.ws.err
+    rows = gather.gathered if scales is None else (gather.gathered, gather.gathered_scales)
     grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
-                 gate=(gather.ready_flags, gather.epoch, backend.rank, err, call.spin), epilogue=epilogue)
+                 gate=(gather.ready_flags, gather.epoch, backend.rank, err, call.spin), epilogue=epilogue,
+                 **_fp8_args(scales, rows, w0, dtype))
     # A copy for the caller before the release lets the peers refill the buffer (the kernel has waited
     # for every shard, so the copy reads them all).
-    gathered = gather.gathered.clone() if return_gathered else None
+    gathered = None
+    if return_gathered:
+        gathered = gather.gathered.clone() if scales is None else tuple(t.clone() for t in rows)
     gather.release()
     call.errors.watch("kernel", err, backend)
     return gathered
+
+
+def _scale_rows(scales, rows: int) -> torch.Tensor:
+    """A float8 shard's a-scales in the form that travels with its rows: ``[rows, KB]`` float32,
+    contiguous, one row per row (KB = 1, or K/128 blockwise); a tensorwise scale, which differs per rank,
+    repeated on every row of its shard."""
+    if scales.scaling == "tensorwise":
+        return scales.a.reshape(1, 1).expand(rows, 1).contiguous()
+    return scales.a.reshape(rows, -1).contiguous()
+
+
+def _fp8_args(scales, gathered, w0, dtype: torch.dtype) -> dict:
+    """``grouped_gemm``'s float8 keywords for gathered rows ``gathered = (rows, scales in _scale_rows's
+    form)``: a tensorwise call runs as a rowwise one, its per-expert ``scale_b`` broadcast along N."""
+    if scales is None:
+        return {}
+    scale_b = scales.b
+    if scales.scaling == "tensorwise":
+        scale_b = scale_b.reshape(-1, 1).expand(w0.shape[0], w0.shape[2])
+    return {"scale_a": gathered[1], "scale_b": scale_b, "out_dtype": dtype, "use_fast_accum": scales.fast_accum}
+
+
+def _fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum) -> dict:
+    """The float8 part of a call's signature (every rank passes scales of the same shapes)."""
+    if scale_a is None and scale_b is None and out_dtype is None and not use_fast_accum:
+        return {}
+    describe = common.signature_of
+    return {"scale_a": describe(scale_a), "scale_b": describe(scale_b), "out_dtype": describe(str(out_dtype)),
+            "use_fast_accum": describe(use_fast_accum)}
 
 
 def _width(w0: torch.Tensor, epilogue: SwiGLU | None) -> int:
@@ -238,20 +297,25 @@ class MoEGemmReduceScatter(MoEOp):
     op_name = "moe_gemm_reduce_scatter"
 
     def __call__(self, h: torch.Tensor, w1: torch.Tensor, plan: MoEPlan, topk_weights_shard: torch.Tensor | None, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 use_fast_accum: bool = False) -> torch.Tensor:
         """``out_shard [T/W, H]`` (module docstring); ``out``: an optional tensor of that shape and the
         result's dtype with unit column stride."""
         if not isinstance(h, torch.Tensor):  # its device says which backend to agree on
             raise TypeError(f"h must be a torch.Tensor [T*k, F_loc], got {type(h).__name__}")
         op = self.op_name
+        fp8 = []
 
         def check(backend: Backend) -> dict:
             check_activation("h", h, "[T*k, F_loc]")
-            common.check_no_grad(op, h, w1, topk_weights_shard, names=("h", "w1", "topk_weights_shard"))
+            common.check_no_grad(op, h, w1, topk_weights_shard, scale_a, scale_b,
+                                 names=("h", "w1", "topk_weights_shard", "scale_a", "scale_b"))
             common.check_runs_dtype(op, "h", h)
             rows, f_loc = h.shape
             experts = check_weight("w1", w1, rows=f_loc, rows_name="F_loc", dtype=h.dtype, device=h.device,
                                    shape_doc="[E, F_loc, H]")
+            fp8.extend(check_fp8(op, h, w1, scale_a, scale_b, out_dtype, use_fast_accum))
             check_plan(plan, world=backend.world_size, tokens=None, experts=experts, device=h.device)
             if rows != plan.rows:
                 raise ValueError(f"h has {rows} rows but the plan has T*k = {plan.tokens}*{plan.topk} = "
@@ -259,39 +323,43 @@ class MoEGemmReduceScatter(MoEOp):
             tc = plan.tokens // backend.world_size
             if topk_weights_shard is not None:
                 _check_weights(topk_weights_shard, (tc, plan.topk), h.device)
-            common.check_out(out, (tc, w1.shape[2]), h.dtype, h.device)
+            common.check_out(out, (tc, w1.shape[2]), fp8[1], h.device)
             return dict(tokens=plan.tokens, topk=plan.topk, hidden=w1.shape[2], f_loc=f_loc, dtype=h.dtype)
 
         describe = common.signature_of
         signature = {"h": describe(h), "w1": describe(w1), "plan (W, T, k, E)": plan_signature(plan),
-                     "topk_weights_shard": describe(topk_weights_shard)}
+                     "topk_weights_shard": describe(topk_weights_shard),
+                     **_fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum)}
         backend, path = self._path(h.device, signature, check)
+        scales, dtype = fp8
+        fp8_args = {} if scales is None else {"scale_a": scale_a, "scale_b": scale_b, "out_dtype": dtype,
+                                              "use_fast_accum": use_fast_accum}
+        gemm = functools.partial(grouped_gemm, h, w1, plan.offsets, experts=plan.num_experts, **fp8_args)
         tc = plan.tokens // backend.world_size
-        out = common.out_or_new(out, (tc, w1.shape[2]), h.dtype, h.device)
+        out = common.out_or_new(out, (tc, w1.shape[2]), dtype, h.device)
         self._mark_ids(plan, h.device)
         if path != "local":
             path = "chunked" if path == "fused" and tc > 0 else "fallback"
         with self._first_call(backend, (path, *signature.items())):
             if path == "local":
-                z = grouped_gemm(h, w1, plan.offsets, experts=w1.shape[0])
-                topk_reduce(z, plan.pair_row, topk_weights_shard, out=out)
+                topk_reduce(gemm(), plan.pair_row, topk_weights_shard, out=out)
             else:
                 weights = None if topk_weights_shard is None else common.all_gather_rows(topk_weights_shard,
                                                                                           backend)
                 if path == "chunked":
-                    _reduce_scatter_chunked(self._call(backend, path), h, w1, plan, weights, out)
+                    _reduce_scatter_chunked(self._call(backend, path), gemm, plan, weights, out)
                 else:
-                    _reduce_scatter_nccl(backend, h, w1, plan, weights, out)
+                    _reduce_scatter_nccl(backend, gemm, plan, weights, out)
         self._finish(backend, plan, path)
         return out
 
 
-def _reduce_scatter_nccl(backend: Backend, h, w1, plan: MoEPlan, weights, out) -> None:
-    """Layer 1's unfused path: the grouped GEMM over every group, the top-k sum, NCCL's reduce-scatter
-    (gloo, which has none: an all-reduce and this rank's rows)."""
-    z = grouped_gemm(h, w1, plan.offsets, experts=plan.num_experts)
+def _reduce_scatter_nccl(backend: Backend, gemm, plan: MoEPlan, weights, out) -> None:
+    """Layer 1's unfused path: the grouped GEMM over every group (``gemm()``), the top-k sum, NCCL's
+    reduce-scatter (gloo, which has none: an all-reduce and this rank's rows)."""
+    z = gemm()
     if dist.get_backend(backend.group) == "nccl":
-        partial = topk_reduce(z, plan.pair_row, weights, out_dtype=h.dtype)
+        partial = topk_reduce(z, plan.pair_row, weights, out_dtype=out.dtype)
         dist.reduce_scatter_tensor(out, partial, group=backend.group)
     else:
         partial = topk_reduce(z, plan.pair_row, weights)
@@ -311,22 +379,23 @@ class _ChunkPlan:
     releases: tuple
 
 
-def _reduce_scatter_chunked(call: Call, h, w1, plan: MoEPlan, weights, out) -> None:
-    """Layer 1's overlapped path (module docstring). Flags, by epoch: the workspace's READY words as
-    arrival words (one per source), its RELEASED words for the receive slots."""
+def _reduce_scatter_chunked(call: Call, gemm, plan: MoEPlan, weights, out) -> None:
+    """Layer 1's overlapped path (module docstring); ``gemm(out=, group_range=)``: the grouped GEMM of
+    the call's operands. Flags, by epoch: the workspace's READY words as arrival words (one per source),
+    its RELEASED words for the receive slots."""
     backend = call.backend
     w, rank, e = backend.world_size, backend.rank, plan.num_experts
     tc, hidden = out.shape
-    nbytes = (w - 1) * tc * hidden * h.element_size()
+    nbytes = (w - 1) * tc * hidden * out.element_size()
     ws = call.memory.workspace(backend, nbytes)
     ws.ensure_local(nbytes)
-    cplan = _chunk_plan(ws, backend, tc, hidden, h.dtype)
+    cplan = _chunk_plan(ws, backend, tc, hidden, out.dtype)
     ws.epoch += 1
     values = FlagValues(ws.epoch, False)
-    z = torch.empty((plan.rows, hidden), dtype=h.dtype, device=h.device)
+    z = torch.empty((plan.rows, hidden), dtype=out.dtype, device=out.device)
 
     def block(source: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        grouped_gemm(h, w1, plan.offsets, experts=e, out=z, group_range=(source * e, (source + 1) * e))
+        gemm(out=z, group_range=(source * e, (source + 1) * e))
         tokens = slice(source * tc, (source + 1) * tc)
         return topk_reduce(z, plan.pair_row[tokens], None if weights is None else weights[tokens], out=into)
 
@@ -376,10 +445,11 @@ def _chunk_plan(ws: Workspace, backend: Backend, tc: int, hidden: int, dtype: to
 # -- the checks of the pair's arguments ----------------------------------------------------------------
 
 def check_activation(name: str, t: torch.Tensor, shape_doc: str) -> None:
-    if isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError(f"{name} is {t.dtype}: the MoE ops do not take float8 inputs yet (grouped_gemm, "
-                        "the dense pair and gemm_all_reduce do); dequantize to bfloat16 first")
-    common.check_matrix(name, t)
+    if isinstance(t, torch.Tensor) and t.dtype in FP8_DTYPES:  # check_matrix takes no float8
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D {shape_doc}, got shape {tuple(t.shape)}")
+    else:
+        common.check_matrix(name, t)
     if t.stride(1) != 1:
         raise ValueError(f"{name} {shape_doc} must have unit stride along its last dimension, got strides "
                          f"{t.stride()} (pass .contiguous())")
@@ -395,7 +465,7 @@ def check_weight(name: str, w: torch.Tensor, *, rows: int, rows_name: str, dtype
     if w.shape[1] != rows:
         raise ValueError(f"{name} is {list(w.shape)} but must be {shape_doc} with {rows_name}={rows} "
                          f"(for an nn.Linear-stacked weight pass its .transpose(1, 2))")
-    if w.dtype != dtype:
+    if w.dtype != dtype and not (w.dtype in FP8_DTYPES and dtype in FP8_DTYPES):
         raise TypeError(f"{name} has dtype {w.dtype} but the activations are {dtype}; cast them to one dtype")
     if w.device != device:
         raise ValueError(f"{name} is on {w.device} but the activations are on {device}")

@@ -1,0 +1,145 @@
+"""The TP MoE layer's expert MLP in float8 (``TPMoE(fp8=...)``): the forward grouped GEMMs and both
+input-gradient GEMMs on the MoE pair's FP8 forms, with operands cast by a ``Float8Recipe``
+(``tileweave.nn.fp8``); the weight gradients in the model's dtype.
+
+Shapes per rank as in ``tileweave.nn.moe_autograd`` (W ranks, T tokens, E experts, top-k k, P = T*k
+plan rows, F_loc = F/W, ``w0 [E, 2*F_loc, H]``, ``w1 [E, H, F_loc]``). ``q(.)``: float8 with its
+scales, quantized along its GEMM's contraction; ``deq(.)``: a float8 tensor times its scales.
+
+==============  ===================================================  =====================================
+GEMM            computation                                          operands (format, scaling)
+==============  ===================================================  =====================================
+layer 0         ``gate | up = AG(q(x_shard))[tok] @ q(w0[e]).T``,    x e4m3 along H; w0 e4m3 along H
+                ``h = silu(gate) * up`` (epilogue)
+layer 1         ``out = RS(sum_j wt * q(h)[p] @ q(w1[e]).T)``        h e4m3 along F_loc; w1 e4m3 along F_loc
+dgrad layer 1   ``G = AG(q(dO))[tok] @ q(w1[e])``                    dO grad format along H; w1 e4m3 along H
+dgrad layer 0   ``dx_shard = RS(sum_j q(dy)[p] @ q(w0[e]))``         dy grad format along 2*F_loc; w0 e4m3
+                                                                     along 2*F_loc
+wgrad w1        ``dw1[e] = sum_p deq(AG(q(dO)))[tok].T (wt * h)``    model dtype (the gathered float8 dO
+                                                                     dequantized)
+wgrad w0        ``dw0[e] = sum_p dy[p].T deq(AG(q(x)))[tok]``        model dtype (the forward's gathered
+                                                                     float8 x dequantized)
+==============  ===================================================  =====================================
+
+Scalings per recipe (``Float8Recipe.scaling``): tensorwise, one scale per activation or gradient
+tensor and one per stacked weight (shared by its experts), gradients in ``grad_dtype`` (e5m2 in the
+preset); rowwise, one scale per row along the contraction (per token or plan row, per expert's output
+feature), powers of two in the preset; blockwise (DeepSeek-V3), 1 x 128 blocks of activations and
+gradients, 128 x 128 blocks of each expert's weight, so H and F_loc must be multiples of 128. The
+weights are quantized from the master weights at each forward and backward (in both orientations: the
+input gradients contract over the other dimension), each expert's 128 x 128 blocks on its own.
+
+The weight gradients stay in the model's dtype: they contract over the plan rows of each expert
+(tokens), which the grouped weight-gradient kernel gathers by index, and a float8 operand there would
+need scales along the tokens of each expert's rows; their operands are the float8 tensors that the
+forward and the input gradient already moved (``x`` and ``dO`` gathered in float8, half the bytes),
+dequantized, and the SwiGLU's gradient. ``h`` is quantized in a pass after layer 0's epilogue (not in
+it). Master weights, their gradients and the optimizer state stay in the parameters' dtype; routing
+and the routing weights' gradient (``<G[p], h[p]>``) in float32 as in the unquantized layer. Kept for
+the backward: the gathered float8 ``x [T, H]`` and its scales (or this rank's shard, gathered again in
+float8 with ``save_gathered=False``) and the pre-activations ``[P, 2*F_loc]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tileweave.nn.fp8 import Float8Recipe
+from tileweave.nn.fp8_linear import dequantize_rows
+from tileweave.nn.moe_autograd import gather_rows, reduce_scatter_rows, row_weights
+from tileweave.ops.compute.grouped_gemm import SwiGLU
+from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.swiglu import swiglu_grad
+from tileweave.ops.moe import MoEPlan
+
+
+def quantize_experts(recipe: Float8Recipe, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b [E, K, N], scale_b)`` of a stacked ``nn.Linear`` weight ``w [E, N, K]`` quantized along K,
+    as the grouped GEMM takes them (``b`` is the transpose view of the float8 ``[E, N, K]``; ``scale_b``
+    ``[E]``, ``[E, 1, N]`` or ``[E, K/128, N/128]``)."""
+    e, n, k = w.shape
+    q = recipe.rhs(w.reshape(e * n, k))
+    data = q.data.view(e, n, k).transpose(1, 2)
+    if recipe.scaling == "tensorwise":
+        return data, q.scale.reshape(1).expand(e)
+    if recipe.scaling == "rowwise":
+        return data, q.scale.view(e, 1, n)
+    return data, q.scale.view(e, n // 128, k // 128).transpose(1, 2)
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """Each expert's weight transposed, ``[E, K, N]`` of ``[E, N, K]``, contiguous: the operand of an
+    input gradient, quantized along its own rows."""
+    return w.transpose(1, 2).contiguous()
+
+
+def _gather_fp8(x8: torch.Tensor, scales: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x8.shape[0]
+    if scales.dim() < 2 or scales.shape[0] != rows:  # a tensorwise scale travels on every row
+        scales = scales.reshape(1, 1).expand(rows, 1)
+    return gather_rows(x8.view(torch.uint8), group).view(x8.dtype), gather_rows(scales.contiguous(), group)
+
+
+class FusedExpertsFP8(torch.autograd.Function):
+    """The expert MLP with the SwiGLU fused into layer 0, in float8 (module docstring): ``out_shard [T/W,
+    H]`` from ``x_shard [T/W, H]``, ``w0``, ``w1``, ``topk_weights_shard [T/W, k]`` (fp32), in
+    ``x_shard``'s dtype. ``grad_enabled``: as ``FusedExperts``'s."""
+
+    @staticmethod
+    def forward(ctx, x_shard, w0, w1, topk_weights_shard, plan: MoEPlan, group, ops, save_gathered: bool,
+                recipe: Float8Recipe, grad_enabled: bool = True):
+        dtype = x_shard.dtype
+        grads = grad_enabled and any(ctx.needs_input_grad[:4])
+        fast = recipe.forward_fast_accum
+        qx = recipe.lhs(x_shard)
+        b0, s0 = quantize_experts(recipe, w0)
+        pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
+        keep = grads and save_gathered and ctx.needs_input_grad[1]
+        result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=SwiGLU(pre=pre), scale_a=qx.scale, scale_b=s0,
+                            out_dtype=dtype, use_fast_accum=fast)
+        h, gathered, gathered_scales = result if keep else (result, None, None)
+        qh = recipe.lhs(h)
+        del h
+        b1, s1 = quantize_experts(recipe, w1)
+        out = ops.layer1(qh.data, b1, plan, topk_weights_shard, group, scale_a=qh.scale, scale_b=s1, out_dtype=dtype,
+                         use_fast_accum=fast)
+        ctx.plan, ctx.group, ctx.ops, ctx.keep, ctx.recipe = plan, group, ops, keep, recipe
+        if grads:
+            if keep:
+                ctx.save_for_backward(gathered, gathered_scales, w0, w1, topk_weights_shard, pre)
+            else:
+                ctx.save_for_backward(qx.data, qx.scale, w0, w1, topk_weights_shard, pre)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_shard):
+        x8, x_scales, w0, w1, weights_shard, pre = ctx.saved_tensors
+        plan, group, ops, recipe = ctx.plan, ctx.group, ctx.ops, ctx.recipe
+        dtype, e, fast = pre.dtype, plan.num_experts, recipe.backward_fast_accum
+        wrow = row_weights(plan, gather_rows(weights_shard, group))
+        qdo = recipe.lhs(dout_shard.contiguous(), grad=True)
+        b1t, s1t = quantize_experts(recipe, _transposed(w1))      # w1 [E, H, F_loc] along H
+        g, dout8, dout_scales = ops.layer0(qdo.data, b1t, plan, group, True, scale_a=qdo.scale, scale_b=s1t,
+                                           out_dtype=dtype, use_fast_accum=fast)
+        dy, h_scaled, row_dot = swiglu_grad(g, pre, wrow)
+        del g
+        dweights = None
+        if ctx.needs_input_grad[3]:
+            dweights = reduce_scatter_rows(row_dot[plan.pair_row.long()], group).to(weights_shard.dtype)
+        dw1 = None
+        if ctx.needs_input_grad[2]:
+            dout = dequantize_rows(dout8, dout_scales).to(dtype)
+            dw1 = grouped_wgrad(dout, h_scaled, plan.offsets, experts=e, lhs_rows=plan.row_token).to(w1.dtype)
+        dx_shard = None
+        if ctx.needs_input_grad[0]:
+            qdy = recipe.lhs(dy, grad=True)
+            b0t, s0t = quantize_experts(recipe, _transposed(w0))  # w0 [E, 2*F_loc, H] along 2*F_loc
+            dx_shard = ops.layer1(qdy.data, b0t, plan, None, group, scale_a=qdy.scale, scale_b=s0t, out_dtype=dtype,
+                                  use_fast_accum=fast)
+        dw0 = None
+        if ctx.needs_input_grad[1]:
+            if not ctx.keep:
+                x8, x_scales = _gather_fp8(x8, x_scales, group)
+            gathered = dequantize_rows(x8, x_scales).to(dtype)
+            dw0 = grouped_wgrad(dy, gathered, plan.offsets, experts=e, rhs_rows=plan.row_token).to(w0.dtype)
+        return dx_shard, dw0, dw1, dweights, None, None, None, None, None, None

@@ -1,0 +1,98 @@
+"""The MoE pair and ``TPMoE`` in FP8 on real GPUs (one rank per GPU, or two sharing one): layer 0 (plain and
+with the SwiGLU epilogue) and layer 1 with tensorwise, rowwise and blockwise scales against float64 of
+the dequantized operands (``support.scenarios.fp8_moe``), bad FP8 arguments refused by name on every
+rank; the layer's output and every gradient against float64 of the same quantized math
+(``support.fp8_moe_layer_reference``), in bfloat16 and float32. Skipped without CUDA GPUs."""
+
+import dataclasses
+
+import pytest
+
+from gpus import RANKS, needs_two, one_gpu_per_rank
+from support.moe_layer_scenarios import LayerCase, tp_moe_fp8_check
+from support.scenarios import fp8_moe as scenarios
+from tileweave.testing.emulated import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+TOL = {"float32": 3e-4, "float16": 2e-3, "bfloat16": 1e-2}
+PATHS = {"fused": ("fused", "chunked"), "fallback": ("fallback", "fallback")}
+
+# (scaling, tokens per rank, hidden, F_loc, experts, top-k, out dtype, swiglu, policy, straggler, delay_s)
+PAIR_CASES = [
+    ("tensorwise", 300, 256, 384, 8, 2, "bfloat16", True, "fused", 1, 0.05),
+    ("rowwise", 257, 512, 200, 16, 4, "float32", False, "fused", -1, 0.0),
+    ("blockwise", 130, 512, 256, 8, 2, "bfloat16", True, "fused", 0, 0.05),
+    ("blockwise", 64, 256, 128, 4, 2, "float32", False, "fallback", -1, 0.0),
+    ("rowwise", 96, 256, 136, 8, 8, "float16", True, "fallback", -1, 0.0),
+]
+
+
+@needs_two
+def test_fp8_moe_pair_gpu():
+    for rows in run_ranks(RANKS, scenarios.fp8_moe_pair_check, PAIR_CASES, 2, gpus=True, timeout_s=600):
+        for row in rows:
+            case = row["case"]
+            tol = TOL[case[6]]
+            assert row["err0"] < tol and row["err1"] < tol, row
+            if case[7]:
+                assert row["err_pre"] < tol, row
+            assert (row["path0"], row["path1"]) == PATHS[case[8]], row
+            assert row["gathered_exact"], row
+
+
+@needs_two
+def test_fp8_moe_bad_arguments_gpu():
+    outcomes = run_ranks(RANKS, scenarios.fp8_moe_errors_check, gpus=True, timeout_s=300)
+    assert all(o == outcomes[0] for o in outcomes)
+    for name in ("no scales", "scale_a shape", "scale_b dtype", "blockwise K", "scale_a shape, one rank"):
+        for layer in ("layer 0", "layer 1"):
+            assert outcomes[0][f"{layer}: {name}"] != "no error", (layer, name)
+    assert outcomes[0]["after"] == "ok"
+
+
+LAYER_CASES = {
+    "tensorwise-bf16": ("tensorwise", LayerCase(tokens=512, hidden=256, ffn=512, experts=8, top_k=2, dtype="bfloat16",
+                                                steps=2, straggler=1)),
+    "rowwise-bf16-regather": ("rowwise", LayerCase(tokens=256, hidden=256, ffn=384, experts=16, top_k=4,
+                                                   dtype="bfloat16", save_gathered=False)),
+    "blockwise-bf16": ("blockwise", LayerCase(tokens=384, hidden=256, ffn=512, experts=8, top_k=2, dtype="bfloat16")),
+    "blockwise-fp32-fallback": ("blockwise", LayerCase(tokens=256, hidden=128, ffn=256, experts=4, top_k=2,
+                                                       policy="fallback")),
+}
+
+
+@needs_two
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_tp_moe_fp8_gpu(name):
+    recipe, case = LAYER_CASES[name]
+    case = dataclasses.replace(case, tokens=case.tokens // 2 * RANKS)  # the cases' token counts are for 2 ranks
+    for rank, result in enumerate(run_ranks(RANKS, tp_moe_fp8_check, recipe, case, gpus=True, timeout_s=600)):
+        assert result["gap"] > 0.5, result["gap"]
+        for step, errors in enumerate(result["steps"]):
+            for key in ("out", "dx", "d_w0", "d_w1", "d_router"):
+                assert errors[key] < TOL[case.dtype], (name, rank, step, key, errors)
+        assert result["dtypes"] == [result["dtype"]], result
+        if case.policy == "fallback":
+            assert result["paths"] == ("fallback", "fallback"), result["paths"]
+
+
+@needs_two
+@one_gpu_per_rank("NCCL")
+def test_moe_benchmark_fp8_rows_verify_and_time_ours_and_torch(tmp_path):
+    import json
+
+    from tileweave.bench import moe
+
+    assert moe.main(["--models", "qwen3-30b-a3b", "--tokens", str(1024 * RANKS), "--routing", "uniform",
+                     "--parts", "layer0,layer1", "--variants", "ours", "--dtype", "fp8",
+                     "--scaling", "tensorwise,rowwise,blockwise", "--warmup-s", "0.1", "--nproc", str(RANKS),
+                     "--out", str(tmp_path), "--tag", "g"]) == 0
+    (report,) = tmp_path.glob("g_moe_*.json")
+    rows = json.loads(report.read_text())["measurements"]
+    seen = {(r["layer"].split()[1], r["dtype"], r["variant"]) for r in rows}
+    for part in ("layer0", "layer1"):
+        assert (part, "fp8-blockwise", "ours") in seen and (part, "bf16", "ours") in seen, seen
+        for scaling in ("tensorwise", "rowwise"):
+            assert {(part, f"fp8-{scaling}", "ours"), (part, f"fp8-{scaling}", "torch")} <= seen, seen
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0, r
