@@ -17,9 +17,9 @@ every other section: steady state, back-to-back steps, median over reps, max ove
 With ``--dtype fp8`` each row also runs the block in float8, one row per ``--scaling`` (``dtype``
 ``fp8-<scaling>``), as ``ours`` and ``torch`` (NCCL + torch's scaled matmul): ``tileweave.bench.block_fp8``.
 
-World size 1 runs too: tileweave's ops and NCCL's collectives on a group of one rank (the collectives
-are copies); PyTorch async-TP is not run there (its fused ops need two ranks), the ``torch`` bf16
-variant is reported unavailable.
+World size 1 runs too, every variant on a group of one rank: tileweave's ops, NCCL's collectives (then
+copies) and PyTorch async-TP's fused ops all take it. A variant that cannot run (PyTorch async-TP off
+CUDA devices, say) is reported unavailable, with the reason.
 """
 
 from __future__ import annotations
@@ -183,8 +183,7 @@ def block_variant(name: str, x: BlockInputs, *, rank: int, world_size: int,
     """The ``name`` variant of ``x``'s block; checked against ``reference`` (base's output and input
     gradient) where one is given."""
     if name == "torch":
-        ops, note = (torch_ops() if world_size > 1 and x.x.is_cuda
-                     else (None, "PyTorch async-TP needs two or more ranks, on CUDA devices"))
+        ops, note = torch_ops() if x.x.is_cuda else (None, "PyTorch async-TP runs on CUDA devices only")
         if ops is None:
             return V.Variant(name="torch", call=None, note=note)
     elif name == "base":

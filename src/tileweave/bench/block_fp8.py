@@ -19,7 +19,8 @@ Variants (the bf16 block's ``floor`` and ``base`` have no FP8 row):
 
 Each variant is checked, before it is timed, against a float32 run of the same quantized math: the
 FP8 block on ``fp8_ops`` over ``dequantized_matmul``, whose GEMMs multiply the dequantized operands in
-float32 (output, input gradient and weight gradients, relative Frobenius error below ``TOLERANCE``).
+float32 (relative Frobenius errors: output and input gradient below ``TOLERANCE``, weight gradients
+below ``WGRAD_TOLERANCE``).
 
 A tensorwise scale is each rank's own (the recipe quantizes every shard alone), so gathered rows carry
 one scale per source rank: the ``torch`` variant's all-gather then runs one tensorwise scaled matmul per
@@ -40,12 +41,16 @@ from tileweave.nn.block import TPTransformerBlock
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.tp_ops import TPOps
 
-TOLERANCE = 3e-2
+TOLERANCE = 2e-2
 """Relative Frobenius error bound of an FP8 variant's output and input gradient against the float32 run
-of the same quantized math. Both quantize the same way, but a bf16 rounding that differs in one GEMM's
-output can move an element of the next layer's input to a neighbouring float8 value (e4m3 steps are
-6-12% apart); such flips stay rare and bring the error of a correct block to about 1e-3, while a
-wrong scale, a wrong rank's rows or a K block left out give 0.1 and more."""
+of the same quantized math. Both quantize the same way, but the tensor cores' float8 products are
+summed with fewer bits than float32 keeps, so a GEMM's rounded output, and from there the next
+quantization, can differ by a step: a correct block stays near 5e-3 (Llama-3-8B, M 4096, each
+scaling), a wrong scale, a wrong rank's rows or a perturbed output give 0.1 and more."""
+WGRAD_TOLERANCE = 0.2
+"""The bound for the weight gradients, which pass through two more quantizations (both operands
+quantized again along the tokens) and cancel over the tokens: a correct block stays near 5e-2, a
+wrong scale or a transposed operand give 1 and more."""
 
 ScaledMatmul = Callable[..., torch.Tensor]
 """``mm(a [M, K], b [K, N], *, scale_a, scale_b, out_dtype, use_fast_accum)`` with ``tileweave.matmul``'s
@@ -143,9 +148,9 @@ def fp8_block(block: TPTransformerBlock, scaling: str) -> TPTransformerBlock:
 @dataclasses.dataclass(frozen=True)
 class Fp8Block:
     """One row's block in one scaling: ``inputs`` (a ``block.BlockInputs``: the FP8 copy of the block
-    with the row's input and output gradient) and ``check(out)``, the largest relative error of a step's
-    ``out = (y, dx)`` and of the weight gradients it left on ``inputs.block``'s parameters against the
-    float32 run of the same quantized math."""
+    with the row's input and output gradient) and ``check(out)``, the relative error of a step's ``out =
+    (y, dx)`` against the float32 run of the same quantized math (``TOLERANCE``), or of a weight gradient
+    the step left on ``inputs.block``'s parameters where one exceeds ``WGRAD_TOLERANCE``."""
 
     inputs: object
     check: Callable[[tuple], float]
@@ -162,8 +167,11 @@ def fp8_inputs(x, scaling: str) -> Fp8Block:
     del y, dx
 
     def check(out) -> float:
-        got = [*out, *(p.grad for p in params)]
-        return max(V.rel_err(g, r) for g, r in zip(got, reference, strict=True))
+        # The output and input gradient's error, unless a weight gradient (left on the parameters by the
+        # step just run) is off by more than its own bound: then that one's error.
+        wgrad = max(V.rel_err(p.grad, r) for p, r in zip(params, reference[2:], strict=True))
+        return wgrad if not wgrad < WGRAD_TOLERANCE else max(V.rel_err(out[0], reference[0]),
+                                                             V.rel_err(out[1], reference[1]))
 
     return Fp8Block(inputs=fx, check=check)
 

@@ -401,7 +401,7 @@ def run_block_phase(
     from tileweave.bench import block as B
 
     assert ctx.group is not None
-    if "torch" in names and ctx.world_size > 1:
+    if "torch" in names:
         enable_torch_symm_mem(ctx.group)
     out: dict[tuple[str, int], list[Measurement]] = {}
     for row in block_rows:
