@@ -43,14 +43,14 @@ from tileweave.nn.tp_ops import TPOps
 
 TOLERANCE = 2e-2
 """Relative Frobenius error bound of an FP8 variant's output and input gradient against the float32 run
-of the same quantized math. Both quantize the same way, but the tensor cores' float8 products are
-summed with fewer bits than float32 keeps, so a GEMM's rounded output, and from there the next
-quantization, can differ by a step: a correct block stays near 5e-3 (Llama-3-8B, M 4096, each
-scaling), a wrong scale, a wrong rank's rows or a perturbed output give 0.1 and more."""
+of the same quantized math. Both quantize the same way, but the tensor cores sum float8 products with
+fewer bits than float32 keeps, so a GEMM's rounded output, and from there the next quantization, can
+differ by a step: the bound sits several times above a correct block's error, and well below what a
+wrong scale, a wrong rank's rows or an output perturbed by 10% give (0.1 and more)."""
 WGRAD_TOLERANCE = 0.2
 """The bound for the weight gradients, which pass through two more quantizations (both operands
-quantized again along the tokens) and cancel over the tokens: a correct block stays near 5e-2, a
-wrong scale or a transposed operand give 1 and more."""
+quantized again along the tokens) and cancel over the tokens, so that a correct block's error there is
+about ten times its output's; a wrong scale or a transposed operand give 1 and more."""
 
 ScaledMatmul = Callable[..., torch.Tensor]
 """``mm(a [M, K], b [K, N], *, scale_a, scale_b, out_dtype, use_fast_accum)`` with ``tileweave.matmul``'s
