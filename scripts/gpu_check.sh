@@ -24,6 +24,10 @@
 #     BENCH_TIMEOUT=600 bash scripts/gpu_check.sh
 # (each FP8 scaling adds two variants per gemm row and a row per grouped case; --quick in SECTION_ARGS
 # shortens both sections; tensorwise-fast and rowwise-fast run ours and torch's with use_fast_accum=True).
+# SECTION_ARGS reaches the block section too (each BLOCK_ISOLATE process): the FP8 block, on one GPU too,
+#   OPS=block BLOCK_M=8192 SECTION_ARGS="--layer llama3-70b --dtype fp8 --scaling tensorwise,rowwise,blockwise" \
+#     BENCH_TIMEOUT=600 bash scripts/gpu_check.sh
+# (per scaling an FP8 row of ours and torch, NCCL + torch's scaled matmul, in the ours and torch processes).
 # ROUNDS=2 (ag, rs) times each row's variants twice, the order mirrored (medians reported); OURS_FIRST=1
 # times ours before the baselines in each row.
 set -uo pipefail
@@ -90,7 +94,8 @@ for op in $OPS; do
   if [ "$op" = block ]; then
     m="$BLOCK_M"
     policy="${BLOCK_POLICY:-auto}"
-    flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-auto}" --rs-transport "${BLOCK_RS_TRANSPORT:-chunked}")
+    # shellcheck disable=SC2206  # SECTION_ARGS is a list of options, split on spaces
+    flags=(--ag-transport "${BLOCK_AG_TRANSPORT:-auto}" --rs-transport "${BLOCK_RS_TRANSPORT:-chunked}" ${SECTION_ARGS:-})
   fi
   if [ "$op" = block ] && [ "${BLOCK_ISOLATE:-1}" != 0 ]; then
     # Each block variant in its own processes, the reports merged: in one process a variant ran 2-4%

@@ -84,6 +84,25 @@ def test_block_section_filters():
             cli.parse_args(bad)
 
 
+def test_block_fp8_options_and_their_errors(capsys):
+    o = cli.parse_args(["--op", "block", "--dtype", "fp8", "--scaling", "tensorwise,rowwise-fast,blockwise"])
+    assert o.bench.ops == ("block",) and o.bench.scalings == ("tensorwise", "rowwise-fast", "blockwise")
+    from tileweave.bench.block_fp8 import recipe_of
+
+    # -fast: the backward GEMMs accumulate fast too; the presets' forward GEMM does already.
+    fast, plain = recipe_of("rowwise-fast"), recipe_of("rowwise")
+    assert fast.backward_fast_accum and fast.forward_fast_accum and not plain.backward_fast_accum
+    assert recipe_of("blockwise").scaling == "blockwise"
+    for argv, words in ((["--op", "block", "--scaling", "rowwise"], "--scaling rowwise applies to FP8 rows"),
+                        (["--op", "block", "--dtype", "fp8", "--scaling", "rowwise,rowwise"], "distinct names"),
+                        (["--op", "block", "--dtype", "fp8", "--scaling", "blockwise-fast"], "distinct names")):
+        with pytest.raises(SystemExit):
+            cli.parse_args(argv)
+        assert words in capsys.readouterr().err, argv
+    with pytest.raises(ValueError, match="runs the gemm, ag, rs and block sections"):
+        cli.BenchConfig(ops=("block",), dtype="fp8")
+
+
 def test_block_variants_one_process_each():
     assert cli.parse_args(["--op", "block"]).bench.block_variants == ("floor", "base", "torch", "ours")
     assert cli.parse_args(["--op", "block", "--block-variants", "ours"]).bench.block_variants == ("ours",)
@@ -147,7 +166,12 @@ def test_env_guard_forces_multicast_off():
 
 def test_world_checks_name_the_problem():
     o = cli.parse_args(["--op", "ag"])
-    assert "at least 2 GPUs" in cli._check_world(o, world=1, n_gpu=1, needs_ranks=True)
+    assert "sections ag need at least 2 GPUs" in cli._check_world(o, world=1, n_gpu=1, needs_ranks=True)
+    # The block section runs on one GPU (a group of one rank); with ag or rs beside it, it needs two.
+    block = cli.parse_args(["--op", "block", "--dtype", "fp8", "--scaling", "rowwise", "--m", "8192"])
+    assert cli._check_world(block, world=1, n_gpu=1, needs_ranks=True) is None
+    both = cli.parse_args(["--op", "block,rs"])
+    assert "sections rs need at least 2 GPUs" in cli._check_world(both, world=1, n_gpu=1, needs_ranks=True)
     assert "exceeds" in cli._check_world(o, world=4, n_gpu=2, needs_ranks=True)
     assert "divisible" in cli._check_world(cli.parse_args(["--m", "1000"]), world=3, n_gpu=3, needs_ranks=True)
     assert cli._check_world(o, world=2, n_gpu=2, needs_ranks=True) is None

@@ -198,11 +198,36 @@ def test_block_section_summary_and_table():
         assert s.over_floor == pytest.approx(t["ours"] / t["floor"])
         assert s.tokens_per_s == pytest.approx(m / (t["ours"] / 1e3))
     text = markdown("block", rows, META)
-    assert "| block | M | hidden | ffn | t_floor | t_base | t_torch | t_ours |" in text
+    assert "| block | dtype | M | hidden | ffn | t_floor | t_base | t_torch | t_ours |" in text
     beats = sum(t["ours"] < min(t["base"], t["torch"]) for _, t in expect)
-    assert f"ours faster than both NCCL and async-TP on {beats} of 3 rows" in text
+    assert f"ours faster than both NCCL and async-TP on {beats} of 3 bf16 rows" in text
     worst = max(t["ours"] / t["floor"] for m, t in expect if m >= 8192)
     assert f"worst ours/floor over M>=8192 (2 rows): {worst:.3f}" in text
+    assert "FP8 rows" not in text and all(s.x_bf16 is None for s in summaries)
+
+
+def test_block_fp8_rows_sit_beside_the_bf16_rows_with_their_ratio():
+    # Each FP8 row (dtype fp8-<scaling>) reports its time against the bf16 ours of the same block and M;
+    # the bf16 summary lines leave the FP8 rows out.
+    rows = []
+    for m, bf16, fp8 in ((8192, 30.0, 20.0), (16384, 60.0, 37.5)):
+        rows += rows_for("llama3-70b block", m, {"floor": bf16 * 0.95, "base": bf16 * 1.1, "torch": bf16 * 1.05,
+                                                 "ours": bf16}, op="block")
+        for label, factor in (("fp8-rowwise", 1.0), ("fp8-blockwise", 1.2)):
+            rows += [dataclasses.replace(r, dtype=label) for r in
+                     rows_for("llama3-70b block", m, {"torch": fp8 * factor * 1.1, "ours": fp8 * factor}, op="block")]
+    summaries = summarize(rows)
+    assert [(s.m, s.dtype) for s in summaries] == [(m, d) for m in (8192, 16384)
+                                                   for d in ("bf16", "fp8-rowwise", "fp8-blockwise")]
+    by = {(s.m, s.dtype): s for s in summaries}
+    assert by[8192, "fp8-rowwise"].x_bf16 == pytest.approx(1.5)
+    assert by[16384, "fp8-blockwise"].x_bf16 == pytest.approx(60.0 / 45.0)
+    assert by[8192, "fp8-rowwise"].x_torch == pytest.approx(1.1) and by[8192, "bf16"].x_bf16 is None
+    text = markdown("block", rows, META)
+    assert "| llama3-70b block | fp8-rowwise | 8192 |" in text
+    assert "ours faster than both NCCL and async-TP on 2 of 2 bf16 rows" in text
+    assert "fp8-rowwise: geomean x_bf16 1.549 (over 2 rows), x_torch 1.100 (over 2 rows)" in text
+    assert "fp8-blockwise: geomean x_bf16 1.291 (over 2 rows)" in text
 
 
 def test_a_transport_section_reads_like_its_op():

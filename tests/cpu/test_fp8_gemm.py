@@ -362,13 +362,14 @@ def test_gemm_report_compares_fp8_rows_with_torch_per_scaling():
     assert "| l | fp8-rowwise | 4096 |" in text and "(fp8-rowwise)" in text
 
 
-def test_bench_cli_takes_fp8_for_the_gemm_ag_and_rs_sections_only():
+def test_bench_cli_takes_fp8_for_the_gemm_ag_rs_and_block_sections():
     from tileweave.bench.cli import parse_args
 
     opts = parse_args(["--op", "gemm", "--dtype", "fp8", "--scaling", "rowwise,blockwise"])
     assert opts.bench.dtype == "fp8" and opts.bench.scalings == ("rowwise", "blockwise")
     opts = parse_args(["--op", "ag,rs", "--dtype", "fp8", "--scaling", "tensorwise-fast"])
     assert opts.bench.ops == ("ag", "rs") and opts.bench.scalings == ("tensorwise-fast",)
-    for argv in (["--op", "block", "--dtype", "fp8"], ["--op", "gemm", "--dtype", "fp8", "--scaling", "columnwise"]):
+    assert parse_args(["--op", "block", "--dtype", "fp8"]).bench.scalings == ("tensorwise", "rowwise", "blockwise")
+    for argv in (["--op", "gemm", "--scaling", "rowwise"], ["--op", "gemm", "--dtype", "fp8", "--scaling", "columnwise"]):
         with pytest.raises(SystemExit):
             parse_args(argv)

@@ -13,6 +13,13 @@ with their communication (``tileweave.nn.linear``'s ``all_gather_gemm`` / ``gemm
 A step is ``y = block(x)`` then ``y.backward(dy)`` (weight and input gradients, no optimizer). Each
 variant is verified against ``base`` on its first step (output and input gradient), then timed like
 every other section: steady state, back-to-back steps, median over reps, max over ranks.
+
+With ``--dtype fp8`` each row also runs the block in float8, one row per ``--scaling`` (``dtype``
+``fp8-<scaling>``), as ``ours`` and ``torch`` (NCCL + torch's scaled matmul): ``tileweave.bench.block_fp8``.
+
+World size 1 runs too, every variant on a group of one rank: tileweave's ops, NCCL's collectives (then
+copies) and PyTorch async-TP's fused ops all take it. A variant that cannot run (PyTorch async-TP off
+CUDA devices, say) is reported unavailable, with the reason.
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import tileweave
-
+from tileweave.bench import block_fp8
 from tileweave.bench import variants as V
+from tileweave.bench.fp8 import dtype_label
 from tileweave.bench.suite import norm_name
 from tileweave.nn.block import BlockConfig, TPTransformerBlock
 from tileweave.nn.linear import TILEWEAVE_OPS, TPOps
@@ -176,7 +183,7 @@ def block_variant(name: str, x: BlockInputs, *, rank: int, world_size: int,
     """The ``name`` variant of ``x``'s block; checked against ``reference`` (base's output and input
     gradient) where one is given."""
     if name == "torch":
-        ops, note = torch_ops()
+        ops, note = torch_ops() if x.x.is_cuda else (None, "PyTorch async-TP runs on CUDA devices only")
         if ops is None:
             return V.Variant(name="torch", call=None, note=note)
     elif name == "base":
@@ -194,8 +201,24 @@ def block_variant(name: str, x: BlockInputs, *, rank: int, world_size: int,
 
     # The floor computes no model, so it has nothing to be checked against (its rel_err stays empty).
     return V.Variant(name=name, call=x.step(ops), check=check if reference is not None else None,
-                     path=_paths if name == "ours" else None)
+                     path=block_fp8.ours_paths if name == "ours" else None)
 
 
-def _paths() -> str:
-    return f"ag {tileweave.last_path('all_gather_gemm')}, rs {tileweave.last_path('gemm_reduce_scatter')}"
+def measure_row(x: BlockInputs, names: tuple[str, ...], *, rank: int, world_size: int,
+                run: Callable[[V.Variant, dict], object], scalings: tuple[str, ...] = ()) -> list:
+    """``run(variant, key)`` for each variant of ``names`` on ``x`` (those but the floor checked against
+    one NCCL step, ``base_ops``), then for each of ``scalings`` the FP8 variants of ``names`` (``torch``,
+    ``ours``; ``block_fp8``), keyed with their ``dtype``; returns what ``run`` returned, in that order.
+    Collective: every rank calls it with the same arguments."""
+    c = x.block.config
+    key = dict(op="block", layer=x.row.label, world_size=world_size, m=x.row.m, k=c.hidden, n=c.ffn)
+    y, dx = x.step(base_ops(world_size))(0)
+    reference = (y.clone(), dx.clone())
+    del y, dx
+    out = [run(block_variant(name, x, rank=rank, world_size=world_size,
+                             reference=None if name == "floor" else reference), key) for name in names]
+    del reference
+    for scaling in scalings:
+        out += [run(v, dict(key, dtype=dtype_label(scaling))) for v in block_fp8.fp8_variants(x, scaling, names)]
+        torch.cuda.empty_cache()
+    return out

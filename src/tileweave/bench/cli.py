@@ -83,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--op", default=",".join(DEFAULT_OPS),
                    help="comma list of sections: gemm, ag, rs, block (default: gemm,ag,rs; block is the TP "
-                        "transformer block, forward + backward); also moe, decode, grouped, sections with "
-                        "options of their own (tileweave bench --op moe --help), which run in turn with the "
-                        "other arguments (--smoke: tiny shapes on the CPU, every variant checked)")
+                        "transformer block, forward + backward, also on one GPU); also moe, decode, grouped, "
+                        "sections with options of their own (tileweave bench --op moe --help), which run in turn "
+                        "with the other arguments (--smoke: tiny shapes on the CPU, every variant checked)")
     p.add_argument("--layer", nargs="+", action="extend", default=None, metavar="NAME",
                    help='layer filters: full name ("llama3-8b qkv"), model (llama3-70b) or part (qkv)')
     # --tokens: torchrun's own parser takes "--m" for an abbreviation of its options and stops.
@@ -118,12 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ag and rs sections: time each row's variants this many times, the order mirrored each "
                         "round, and report medians (default 1)")
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="gemm, ag and rs sections: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) "
-                        "against torch's scaled matmul (and PyTorch's scaled async-TP ops), beside the bf16 rows "
-                        "(default bf16)")
-    p.add_argument("--scaling", default=",".join(FP8_SCALINGS),
+                   help="gemm, ag, rs and block sections: fp8 also runs each --scaling in FP8 (e4m3, bf16 output) "
+                        "against torch's scaled matmul (and PyTorch's scaled async-TP ops), beside the bf16 rows; "
+                        "the block trains with Float8Recipe.<scaling>() (default bf16)")
+    p.add_argument("--scaling", default=None,
                    help="with --dtype fp8: comma list from " + ", ".join(FP8_SCALINGS + FP8_FAST)
-                   + " (default the first three; '-fast': ours and torch's with use_fast_accum=True)")
+                   + " (default the first three; '-fast': ours and torch's with use_fast_accum=True; in the block, "
+                     "the recipe's backward GEMMs too, its forward GEMM accumulating fast already)")
     p.add_argument("--rs-transport", default="chunked",
                    help="GEMM+ReduceScatter transport(s) for 'ours', from " + ", ".join(RS_TRANSPORTS) + "; a comma "
                         "list times each next to one set of baselines (default chunked)")
@@ -149,11 +150,13 @@ def parse_args(argv: Sequence[str] | None = None) -> CliOptions:
         _check_filters(ops, layers, m_values, world_size=1)
         transports = {"ag": _transports(ns.ag_transport, AG_TRANSPORTS, "--ag-transport"),
                       "rs": _transports(ns.rs_transport, RS_TRANSPORTS, "--rs-transport")}
+        if ns.scaling is not None and ns.dtype != "fp8":
+            raise ValueError(f"--scaling {ns.scaling} applies to FP8 rows: add --dtype fp8")
         block_variants = tuple(v.strip() for v in ns.block_variants.split(",") if v.strip())
         bench = BenchConfig(ops=ops, layers=layers, m_values=m_values, timing=timing,
                             include_torch=not ns.no_torch, transports=transports, block_variants=block_variants,
                             ours_first=ns.ours_first, rounds=ns.rounds, dtype=ns.dtype,
-                            scalings=parse_scalings(ns.scaling) if ns.dtype == "fp8" else ())
+                            scalings=parse_scalings(ns.scaling or ",".join(FP8_SCALINGS)) if ns.dtype == "fp8" else ())
     except ValueError as e:
         parser.error(str(e))
     return CliOptions(bench=bench, world_size=ns.world_size, out_dir=Path(ns.out), tag=ns.tag, argv=tuple(argv),
@@ -214,10 +217,10 @@ def _worker(local_rank: int, world_size: int, opts: CliOptions, rank_offset: int
     rank = rank_offset + local_rank
     torch.cuda.set_device(local_rank)
     group = None
-    if world_size > 1:
+    if world_size > 1 or "block" in opts.bench.ops:  # the block's layers need a group, of one rank too
         dist.init_process_group(
             "nccl", rank=rank, world_size=world_size, timeout=NCCL_TIMEOUT,
-            device_id=torch.device("cuda", local_rank),
+            device_id=torch.device("cuda", local_rank), **({"store": dist.HashStore()} if world_size == 1 else {}),
         )
         group = dist.group.WORLD
     try:
@@ -252,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["TILEWEAVE_AG_TRANSPORT"] = opts.ag_transport
     import torch
 
-    needs_ranks = any(op in ("ag", "rs", "block") for op in opts.bench.ops)
+    needs_ranks = any(op in ("ag", "rs", "block") for op in opts.bench.ops)  # one per GPU by default
     if not torch.cuda.is_available():
         print("tileweave bench: no CUDA device visible; the benchmark needs NVIDIA GPUs.", file=sys.stderr)
         return 1
@@ -293,9 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_world(opts: CliOptions, *, world: int, n_gpu: int, needs_ranks: bool) -> str | None:
     """Why ``world`` ranks cannot run ``opts`` here, or None."""
-    if needs_ranks and world < 2:
-        return (f"sections ag/rs/block need at least 2 GPUs (world size {world}, {n_gpu} visible); "
-                "run with --op gemm on one GPU")
+    pairs = [op for op in opts.bench.ops if op in ("ag", "rs")]
+    if pairs and world < 2:
+        return (f"sections {'/'.join(pairs)} need at least 2 GPUs (world size {world}, {n_gpu} visible); "
+                "run --op gemm or --op block on one GPU")
     if world > n_gpu:
         return f"--world-size {world} exceeds the {n_gpu} visible GPUs"
     try:

@@ -113,22 +113,23 @@ def quantize_experts(w: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch
 
 
 def torch_scaled_mm(scaling: str) -> tuple[Callable | None, str]:
-    """torch's scaled matmul for ``scaling`` as ``fn(a8, b, scale_a, scale_b) -> bf16``, or ``(None, why)``:
-    ``torch._scaled_mm`` for tensorwise and rowwise, ``torch.nn.functional.scaled_mm`` with
-    ``BlockWise1x128`` / ``BlockWise128x128`` for blockwise (torch 2.10 and later); a ``-fast`` name
-    (``FAST``) with ``use_fast_accum=True``."""
+    """torch's scaled matmul for ``scaling`` as ``fn(a8, b, scale_a, scale_b, *, out_dtype=torch.bfloat16,
+    use_fast_accum=...)``, or ``(None, why)``: ``torch._scaled_mm`` for tensorwise and rowwise,
+    ``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` / ``BlockWise128x128`` for blockwise (torch
+    2.10 and later; it adds each K step in fp32 and takes no ``use_fast_accum``); ``use_fast_accum``
+    defaults to True for a ``-fast`` name (``FAST``), else False."""
     scaling, fast = split(scaling)
     if scaling != "blockwise":
         if not hasattr(torch, "_scaled_mm"):
             return None, "torch._scaled_mm missing in this torch"
-        return (lambda a, b, sa, sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                                      use_fast_accum=fast)), ""
+        return (lambda a, b, sa, sb, *, out_dtype=torch.bfloat16, use_fast_accum=fast: torch._scaled_mm(
+            a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=use_fast_accum)), ""
     fn = getattr(torch.nn.functional, "scaled_mm", None)
     kinds = getattr(torch.nn.functional, "ScalingType", None)
     if fn is None or kinds is None or not hasattr(kinds, "BlockWise1x128"):
         return None, "torch.nn.functional.scaled_mm with blockwise scaling missing in this torch"
-    return (lambda a, b, sa, sb: fn(a, b, sa, kinds.BlockWise1x128, sb, kinds.BlockWise128x128,
-                                    output_dtype=torch.bfloat16)), ""
+    return (lambda a, b, sa, sb, *, out_dtype=torch.bfloat16, use_fast_accum=False: fn(
+        a, b, sa, kinds.BlockWise1x128, sb, kinds.BlockWise128x128, output_dtype=out_dtype)), ""
 
 
 def torch_scaled_grouped_mm(scaling: str) -> tuple[Callable | None, str]:

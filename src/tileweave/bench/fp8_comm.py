@@ -73,31 +73,51 @@ def _checker(ref: torch.Tensor):
     return lambda out: V.rel_err(out, ref)
 
 
+def all_gather_rows(a8: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's float8 rows ``[M/W, K]`` gathered to ``[M, K]`` over NCCL, as bytes."""
+    world = dist.get_world_size(group)
+    g = torch.empty((a8.shape[0] * world, a8.shape[1]), dtype=torch.uint8, device=a8.device)
+    dist.all_gather_into_tensor(g, a8.contiguous().view(torch.uint8), group=group)
+    return g.view(a8.dtype)
+
+
+def all_gather_scales(sa: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's row scales ``[M/W, KB]`` (float32: ``[M/W, 1]`` rowwise, ``[M/W, K/128]`` blockwise)
+    gathered to ``[M, KB]``, row-major."""
+    world = dist.get_world_size(group)
+    gs = torch.empty((sa.shape[0] * world, sa.shape[1]), dtype=sa.dtype, device=sa.device)
+    dist.all_gather_into_tensor(gs, sa.contiguous(), group=group)
+    return gs
+
+
+def reduce_scatter_rows(partial: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[M, N]`` partials summed over the ranks, this rank's ``[M/W, N]`` rows, over NCCL."""
+    world = dist.get_world_size(group)
+    out = torch.empty((partial.shape[0] // world, partial.shape[1]), dtype=partial.dtype, device=partial.device)
+    dist.reduce_scatter_tensor(out, partial, group=group)
+    return out
+
+
 def base_variant(f: Fp8RowInputs, *, group: dist.ProcessGroup) -> V.Variant:
     """NCCL collective and torch's scaled matmul, one after the other."""
     fn, note = fp8.torch_scaled_mm(f.scaling)
     if fn is None:
         return V.Variant(name="base", call=None, note=note)
-    n, world = len(f.a), dist.get_world_size(group)
+    n = len(f.a)
     base, _ = fp8.split(f.scaling)
     if f.x.row.layer.kind == "AG":
         def ag(i: int) -> torch.Tensor:
             a8, sa = f.a[i % n], f.sa[i % n]
-            g = torch.empty((a8.shape[0] * world, a8.shape[1]), dtype=torch.uint8, device=a8.device)
-            dist.all_gather_into_tensor(g, a8.view(torch.uint8), group=group)
+            g = all_gather_rows(a8, group=group)
             if base != "tensorwise":  # row scales travel with their rows; blockwise's M-major, as torch wants
-                gs = torch.empty((sa.shape[0] * world, sa.shape[1]), dtype=sa.dtype, device=sa.device)
-                dist.all_gather_into_tensor(gs, sa.contiguous(), group=group)
+                gs = all_gather_scales(sa, group=group)
                 sa = gs if base == "rowwise" else gs.t().contiguous().t()
-            return fn(g.view(torch.float8_e4m3fn), f.w[i % n].t(), sa, f.sb[i % n])
+            return fn(g, f.w[i % n].t(), sa, f.sb[i % n])
 
         return V.Variant(name="base", call=ag, check=_checker(f.ref))
 
     def rs(i: int) -> torch.Tensor:
-        partial = fn(f.a[i % n], f.w[i % n].t(), f.sa[i % n], f.sb[i % n])
-        out = torch.empty(f.x.shapes.out, dtype=partial.dtype, device=partial.device)
-        dist.reduce_scatter_tensor(out, partial, group=group)
-        return out
+        return reduce_scatter_rows(fn(f.a[i % n], f.w[i % n].t(), f.sa[i % n], f.sb[i % n]), group=group)
 
     return V.Variant(name="base", call=rs, check=_checker(f.ref))
 

@@ -140,6 +140,9 @@ class ShapeSummary(Shape):
     """``block``: ours' step time over the compute floor's (1.0 is no communication cost at all)."""
     tokens_per_s: float | None = None
     """``block``: tokens per second of ours (M tokens per step)."""
+    x_bf16: float | None = None
+    """``block`` FP8 rows: the bf16 ``ours`` step time of the same block and M over this row's ``ours``
+    (above 1: the FP8 block is faster)."""
 
 
 def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
@@ -147,6 +150,8 @@ def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
     groups: dict[tuple, list[Measurement]] = {}
     for row in measurements:
         groups.setdefault(row.shape_key, []).append(row)
+    bf16_ours = {(r.op, r.layer, r.world_size, r.m): r.ms for r in measurements
+                 if r.dtype == "bf16" and r.variant == "ours" and r.status == "ok"}
     out: list[ShapeSummary] = []
     for rows in groups.values():
         first = rows[0]
@@ -171,6 +176,8 @@ def summarize(measurements: Iterable[Measurement]) -> list[ShapeSummary]:
                 **common, x_base=speedup(t("base"), ours), x_torch=speedup(t("torch"), ours),
                 x_base_torch=speedup(t("base"), t("torch")), over_floor=speedup(ours, t("floor")),
                 tokens_per_s=first.m / (ours * 1e-3) if ours else None,
+                x_bf16=None if first.dtype == "bf16" else speedup(
+                    bf16_ours.get((first.op, first.layer, first.world_size, first.m)), ours),
             ))
             continue
         ideal = ideal_time(t("gemm"), t("comm"))
@@ -238,26 +245,36 @@ def markdown(op: str, measurements: Sequence[Measurement], meta: dict[str, Any])
                          f"over {sum(s.x_cublas is not None for s in rows)} shapes"
                          + (f" ({dtype})" if dtypes != ["bf16"] else ""))
     elif op == "block":
-        header = ["block", "M", "hidden", "ffn", "t_floor", "t_base", "t_torch", "t_ours", "tokens/s ours",
-                  "x_base", "x_torch", "ours/floor", "path"]
+        header = ["block", "dtype", "M", "hidden", "ffn", "t_floor", "t_base", "t_torch", "t_ours", "tokens/s ours",
+                  "x_base", "x_torch", "ours/floor", "x_bf16", "path"]
         lines += _table(header, (
-            [s.layer, str(s.m), str(s.k), str(s.n)] + [_time_cell(s, v) for v in BLOCK_VARIANTS]
+            [s.layer, s.dtype, str(s.m), str(s.k), str(s.n)] + [_time_cell(s, v) for v in BLOCK_VARIANTS]
             + [_num(s.tokens_per_s, 0), _num(s.x_base, 2), _num(s.x_torch, 2), _num(s.over_floor, 3),
-               s.path or "n/a"]
+               _num(s.x_bf16, 2), s.path or "n/a"]
             for s in summaries
         ))
-        big = [s for s in summaries if s.m >= BLOCK_FLOOR_MIN_M]
-        beats = [s for s in summaries if s.x_base is not None and s.x_torch is not None
-                 and s.x_base > 1 and s.x_torch > 1]
+        bf16 = [s for s in summaries if s.dtype == "bf16"]
+        big = [s for s in bf16 if s.m >= BLOCK_FLOOR_MIN_M]
+        beats = [s for s in bf16 if s.x_base is not None and s.x_torch is not None and s.x_base > 1 and s.x_torch > 1]
         worst = max((s.over_floor for s in big if s.over_floor is not None), default=None)
         lines += [
             "",
             "Times in ms per forward + backward step of one block.",
-            f"ours faster than both NCCL and async-TP on {len(beats)} of {len(summaries)} rows; "
-            f"geomean x_base {_num(geomean(s.x_base for s in summaries), 3)}, "
-            f"x_torch {_num(geomean(s.x_torch for s in summaries), 3)}",
+            f"ours faster than both NCCL and async-TP on {len(beats)} of {len(bf16)} bf16 rows; "
+            f"geomean x_base {_num(geomean(s.x_base for s in bf16), 3)}, "
+            f"x_torch {_num(geomean(s.x_torch for s in bf16), 3)}",
             f"worst ours/floor over M>={BLOCK_FLOOR_MIN_M} ({len(big)} rows): {_num(worst, 3)}",
         ]
+        fp8_dtypes = list(dict.fromkeys(s.dtype for s in summaries if s.dtype != "bf16"))
+        if fp8_dtypes:
+            lines += ["", "FP8 rows: the block with that scaling's Float8Recipe; t_torch is the same FP8 block on NCCL "
+                          "+ torch's scaled matmul; x_bf16 is the bf16 row's t_ours over the FP8 row's t_ours."]
+        for dtype in fp8_dtypes:
+            rows = [s for s in summaries if s.dtype == dtype]
+            lines.append(f"{dtype}: geomean x_bf16 {_num(geomean(s.x_bf16 for s in rows), 3)} "
+                         f"(over {sum(s.x_bf16 is not None for s in rows)} rows), "
+                         f"x_torch {_num(geomean(s.x_torch for s in rows), 3)} "
+                         f"(over {sum(s.x_torch is not None for s in rows)} rows)")
     else:
         header = ["layer", "M", "K", "N", "t_gemm", "t_comm", "t_nccl", "ideal", "t_base", "t_torch", "t_ours",
                   "x_base", "x_torch", "E", "eff", "path"]

@@ -3,12 +3,12 @@
 Phases, in order:
 
 1. ``gemm`` section on rank 0's GPU only; the other ranks wait at a barrier.
-2. PyTorch async-TP for every AG and RS row, then for every block row, before any other symmetric
-   memory exists in the process: that op hung once next to other symmetric buffers (docs/design.md), so it
-   gets a phase alone.
+2. PyTorch async-TP for every AG and RS row, then for every block row (with the block's FP8 rows on
+   NCCL + torch's scaled matmul), before any other symmetric memory exists in the process: that op hung
+   once next to other symmetric buffers (docs/design.md), so it gets a phase alone.
 3. For every AG row, then every RS row: cuBLAS alone, the copy-engine transport alone (our own
    symmetric buffer), the NCCL collective alone, NCCL + cuBLAS, and tileweave's op.
-4. For every block row: the compute floor, NCCL + cuBLAS, and tileweave's ops.
+4. For every block row: the compute floor, NCCL + cuBLAS, and tileweave's ops (bf16, then FP8).
 
 Deadlock safety: every decision that changes which collectives a rank issues (is a variant there, did
 it verify, how long to warm up) is agreed with an all-reduce first, so all ranks take the same branch.
@@ -70,7 +70,9 @@ class BenchConfig:
     dtype: str = "bf16"
     """``"bf16"``, or ``"fp8"``: the ``gemm``, ``ag`` and ``rs`` sections also run each of ``scalings`` in
     FP8 (e4m3 inputs, bf16 output) beside their bf16 rows, against torch's own scaled matmul and
-    PyTorch's scaled async-TP ops (variant ``torch``; ``tileweave.bench.fp8_comm``)."""
+    PyTorch's scaled async-TP ops (variant ``torch``; ``tileweave.bench.fp8_comm``); the ``block`` section
+    runs the block with each scaling's FP8 recipe, ours and on NCCL + torch's scaled matmul
+    (``tileweave.bench.block_fp8``)."""
     scalings: tuple[str, ...] = ()
     """FP8 scalings (``tileweave.bench.fp8.SCALINGS``, ``FAST``), with ``dtype="fp8"``."""
     block_variants: tuple[str, ...] = BLOCK_VARIANTS
@@ -85,9 +87,10 @@ class BenchConfig:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.dtype not in ("bf16", "fp8"):
             raise ValueError(f"dtype must be bf16 or fp8, got {self.dtype!r}")
-        if self.dtype == "fp8" and (not self.scalings or set(self.ops) - {"gemm", "ag", "rs"}):
-            raise ValueError("dtype fp8 needs at least one scaling and runs the gemm, ag and rs sections only "
-                             f"(here; the grouped section has its own --dtype), got sections {', '.join(self.ops)}")
+        if self.dtype == "fp8" and (not self.scalings or set(self.ops) - {"gemm", "ag", "rs", "block"}):
+            raise ValueError("dtype fp8 needs at least one scaling and runs the gemm, ag, rs and block sections "
+                             f"(here; the grouped section has its own --dtype), got sections {', '.join(self.ops)} "
+                             f"and scalings {', '.join(self.scalings) or 'none'}")
         bad = [v for v in self.block_variants if v not in BLOCK_VARIANTS]
         if bad or not self.block_variants or len(set(self.block_variants)) != len(self.block_variants):
             raise ValueError(f"block variants must be distinct names from {', '.join(BLOCK_VARIANTS)}; "
@@ -150,13 +153,13 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     assert v.call is not None
     watch = MemoryWatch()
     err, note = _verify_once(v)
-    failed = not err < V.TOLERANCE
+    failed = not err < v.tolerance
     fail_any, err_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
     err_out = err_max if err_max < 1e300 and v.check is not None else None
     if fail_any:
         torch.cuda.empty_cache()
         if not note:
-            note = f"rel_err {err_max:.3g} >= {V.TOLERANCE}" if failed else "failed on another rank"
+            note = f"rel_err {err_max:.3g} >= {v.tolerance}" if failed else "failed on another rank"
         return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out, note=note)
     watch.rearm()
     try:
@@ -176,14 +179,14 @@ def run_variant(ctx: RankContext, v: V.Variant, *, key: dict[str, object]) -> Me
     # The timed calls repeated a signature already seen, so they took its repeat route (a cached plan, a
     # replayed graph), not the first call's: verify that route's output as well, agreed like the first.
     err, note = _verify_once(v)
-    failed = not err < V.TOLERANCE
+    failed = not err < v.tolerance
     fail_any, repeat_max = ctx.agree.max_floats([float(failed), err if math.isfinite(err) else 1e300])
     if v.check is not None:
         err_out = max(err_out, repeat_max) if repeat_max < 1e300 else None
     if fail_any:
         torch.cuda.empty_cache()
         if not note:
-            note = f"rel_err {repeat_max:.3g} >= {V.TOLERANCE}" if failed else "failed on another rank"
+            note = f"rel_err {repeat_max:.3g} >= {v.tolerance}" if failed else "failed on another rank"
         return Measurement(**key, variant=v.name, status="FAILED", rel_err=err_out, path=path,
                            note=f"after timing, on the route the timed calls took: {note}"[:300])
     return Measurement(
@@ -391,10 +394,10 @@ def combine_rounds(rounds: list[Measurement]) -> Measurement:
 
 
 def run_block_phase(
-    block_rows: list, names: tuple[str, ...], ctx: RankContext, progress: Progress
+    block_rows: list, names: tuple[str, ...], ctx: RankContext, progress: Progress, scalings: tuple[str, ...] = ()
 ) -> dict[tuple[str, int], list[Measurement]]:
-    """The block variants ``names`` on every block row, keyed by ``(layer, M)``. Each row first runs
-    one NCCL step as the reference the variants are checked against."""
+    """The block variants ``names`` on every block row, keyed by ``(layer, M)``, and with ``scalings`` their
+    FP8 forms (``tileweave.bench.block.measure_row``)."""
     from tileweave.bench import block as B
 
     assert ctx.group is not None
@@ -403,16 +406,9 @@ def run_block_phase(
     out: dict[tuple[str, int], list[Measurement]] = {}
     for row in block_rows:
         x = B.make_block_inputs(row, rank=ctx.rank, world_size=ctx.world_size, group=ctx.group)
-        y, dx = x.step(B.base_ops(ctx.world_size))(0)
-        reference = (y.clone(), dx.clone())
-        key = dict(op="block", layer=row.label, world_size=ctx.world_size, m=row.m, k=row.config.hidden,
-                   n=row.config.ffn)
-        res = out.setdefault((row.label, row.m), [])
-        for name in names:
-            v = B.block_variant(name, x, rank=ctx.rank, world_size=ctx.world_size,
-                                reference=None if name == "floor" else reference)
-            res.append(run_variant(ctx, v, key=key))
-        del x, y, dx, reference
+        out[(row.label, row.m)] = B.measure_row(x, names, rank=ctx.rank, world_size=ctx.world_size, scalings=scalings,
+                                                run=lambda v, key: run_variant(ctx, v, key=key))
+        del x
         torch.cuda.empty_cache()
         progress.step(f"block {'/'.join(names)} {row.label} M={row.m}")
     return out
@@ -452,14 +448,15 @@ def run_rank(
                 results["gemm"] = run_gemm_section(cfg, local_ctx, progress)
             if group is not None:
                 dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        if coll_ops and (group is None or world_size < 2):
+            raise RuntimeError(f"sections {', '.join(coll_ops)} need >= 2 ranks, got world_size={world_size}")
+        if block_rows and group is None:
+            raise RuntimeError("the block section needs a process group (of one rank or more)")
         if coll_ops or block_rows:
-            if group is None or world_size < 2:
-                raise RuntimeError(f"sections {coll_ops + ['block'] * bool(block_rows)} need >= 2 ranks, "
-                                   f"got world_size={world_size}")
             scalings = cfg.scalings if cfg.dtype == "fp8" else ()
             torch_rows = (run_torch_phase(rows, dist_ctx, progress, scalings)
                           if cfg.include_torch and coll_ops else {})
-            torch_blocks = (run_block_phase(block_rows, ("torch",), dist_ctx, progress)
+            torch_blocks = (run_block_phase(block_rows, ("torch",), dist_ctx, progress, scalings)
                             if cfg.include_torch and block_rows and "torch" in cfg.block_variants else {})
             torch.cuda.synchronize()
             dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
@@ -467,11 +464,12 @@ def run_rank(
                                           cfg.rounds, scalings))
             names = tuple(v for v in ("floor", "base", "ours") if v in cfg.block_variants)
             if block_rows:
-                ours = run_block_phase(block_rows, names, dist_ctx, progress) if names else {}
+                ours = run_block_phase(block_rows, names, dist_ctx, progress, scalings) if names else {}
+                dtypes = ["bf16", *map(fp8_label, scalings)]  # each row's bf16 variants, then its FP8 rows
                 results["block"] = [
                     r for key in dict.fromkeys([*ours, *torch_blocks])
                     for r in sorted(ours.get(key, []) + torch_blocks.get(key, []),
-                                    key=lambda r: BLOCK_VARIANTS.index(r.variant))
+                                    key=lambda r: (dtypes.index(r.dtype), BLOCK_VARIANTS.index(r.variant)))
                 ]
     finally:
         progress.close()

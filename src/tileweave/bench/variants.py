@@ -43,6 +43,8 @@ class Variant:
     """Which code path ours took, asked after verification."""
     note: str = ""
     """Why ``call`` is None."""
+    tolerance: float = TOLERANCE
+    """The largest relative error ``check`` may return for the variant to pass."""
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

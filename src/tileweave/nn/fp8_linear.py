@@ -30,7 +30,9 @@ quantized in its own orientation, read in place. The weight is quantized each st
 weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
 the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
 Outputs are in ``out_dtype`` (the input's dtype, or autocast's), ``dx`` in the input's dtype, ``dw``
-in the weight's: master weights and their gradients never pass through a lower precision.
+in the weight's: master weights and their gradients never pass through a lower precision. All three
+GEMMs run on the layer's ``TPOps``: the two with communication on its ``all_gather_gemm`` and
+``gemm_reduce_scatter``, the weight gradient on its ``matmul``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,12 @@ import torch
 
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.tp_ops import start_gather
-from tileweave.ops.compute.matmul import matmul
 
 
-def _wgrad(recipe: Float8Recipe, qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
-    """``qa @ qb.T`` of two K-major float8 operands (``Quantized``): the weight gradient."""
-    return matmul(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=qb.scale.t(), out_dtype=out_dtype,
-                  use_fast_accum=recipe.backward_fast_accum)
+def _wgrad(ops, recipe: Float8Recipe, qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
+    """``qa @ qb.T`` of two K-major float8 operands (``Quantized``) on ``ops.matmul``: the weight gradient."""
+    return ops.matmul(qa.data, qb.data.t(), scale_a=qa.scale, scale_b=qb.scale.t(), out_dtype=out_dtype,
+                      use_fast_accum=recipe.backward_fast_accum)
 
 
 def _tensor_scale(recipe: Float8Recipe, q) -> torch.Tensor | None:
@@ -92,7 +93,7 @@ class ColumnParallelFP8(torch.autograd.Function):
         else:
             qxt = recipe.rhs(pending.wait(), transpose=True, tokens=True)
             pending.release()
-        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
+        dw = _wgrad(ctx.ops, recipe, qdyt, qxt, weight.dtype)
         db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx_shard, dw, db, None, None, None, None, None
 
@@ -121,7 +122,7 @@ class RowParallelFP8(torch.autograd.Function):
         # Both operands of the weight gradient quantized again along the tokens, from float8.
         qdyt = recipe.lhs(gathered, grad=True, transpose=True, tokens=True, x_scale=gathered_scales)
         qxt = recipe.rhs(x8, transpose=True, tokens=True, x_scale=x_scale)
-        dw = _wgrad(recipe, qdyt, qxt, weight.dtype)
+        dw = _wgrad(ctx.ops, recipe, qdyt, qxt, weight.dtype)
         # The bias is added once, on the owner of each row: its gradient sums every row of dy, here the
         # gathered float8 rows (the only whole dy this rank has), dequantized, in fp32.
         db = None if ctx.bias_dtype is None else dequantize_rows(gathered, gathered_scales).sum(0).to(ctx.bias_dtype)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from tileweave.ops import functional
 from tileweave.ops.all_gather.op import AllGatherGemm
+from tileweave.ops.compute.matmul import matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,17 +23,20 @@ class TPOps:
     ops do; NCCL-style stand-ins need not). ``shared_all_gather(group, device)``: an
     ``AllGatherGemm`` whose buffer the backward may borrow (its gathered view is lent until the op's
     next call, which saves a copy) and whose ``all_gather`` regathers an input on the copy engines;
-    None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``."""
+    None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``.
+    ``matmul(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum)``: the local GEMM of an ``fp8``
+    layer's weight gradient, float8 operands with ``tileweave.matmul``'s scales (default: tileweave's),
+    so that stand-in ops replace all three GEMMs of a step."""
 
     all_gather_gemm: Callable
     gemm_reduce_scatter: Callable
     shared_all_gather: Callable[[dist.ProcessGroup, torch.device], AllGatherGemm] | None = None
+    matmul: Callable = matmul
 
 
 TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
                       gemm_reduce_scatter=functional.gemm_reduce_scatter, shared_all_gather=AllGatherGemm.shared)
 """tileweave's fused ops, shared per (group, device): the layers' default."""
-
 
 
 def gather_for_weight_grad(ops: TPOps, dy_shard: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup):
