@@ -160,8 +160,8 @@ def h200_variant(launch: Launch) -> Launch | None:
     elif kernel in ("quantize_kernel", "amax_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         strides = (launch.args[fn.arg_names.index("stride_xr")], launch.args[fn.arg_names.index("stride_xc")])
-        kwargs.update(zip(("BR", "BC", "num_warps"), quantize_tiles(kwargs.get("GROUP", "tensor"), *strides,
-                                                                    interpreter=False)))
+        group = kwargs.get("GROUP", "row_amax" if kwargs.get("PER_ROW") else "tensor")
+        kwargs.update(zip(("BR", "BC", "num_warps"), quantize_tiles(group, *strides, interpreter=False)))
     elif kernel in ("oneshot_kernel", "twoshot_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         rows = launch.args[fn.arg_names.index("rows")]

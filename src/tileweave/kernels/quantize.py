@@ -13,6 +13,9 @@ torch's and torchao's convention (``x ~ q * scale``). ``GROUP`` names the groups
   float32), so the cast is a second launch and nothing waits on the host; with ``SCALE_GIVEN`` the
   scale itself is given (one already computed for the same tensor in another orientation);
 * ``"row"``: each row; a program owns ``BR`` rows and walks their columns twice (amax, then cast);
+* ``"row_amax"``: each row, its amax already found by ``amax_kernel`` with ``PER_ROW`` (an atomic max
+  per row over tiles): for an input read transposed, whose rows are strided columns in memory, two
+  passes over tiles read faster than one program walking each row;
 * ``"1x128"``: 128 consecutive columns of a row (DeepSeek-V3's activation blocks);
 * ``"128x128"``: 128 x 128 blocks (its weight blocks), a program per block.
 
@@ -84,14 +87,18 @@ def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
 @triton.jit
 def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
                 BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
-                IN_GC: tl.constexpr):
-    """``amax_ptr[0] = max(amax_ptr[0], max |X|)`` over this program's ``BR x BC`` tile (``amax_ptr``
+                IN_GC: tl.constexpr, PER_ROW: tl.constexpr = False):
+    """``amax_ptr[0] = max(amax_ptr[0], max |X|)`` over this program's ``BR x BC`` tile, or with
+    ``PER_ROW`` ``amax_ptr[r] = max(amax_ptr[r], max |X[r, :]|)`` for each of its rows (``amax_ptr``
     starts at zero)."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
               DEQUANT, IN_GR, IN_GC)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    if PER_ROW:
+        tl.atomic_max(amax_ptr + offs_r, tl.max(tl.abs(x), axis=1), mask=offs_r < R)
+    else:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
 @triton.jit
@@ -102,7 +109,8 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
                     IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr):
     """``Q [R, C_out]`` and the scales of ``X [R, C]``'s groups (module docstring). The grid: row
     blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all).
-    ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is written)."""
+    ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is written);
+    ``"row_amax"``'s amax per row."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = pid_r * BR + tl.arange(0, BR)
@@ -133,6 +141,13 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
             if not SCALE_GIVEN:
                 if (pid_r == 0) & (pid_c == 0):
                     tl.store(scale_ptr, scale)
+        elif GROUP == "row_amax":
+            amax = tl.load(tensor_ptr + offs_r, mask=offs_r < R, other=0.0)
+            scale = _scale_of(amax, FP8_MAX, POW2)
+            _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                        FP8_MAX, MANT, MIN_EXP)
+            if pid_c == 0:
+                tl.store(scale_ptr + offs_r * stride_sr, scale, mask=offs_r < R)
         elif GROUP == "1x128":  # BC == 128: a block per row of the tile
             scale = _scale_of(tl.max(tl.abs(x), axis=1), FP8_MAX, POW2)
             _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,

@@ -44,13 +44,15 @@ _GROUP = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128", 
 EPS = 1e-12
 """The floor of an amax (torchao's): an all-zero group gets a finite scale."""
 
-TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_t": (16, 256, 4),
+TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax_t": (32, 256, 8),
          "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16), "128x128_t": (128, 128, 8)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
 (its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
-amax, then the cast: the second read finds the row in cache). Chosen on one H200 over the quantize
+amax, then the cast: the second read finds the row in cache); a row read across a transposed view takes
+``"row_amax"``: an amax pass over tiles (an atomic max per row), then the cast over tiles. Chosen on one H200 over the quantize
 launches of a transformer block's training step."""
-INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "1x128": (128, 128, 4), "128x128": (128, 128, 4)}
+INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": (128, 256, 4), "1x128": (128, 128, 4),
+                     "128x128": (128, 128, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
 transposed kinds take their group's)."""
 
@@ -80,7 +82,8 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     * ``x_scale``: ``x`` is float8 with these scales (``matmul``'s ``scale_a`` forms for ``x`` as
       given: one element, ``[R, 1]`` or ``[R, C/128]``), and ``x * x_scale`` is quantized again.
 
-    No host synchronisation: tensorwise is two launches (an amax, then the cast), the others one.
+    No host synchronisation: tensorwise, and rowwise of ``x.T``, are two launches (an amax, then the
+cast), the others one.
     On the CPU this runs in Triton's interpreter; bfloat16 is read through float32 there.
 
     Errors name the argument: a granularity or dtype not listed, ``pad`` or ``scale`` with a
@@ -107,14 +110,17 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     in_scale, in_strides, in_groups = _input_scales(x, x_scale, transpose)
     fp8_max = FP8_MAX[dtype]
     mant, min_exp = _GRID[dtype]
+    if group == "row" and _across(*strides):
+        group = "row_amax"  # the rows are strided columns: an amax pass over tiles, then the cast
     br, bc, warps = tiles_of(group, *strides, interpreter=interp)
     switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
         tensor = scale
-        if group == "tensor" and scale is None:
-            tensor = torch.zeros(1, dtype=torch.float32, device=device)
+        if group in ("tensor", "row_amax") and scale is None:
+            tensor = torch.zeros(rows if group == "row_amax" else 1, dtype=torch.float32, device=device)
             amax_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-                x, in_scale, tensor, rows, cols, *strides, *in_strides, BR=br, BC=bc, num_warps=warps, **switches)
+                x, in_scale, tensor, rows, cols, *strides, *in_strides, BR=br, BC=bc, num_warps=warps,
+                PER_ROW=group == "row_amax", **switches)
         grid = (triton.cdiv(rows, br), 1 if group == "row" else triton.cdiv(cols_out, bc))
         scale_strides = (0, 0) if out_scale.dim() == 0 else out_scale.stride()
         quantize_kernel[grid](
@@ -125,11 +131,16 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     return Quantized(data, out_scale)
 
 
+def _across(stride_xr: int, stride_xc: int) -> bool:
+    # Whether the input is read across its memory's rows (a transposed view): its rows are contiguous.
+    return stride_xr == 1 and stride_xc != 1
+
+
 def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -> tuple[int, int, int]:
     """``(BR, BC, num_warps)`` of a launch of ``group`` over an input of strides ``(stride_xr, stride_xc)``."""
     if interpreter:
         return INTERPRETER_TILES[group]
-    return TILES[f"{group}_t" if stride_xr == 1 and stride_xc != 1 else group]
+    return TILES[f"{group}_t" if _across(stride_xr, stride_xc) else group]
 
 
 def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
