@@ -51,7 +51,8 @@ import dataclasses
 
 import torch
 
-from tileweave.ops.compute.quantize import quantize
+from tileweave.ops.compute.fused_quantize import NormQuantized, rms_norm_quantize, swiglu_quantize
+from tileweave.ops.compute.quantize import Quantized, quantize
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
 _A = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
@@ -122,6 +123,19 @@ class Float8Recipe:
         as ``lhs``'s."""
         return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
                         power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def normed_lhs(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                   return_values: bool = False) -> NormQuantized:
+        """The forward GEMM's first operand ``q(rms_norm(x))`` of ``x [M, K]``, as ``lhs`` casts it, from the
+        kernel that computes the norm (``rms_norm_quantize``: also each row's ``rstd``, and the normalized
+        values in ``x``'s dtype with ``return_values``)."""
+        return rms_norm_quantize(x, weight, eps, _A[self.scaling], power_of_two=self.power_of_two_scales,
+                                 return_values=return_values)
+
+    def swiglu_lhs(self, gate: torch.Tensor, up: torch.Tensor) -> Quantized:
+        """The forward GEMM's first operand ``q(silu(gate) * up)`` (``[M, K]`` each), as ``lhs`` casts it,
+        from the kernel that computes the SwiGLU (``swiglu_quantize``)."""
+        return swiglu_quantize(gate, up, _A[self.scaling], power_of_two=self.power_of_two_scales)[0]
 
     def check_features(self, owner: str, contractions: dict[str, int]) -> None:
         """Refuse blockwise scaling where a GEMM's contraction over features is not a multiple of 128
