@@ -83,7 +83,8 @@ class ColumnParallelFP8(torch.autograd.Function):
             y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
             ctx.save_for_backward(x_regather, None, weight, _tensor_scale(recipe, qw), *norm_saved)
         ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
-        ctx.x_dtype, ctx.bias_dtype, ctx.norm = x_shard.dtype, None if bias is None else bias.dtype, norm_eps is not None
+        ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
+        ctx.norm = norm_eps is not None
         return y
 
     @staticmethod
