@@ -40,6 +40,18 @@ ranks (the row layer, whose dgrad AllGather+GEMM gathers ``dy`` in float8: half 
 gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the gathered
 float8 ``dy`` dequantized (row layer).
 
+Which casts are fused into the kernel that produces the tensor. The forward GEMM's activation operand
+of a column-parallel linear called with ``norm=`` (the RMSNorm before it, as ``TPTransformerBlock`` calls
+its QKV and gate/up projections) is written by the RMSNorm's own kernel, and that of a row-parallel
+linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
+blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
+cast). The normalized or gated activation is then never written in high precision (but by a column
+layer with ``save_gathered=False``, which keeps it to gather it again), its values are cast from
+float32 (not rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from
+the norm's input and each row's ``rstd`` or from ``gate | up``. Every other cast is a pass of its own
+(``tileweave.ops.compute.quantize``): the forward's input of a linear called without a producer, the
+weights (twice per step), the output gradients and the weight gradient's requantized operands.
+
 The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
 K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
 blockwise scaling always adds each K step in fp32.

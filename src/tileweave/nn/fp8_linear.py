@@ -25,7 +25,10 @@ wgrad      ``dw [N, K/W] = q(AG_M(q(dy_shard))).T @ q(q(x))`` GEMM on the gather
                                                               each quantized again
 =========  =================================================  ==================================
 
-Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
+With a producer of the input fused in (``tileweave.nn.fused_inputs``), the column layer's ``q(x_shard)``
+is ``q(rms_norm(x_shard))`` written by the norm's kernel, and the row layer's ``q(x)`` is ``q(silu(gate) *
+up)`` of ``x = gate | up`` written by the SwiGLU's kernel; their backward turns the input gradient
+above into the producer's. Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
 quantized in its own orientation, read in place. The weight is quantized each step from the master
 weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
 the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
