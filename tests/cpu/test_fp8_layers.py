@@ -1,8 +1,10 @@
 """The TP linears' FP8 training on emulated ranks: for each recipe (tensorwise, rowwise, blockwise) the
 forward output and the input, weight and bias gradients against float64 of the same quantized math,
 written independently (``support.fp8_reference``), at one and two ranks; M and N off the tiles
-(the blockwise weight gradient's tokens padded); the layers' refusals by name; the four linears of
-``TPTransformerBlock(fp8=...)``, each against the same reference on the tensors it received."""
+(the blockwise weight gradient's tokens padded); a column layer with an RMSNorm and a row layer with a
+SwiGLU fused into its input's cast, the reference quantizing the norm's and the SwiGLU's values; the
+layers' refusals by name; the four linears of ``TPTransformerBlock(fp8=...)``, each against the same
+reference on the tensors it received."""
 
 import pytest
 
@@ -16,7 +18,10 @@ TOL = 1e-5  # float32 outputs of float8 products that match the reference's bit 
 CASES = {
     1: [("row", "rowwise", 40, 128, 72, True, True, 2)],  # the block's test has blockwise at one rank
     2: [("column", "tensorwise", 48, 128, 80, True, True, 2), ("column", "rowwise", 48, 128, 80, False, False, 1), ("column", "blockwise", 48, 128, 256, True, True, 1),
-        ("row", "blockwise", 48, 256, 128, True, True, 1)],
+        ("row", "blockwise", 48, 256, 128, True, True, 1),
+        # the producers fused into the input's cast: a norm with the input gathered again in backward, a SwiGLU
+        ("column", "tensorwise", 48, 128, 80, False, False, 1, "norm"),
+        ("row", "rowwise", 48, 256, 72, True, True, 1, "swiglu")],
 }
 
 
@@ -24,7 +29,8 @@ CASES = {
 def test_fp8_linears_match_float64_of_the_same_quantized_math(world):
     for rows in run_ranks(world, scenarios.fp8_linear_check, CASES[world]):
         for row in rows:
-            for name in ("y", "dx", "dw") + (("db",) if row["case"][5] else ()):
+            names = ("y", "dx", "dw") + (("db",) if row["case"][5] else ())
+            for name in names + (("dnorm",) if "norm" in row["case"] else ()):
                 assert row[name] < TOL, (name, row)
             assert row["dtypes"] == ["torch.float32"], row  # outputs and gradients in the input's dtype
             if world > 1:
@@ -59,7 +65,7 @@ def test_fp8_block_runs_each_linear_on_the_recipe(world, cases):
         for row in rows:
             assert row["fp8"] == row["case"][0], row
             for layer in ("qkv", "o", "gate_up", "down"):
-                for key in ("y", "dx", "dw"):
+                for key in ("y", "dx", "dw") + (("dnorm",) if layer in ("qkv", "gate_up") else ()):
                     assert row[f"{layer}_{key}"] < TOL, (layer, key, row)
             for key in ("y_exact", "dx_exact"):
                 assert 1e-3 < row[key] < 0.15, (key, row)  # e4m3 keeps 3 bits: a few percent

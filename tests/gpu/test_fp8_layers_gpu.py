@@ -16,9 +16,11 @@ pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.skipif(
 # bf16 outputs of exactly quantized operands: bf16's rounding, and Hopper's FP8 MMA within a K step.
 TOL = 1e-2
 
-# (layer, recipe, M tokens over the group, in_features, out_features, bias, save_gathered, steps)
+# (layer, recipe, M tokens over the group, in_features, out_features, bias, save_gathered, steps[, producer])
 ONE_RANK = [("column", "blockwise", 4000, 1024, 2048, True, True, 2), ("row", "rowwise", 4000, 1024, 1000, True, True, 2),
-            ("column", "tensorwise", 4000, 1024, 1000, False, False, 1)]
+            ("column", "tensorwise", 4000, 1024, 1000, False, False, 1),
+            ("column", "rowwise", 4000, 1024, 1000, False, False, 1, "norm"),  # an RMSNorm, the input regathered
+            ("row", "blockwise", 4000, 1024, 1024, True, True, 1, "swiglu")]
 TWO_RANKS = [("column", "tensorwise", 4096, 1024, 2000, True, True, 2), ("row", "tensorwise", 4096, 2048, 1000, True, True, 1),
              ("column", "rowwise", 4000, 1024, 2000, False, False, 2), ("row", "rowwise", 4000, 2048, 1000, True, True, 1),
              ("column", "blockwise", 4000, 1024, 2048, True, True, 2), ("row", "blockwise", 4000, 2048, 1024, True, True, 1)]
@@ -26,7 +28,8 @@ TWO_RANKS = [("column", "tensorwise", 4096, 1024, 2000, True, True, 2), ("row", 
 
 def _check(rows):
     for row in rows:
-        for name in ("y", "dx", "dw") + (("db",) if row["case"][5] else ()):
+        names = ("y", "dx", "dw") + (("db",) if row["case"][5] else ())
+        for name in names + (("dnorm",) if "norm" in row["case"] else ()):
             assert row[name] < TOL, (name, row)
         assert row["dtypes"] == ["torch.bfloat16"], row
 
@@ -51,7 +54,7 @@ def test_fp8_block_gpu(ranks):
     for rows in run_ranks(ranks, scenarios.fp8_block_check, cases, "bfloat16", gpus=True, timeout_s=300):
         for row in rows:
             for layer in ("qkv", "o", "gate_up", "down"):
-                for key in ("y", "dx", "dw"):
+                for key in ("y", "dx", "dw") + (("dnorm",) if layer in ("qkv", "gate_up") else ()):
                     assert row[f"{layer}_{key}"] < TOL, (layer, key, row)
             for key in ("y_exact", "dx_exact"):
                 assert row[key] < 0.15, (key, row)

@@ -135,3 +135,40 @@ def linear(recipe: str):
     """``references.transformer_block``'s ``linear`` for a block on one rank in this FP8 recipe."""
     r = Recipe(recipe)
     return lambda a, w, kind: _Linear.apply(a, w, r, kind)
+
+
+# -- the producers fused into the linears' input cast (``tileweave.nn.fused_inputs``) ----------------------
+
+def rms_norm32(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The float32 values that the fused RMSNorm casts, by its documented formula: ``rstd = 1 /
+    sqrt(float32(sum(x * x) / H) + eps)`` with the sum of squares in float64, then ``(x * rstd) * w``, each
+    float32 step correctly rounded (on the CPU ``torch.rsqrt`` divides 1 by a correctly rounded square
+    root; ``torch.sqrt`` is not correctly rounded there)."""
+    x = x.float()
+    mean_sq = ((x.double() * x.double()).sum(1, keepdim=True) / x.shape[1]).float()
+    y = x * torch.rsqrt(mean_sq + eps)
+    return y if w is None else y * w.float()
+
+
+def swiglu32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The float32 values that the fused SwiGLU casts: ``(g * float32(1 / (1 + exp(-g)))) * u``, the
+    sigmoid in float64."""
+    g = gate.float()
+    return (g * (1 / (1 + torch.exp(-g.double()))).float()) * up.float()
+
+
+def rms_norm_backward64(x: torch.Tensor, w: torch.Tensor, eps: float, dy: torch.Tensor):
+    """``(dx, dw)`` in float64 of ``x / sqrt(mean(x^2) + eps) * w`` for the gradient ``dy``, by autograd."""
+    x64 = x.double().requires_grad_(True)
+    w64 = w.double().requires_grad_(True)
+    y = x64 / torch.sqrt((x64 * x64).mean(1, keepdim=True) + eps) * w64
+    y.backward(dy.double())
+    return x64.grad, w64.grad
+
+
+def swiglu_backward64(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+    """The float64 gradient of ``gate | up`` for the gradient ``dh`` of ``silu(gate) * up``, by autograd."""
+    g = gate.double().requires_grad_(True)
+    u = up.double().requires_grad_(True)
+    (g * torch.sigmoid(g) * u).backward(dh.double())
+    return torch.cat([g.grad, u.grad], 1)

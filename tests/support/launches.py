@@ -29,6 +29,7 @@ from tileweave.nn import TPMoE
 from tileweave.ops.all_reduce.transports import tiles as all_reduce_tiles
 from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES, rms_norm_quantize, swiglu_quantize
 from tileweave.ops.compute.quantize import quantize, tiles_of as quantize_tiles
 from tileweave.ops.compute.swiglu import TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
@@ -162,6 +163,11 @@ def h200_variant(launch: Launch) -> Launch | None:
         strides = (launch.args[fn.arg_names.index("stride_xr")], launch.args[fn.arg_names.index("stride_xc")])
         group = kwargs.get("GROUP", "row_amax" if kwargs.get("PER_ROW") else "tensor")
         kwargs.update(zip(("BR", "BC", "num_warps"), quantize_tiles(group, *strides, interpreter=False)))
+    elif kernel == "rms_norm_quantize_kernel":
+        kwargs.update(zip(("BR", "BC", "num_warps"), FUSED_QUANTIZE_TILES["norm"]))
+    elif kernel == "swiglu_quantize_kernel":
+        tiles = FUSED_QUANTIZE_TILES["swiglu_row" if kwargs["GROUP"] == "row" else "swiglu"]
+        kwargs.update(zip(("BR", "BC", "num_warps"), tiles))
     elif kernel in ("oneshot_kernel", "twoshot_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         rows = launch.args[fn.arg_names.index("rows")]
@@ -289,6 +295,17 @@ def _quantize_calls() -> dict[str, Callable[[], object]]:
         **{f"quantize, requantized float8 {form}": lambda scale=scale: quantize(
             _fp8(128, 256), "blockwise_128x128", transpose=True, x_scale=scale)
            for form, scale in (("[R, 1]", torch.ones(128, 1)), ("[R, C/128]", torch.ones(128, 2)))},
+        # The RMSNorm and SwiGLU with their cast fused: each group kind (tensorwise: two launches), with and
+        # without the values, a norm without a weight, a values-only norm, gate and up as strided halves.
+        "rms_norm_quantize, rowwise, power of two, fp32 weight, values": lambda: rms_norm_quantize(
+            _randn(40, 300), x(300), 1e-5, "rowwise", power_of_two=True, return_values=True),
+        "rms_norm_quantize, 1x128, no weight": lambda: rms_norm_quantize(_randn(40, 256), None, 1e-5, "blockwise_1x128"),
+        "rms_norm_quantize, tensorwise, e5m2, values": lambda: rms_norm_quantize(
+            _randn(40, 136), _randn(136), 1e-6, "tensorwise", dtype=E5M2, return_values=True),
+        "rms_norm_quantize, values only": lambda: rms_norm_quantize(x(9, 64), x(64), 1e-5, None, return_values=True),
+        **{f"swiglu_quantize, {granularity}, strided halves": lambda granularity=granularity: swiglu_quantize(
+            *_randn(40, 512).chunk(2, dim=1), granularity, power_of_two=granularity == "rowwise",
+            return_values=granularity == "tensorwise") for granularity in ("rowwise", "blockwise_1x128", "tensorwise")},
     }
 
 

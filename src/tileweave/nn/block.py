@@ -8,9 +8,10 @@ row-parallel GEMM:
     y = h + down_proj(silu(gate(rms_norm(h))) * up(rms_norm(h)))  # gate_up: column-, down: row-parallel
 
 Each rank runs heads/W attention heads and ffn/W MLP features. With ``fp8=`` a recipe
-(``tileweave.nn.fp8``) the four linears run their forward and backward GEMMs in float8; the norms,
-RoPE, attention and SwiGLU stay in the model's dtype, and each linear quantizes its input in a pass of
-its own (not yet fused into the RMSNorm or the SwiGLU that produce it). With ``TILEWEAVE_POLICY=fallback`` set
+(``tileweave.nn.fp8``) the four linears run their forward and backward GEMMs in float8; RoPE and
+attention stay in the model's dtype, and the RMSNorms and the SwiGLU run in the kernels that cast
+their outputs to float8 for the linears after them (``ColumnParallelLinear(x, norm=...)``,
+``RowParallelLinear(gate_up, swiglu=True)``): those outputs are never written in high precision. With ``TILEWEAVE_POLICY=fallback`` set
 before the first call, the same block runs NCCL collectives around cuBLAS GEMMs (Megatron-style, no
 overlap), for comparison.
 """
@@ -177,7 +178,7 @@ class TPTransformerBlock(nn.Module):
     def _forward(self, x_shard: torch.Tensor, batch: int, seq_shard: int | None) -> torch.Tensor:
         # seq_shard: rows in rank-major order of [B, S/W] blocks (a sequence-sharded input), else None
         c, hd = self.config, self.config.head_dim
-        qkv = self.qkv(self.attn_norm(x_shard))                       # [M, (hl + 2 kvl) hd]
+        qkv = self.qkv(x_shard, norm=self.attn_norm)                  # [M, (hl + 2 kvl) hd]
         m = qkv.shape[0]
         if seq_shard is not None:
             qkv = from_rank_major(qkv, self.world, (batch, seq_shard), 1).reshape(m, -1)
@@ -189,8 +190,8 @@ class TPTransformerBlock(nn.Module):
         attn = attn.reshape(m, self.local_heads * hd) if seq_shard is None else \
             to_rank_major(attn.reshape(batch, m // batch, -1), self.world, 1)
         h = x_shard + self.o(attn)
-        gate, up = self.gate_up(self.mlp_norm(h)).chunk(2, dim=1)
-        return h + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(h, norm=self.mlp_norm)                 # [M, 2 ffn / W]: gate | up
+        return h + self.down(gate_up, swiglu=True)
 
     @torch.no_grad()
     def load(self, read: Reader, prefix: str = "") -> None:

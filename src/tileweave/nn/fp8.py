@@ -40,6 +40,18 @@ ranks (the row layer, whose dgrad AllGather+GEMM gathers ``dy`` in float8: half 
 gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the gathered
 float8 ``dy`` dequantized (row layer).
 
+Which casts are fused into the kernel that produces the tensor. The forward GEMM's activation operand
+of a column-parallel linear called with ``norm=`` (the RMSNorm before it, as ``TPTransformerBlock`` calls
+its QKV and gate/up projections) is written by the RMSNorm's own kernel, and that of a row-parallel
+linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
+blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
+cast). The normalized or gated activation is then never written in high precision (but by a column
+layer with ``save_gathered=False``, which keeps it to gather it again), its values are cast from
+float32 (not rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from
+the norm's input and each row's ``rstd`` or from ``gate | up``. Every other cast is a pass of its own
+(``tileweave.ops.compute.quantize``): the forward's input of a linear called without a producer, the
+weights (twice per step), the output gradients and the weight gradient's requantized operands.
+
 The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
 K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
 blockwise scaling always adds each K step in fp32.
@@ -51,7 +63,8 @@ import dataclasses
 
 import torch
 
-from tileweave.ops.compute.quantize import quantize
+from tileweave.ops.compute.fused_quantize import NormQuantized, rms_norm_quantize, swiglu_quantize
+from tileweave.ops.compute.quantize import Quantized, quantize
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
 _A = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
@@ -122,6 +135,19 @@ class Float8Recipe:
         as ``lhs``'s."""
         return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
                         power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def normed_lhs(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                   return_values: bool = False) -> NormQuantized:
+        """The forward GEMM's first operand ``q(rms_norm(x))`` of ``x [M, K]``, as ``lhs`` casts it, from the
+        kernel that computes the norm (``rms_norm_quantize``: also each row's ``rstd``, and the normalized
+        values in ``x``'s dtype with ``return_values``)."""
+        return rms_norm_quantize(x, weight, eps, _A[self.scaling], power_of_two=self.power_of_two_scales,
+                                 return_values=return_values)
+
+    def swiglu_lhs(self, gate: torch.Tensor, up: torch.Tensor) -> Quantized:
+        """The forward GEMM's first operand ``q(silu(gate) * up)`` (``[M, K]`` each), as ``lhs`` casts it,
+        from the kernel that computes the SwiGLU (``swiglu_quantize``)."""
+        return swiglu_quantize(gate, up, _A[self.scaling], power_of_two=self.power_of_two_scales)[0]
 
     def check_features(self, owner: str, contractions: dict[str, int]) -> None:
         """Refuse blockwise scaling where a GEMM's contraction over features is not a multiple of 128

@@ -25,7 +25,10 @@ wgrad      ``dw [N, K/W] = q(AG_M(q(dy_shard))).T @ q(q(x))`` GEMM on the gather
                                                               each quantized again
 =========  =================================================  ==================================
 
-Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
+With a producer of the input fused in (``tileweave.nn.fused_inputs``), the column layer's ``q(x_shard)``
+is ``q(rms_norm(x_shard))`` written by the norm's kernel, and the row layer's ``q(x)`` is ``q(silu(gate) *
+up)`` of ``x = gate | up`` written by the SwiGLU's kernel; their backward turns the input gradient
+above into the producer's. Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
 quantized in its own orientation, read in place. The weight is quantized each step from the master
 weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
 the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
@@ -38,8 +41,10 @@ GEMMs run on the layer's ``TPOps``: the two with communication on its ``all_gath
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tileweave.nn.fp8 import Float8Recipe
+from tileweave.nn.fused_inputs import norm_eps, rms_norm_backward, swiglu_backward
 from tileweave.nn.tp_ops import start_gather
 
 
@@ -61,24 +66,33 @@ def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 class ColumnParallelFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, save_gathered, ops, recipe: Float8Recipe, out_dtype):
-        qx, qw = recipe.lhs(x_shard), recipe.rhs(weight)
+    def forward(ctx, x_shard, weight, bias, norm_weight, group, save_gathered, ops, recipe: Float8Recipe, out_dtype,
+                norm_eps):
+        # norm_eps not None: x_shard is the input of an RMSNorm (weight norm_weight, or none), fused into the cast
+        rstd = None
+        if norm_eps is None:
+            qx, x_regather = recipe.lhs(x_shard), x_shard
+        else:  # the normalized input is written in high precision only to be gathered again in backward
+            qx, rstd, x_regather = recipe.normed_lhs(x_shard, norm_weight, norm_eps, return_values=not save_gathered)
+        qw = recipe.rhs(weight)
         fp8 = dict(scale_a=qx.scale, scale_b=qw.scale.t(), out_dtype=out_dtype,
                    use_fast_accum=recipe.forward_fast_accum)
+        norm_saved = (x_shard, norm_weight, rstd) if norm_eps is not None else (None, None, None)
         if save_gathered:
             y, gathered, gathered_scales = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype),
                                                                return_gathered=True, **fp8)
-            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw))
+            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw), *norm_saved)
         else:  # gathered again in backward, in the input's dtype
             y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
-            ctx.save_for_backward(x_shard, None, weight, _tensor_scale(recipe, qw))
+            ctx.save_for_backward(x_regather, None, weight, _tensor_scale(recipe, qw), *norm_saved)
         ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
         ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
+        ctx.norm = norm_eps is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        saved, saved_scales, weight, w_scale = ctx.saved_tensors
+        saved, saved_scales, weight, w_scale, x_norm_in, norm_weight, rstd = ctx.saved_tensors
         recipe = ctx.recipe
         dy = dy.contiguous()
         pending = None if ctx.save_gathered else start_gather(ctx.ops, saved, ctx.group)
@@ -95,24 +109,29 @@ class ColumnParallelFP8(torch.autograd.Function):
             pending.release()
         dw = _wgrad(ctx.ops, recipe, qdyt, qxt, weight.dtype)
         db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx_shard, dw, db, None, None, None, None, None
+        dnorm = None
+        if ctx.norm:  # dx_shard so far is the gradient of the norm's output
+            dx_shard, dnorm = rms_norm_backward(dx_shard, x_norm_in, norm_weight, rstd)
+        return dx_shard, dw, db, dnorm, None, None, None, None, None, None
 
 
 class RowParallelFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, ops, recipe: Float8Recipe, out_dtype):
-        qx, qw = recipe.lhs(x), recipe.rhs(weight)
+    def forward(ctx, x, weight, bias, group, ops, recipe: Float8Recipe, out_dtype, swiglu):
+        # swiglu: x is gate | up, and silu(gate) * up is computed by the kernel that casts it
+        qx = recipe.swiglu_lhs(*x.chunk(2, dim=1)) if swiglu else recipe.lhs(x)
+        qw = recipe.rhs(weight)
         y_shard = ops.gemm_reduce_scatter(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), scale_a=qx.scale,
                                           scale_b=qw.scale.t(), out_dtype=out_dtype,
                                           use_fast_accum=recipe.forward_fast_accum)
-        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw))
-        ctx.group, ctx.ops, ctx.recipe = group, ops, recipe
+        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw), x if swiglu else None)
+        ctx.group, ctx.ops, ctx.recipe, ctx.swiglu = group, ops, recipe, swiglu
         ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return y_shard
 
     @staticmethod
     def backward(ctx, dy_shard):
-        x8, x_scale, weight, w_scale = ctx.saved_tensors
+        x8, x_scale, weight, w_scale, gate_up = ctx.saved_tensors
         recipe = ctx.recipe
         qdy = recipe.lhs(dy_shard.contiguous(), grad=True)
         qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
@@ -126,7 +145,9 @@ class RowParallelFP8(torch.autograd.Function):
         # The bias is added once, on the owner of each row: its gradient sums every row of dy, here the
         # gathered float8 rows (the only whole dy this rank has), dequantized, in fp32.
         db = None if ctx.bias_dtype is None else dequantize_rows(gathered, gathered_scales).sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        if ctx.swiglu:  # dx so far is the gradient of the SwiGLU's output
+            dx = swiglu_backward(dx, gate_up)
+        return dx, dw, db, None, None, None, None, None
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -143,16 +164,20 @@ def out_dtype_of(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
-def column_parallel(x_shard, weight, bias, group, save_gathered: bool, ops, recipe: Float8Recipe) -> torch.Tensor:
+def column_parallel(x_shard, weight, bias, group, save_gathered: bool, ops, recipe: Float8Recipe, *,
+                    norm: nn.RMSNorm | None = None) -> torch.Tensor:
     """``ColumnParallelFP8`` outside autocast (the layer casts nothing: the quantization reads each
-    tensor in its own dtype)."""
+    tensor in its own dtype); ``norm``: an RMSNorm to apply to ``x_shard`` first, fused into its cast."""
     out_dtype = out_dtype_of(x_shard)
+    norm_weight, eps = (None, None) if norm is None else (norm.weight, norm_eps(norm, x_shard))
     with torch.autocast(x_shard.device.type, enabled=False):
-        return ColumnParallelFP8.apply(x_shard, weight, bias, group, save_gathered, ops, recipe, out_dtype)
+        return ColumnParallelFP8.apply(x_shard, weight, bias, norm_weight, group, save_gathered, ops, recipe, out_dtype,
+                                       eps)
 
 
-def row_parallel(x, weight, bias, group, ops, recipe: Float8Recipe) -> torch.Tensor:
-    """``RowParallelFP8`` outside autocast."""
+def row_parallel(x, weight, bias, group, ops, recipe: Float8Recipe, *, swiglu: bool = False) -> torch.Tensor:
+    """``RowParallelFP8`` outside autocast; ``swiglu``: ``x`` is ``gate | up`` and the layer's input is
+    ``silu(gate) * up``, computed by the kernel that casts it."""
     out_dtype = out_dtype_of(x)
     with torch.autocast(x.device.type, enabled=False):
-        return RowParallelFP8.apply(x, weight, bias, group, ops, recipe, out_dtype)
+        return RowParallelFP8.apply(x, weight, bias, group, ops, recipe, out_dtype, swiglu)

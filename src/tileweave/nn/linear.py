@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tileweave.nn import fp8_linear, inference
+from tileweave.nn import fp8_linear, fused_inputs, inference
 from tileweave.nn.checkpoint import Reader, check_unused, dict_reader
 from tileweave.nn.fp8 import Float8Recipe, resolve
 from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
@@ -114,31 +114,42 @@ class _RowParallel(torch.autograd.Function):
 
 def all_gather_linear(x_shard: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       group: dist.ProcessGroup | None = None, *, save_gathered: bool = True,
-                      ops: TPOps | None = None, fp8: Float8Recipe | str | None = None) -> torch.Tensor:
+                      ops: TPOps | None = None, fp8: Float8Recipe | str | None = None,
+                      norm: nn.RMSNorm | None = None) -> torch.Tensor:
     """``ColumnParallelLinear``'s computation on given shards, differentiable: ``y [M, N/W] =
     AG_M(x_shard_m [M/W, K]) @ weight.T + bias``, with ``weight`` this rank's rows ``[N/W, K]`` and
     ``bias [N/W]`` (forward and backward in the module docstring). ``ops``: the communication GEMMs
-    (None: tileweave's); ``fp8``: a recipe, as the layer's. Collective over ``group``, like the layer."""
+    (None: tileweave's); ``fp8``: a recipe, as the layer's; ``norm``: as the layer's ``forward``.
+    Collective over ``group``, like the layer."""
     group = group if group is not None else dist.group.WORLD
     recipe = resolve(fp8)
+    if norm is not None:
+        fused_inputs.check_norm("all_gather_linear", norm, x_shard)
     if recipe is not None:
         recipe.check_features("all_gather_linear", {"K": weight.shape[1], "N/W": weight.shape[0]})
-        return fp8_linear.column_parallel(x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS, recipe)
+        return fp8_linear.column_parallel(x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS, recipe,
+                                          norm=norm)
+    if norm is not None:
+        x_shard = norm(x_shard)
     return _run(_ColumnParallel.apply, x_shard, weight, bias, group, save_gathered, ops or TILEWEAVE_OPS)
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           group: dist.ProcessGroup | None = None, *, ops: TPOps | None = None,
-                          fp8: Float8Recipe | str | None = None) -> torch.Tensor:
+                          fp8: Float8Recipe | str | None = None, swiglu: bool = False) -> torch.Tensor:
     """``RowParallelLinear``'s computation on given shards, differentiable: ``y_shard_m [M/W, N] =
     RS_M(x [M, K/W] @ weight.T) + bias``, with ``weight`` this rank's columns ``[N, K/W]`` and the whole
-    ``bias [N]``, added once (module docstring); ``fp8``: a recipe, as the layer's. Collective over
-    ``group``, like the layer."""
+    ``bias [N]``, added once (module docstring); ``fp8``: a recipe, as the layer's; ``swiglu``: as the
+    layer's ``forward``. Collective over ``group``, like the layer."""
     group = group if group is not None else dist.group.WORLD
     recipe = resolve(fp8)
+    if swiglu:
+        fused_inputs.check_swiglu("linear_reduce_scatter", x, weight.shape[1])
     if recipe is not None:
         recipe.check_features("linear_reduce_scatter", {"K/W": weight.shape[1], "N": weight.shape[0]})
-        return fp8_linear.row_parallel(x, weight, bias, group, ops or TILEWEAVE_OPS, recipe)
+        return fp8_linear.row_parallel(x, weight, bias, group, ops or TILEWEAVE_OPS, recipe, swiglu=swiglu)
+    if swiglu:
+        x = fused_inputs.swiglu(x)
     return _run(_RowParallel.apply, x, weight, bias, group, ops or TILEWEAVE_OPS)
 
 
@@ -202,18 +213,28 @@ class ColumnParallelLinear(_TPLinear):
                          dtype=dtype, ops=ops, sequence_parallel=sequence_parallel, fp8=fp8)
         self.save_gathered = save_gathered
 
-    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_shard: torch.Tensor, *, norm: nn.RMSNorm | None = None) -> torch.Tensor:
         """``x_shard [M/W, in]`` (rank r's block of the M token rows) -> ``[M, out/W]``; or ``[B, S/W,
         in]`` (positions ``[r*S/W, (r+1)*S/W)`` of every sequence: sharded on the sequence dimension,
         the one before the features) -> ``[B, S, out/W]``. Without sequence parallelism ``[..., in]`` ->
-        ``[..., out/W]``."""
+        ``[..., out/W]``.
+
+        ``norm``: an ``nn.RMSNorm`` over the features; the layer then computes ``self(norm(x_shard))``
+        and the gradients of both. With ``fp8`` the norm runs in the kernel that casts its output to
+        float8 (``tileweave.nn.fp8``: the normalized input is not written in high precision), else
+        first, in torch."""
+        if norm is not None:
+            fused_inputs.check_norm(type(self).__name__, norm, x_shard)
+        fused = self.fp8 is not None and self.sequence_parallel
+        if norm is not None and not fused:
+            x_shard = norm(x_shard)
         flat = x_shard.reshape(-1, x_shard.shape[-1]) if x_shard.dim() > 2 else x_shard
         if not self.sequence_parallel:
             y = _run(inference.column_parallel_linear, flat, self.weight, self.bias, self.group)
             return y.view(*x_shard.shape[:-1], y.shape[-1])
-        if self.fp8 is not None:
+        if fused:
             y = fp8_linear.column_parallel(flat, self.weight, self.bias, self.group, self.save_gathered, self.ops,
-                                           self.fp8)
+                                           self.fp8, norm=norm)
         else:
             y = _run(_ColumnParallel.apply, flat, self.weight, self.bias, self.group, self.save_gathered, self.ops)
         return y if x_shard.dim() <= 2 else from_rank_major(y, self.world, x_shard.shape[:-1], x_shard.dim() - 2)
@@ -258,25 +279,33 @@ class RowParallelLinear(_TPLinear):
         super().__init__(in_features, out_features, split_dim=1, bias=bias, group=group, device=device,
                          dtype=dtype, ops=ops, sequence_parallel=sequence_parallel, fp8=fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, swiglu: bool = False) -> torch.Tensor:
         """``x [M, in/W]`` -> ``y_shard_m [M/W, out]`` (rank r's block of the M token rows); or ``[B, S,
         in/W]`` -> ``[B, S/W, out]`` (positions ``[r*S/W, (r+1)*S/W)`` of every sequence; S divisible
-        by W). Without sequence parallelism ``[..., in/W]`` -> ``[..., out]``."""
+        by W). Without sequence parallelism ``[..., in/W]`` -> ``[..., out]``.
+
+        ``swiglu``: ``x`` is ``gate | up`` (``[..., 2 in/W]``, the two halves of its last dimension) and the
+        layer's input is ``silu(gate) * up``. With ``fp8`` the SwiGLU runs in the kernel that casts its
+        output to float8 (``tileweave.nn.fp8``), else first, in torch."""
+        if swiglu:
+            fused_inputs.check_swiglu(type(self).__name__, x, self.weight.shape[1])
+            if self.fp8 is None or not self.sequence_parallel:
+                x, swiglu = fused_inputs.swiglu(x), False
         if not self.sequence_parallel:
             y = _run(inference.row_parallel_linear, x.reshape(-1, x.shape[-1]), self.weight, self.bias, self.group)
             return y.view(*x.shape[:-1], y.shape[-1])
         if x.dim() <= 2:
-            return self._row_parallel(x)
+            return self._row_parallel(x, swiglu)
         seq = x.shape[-2]
         if seq % self.world:
             raise ValueError(f"RowParallelLinear: x {list(x.shape)} has S={seq} positions per sequence, which "
                              f"do not split over the {self.world} ranks of the TP group")
-        y = self._row_parallel(to_rank_major(x, self.world, x.dim() - 2))
+        y = self._row_parallel(to_rank_major(x, self.world, x.dim() - 2), swiglu)
         return y.view(*x.shape[:-2], seq // self.world, y.shape[-1])
 
-    def _row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, swiglu: bool) -> torch.Tensor:
         if self.fp8 is not None:
-            return fp8_linear.row_parallel(x, self.weight, self.bias, self.group, self.ops, self.fp8)
+            return fp8_linear.row_parallel(x, self.weight, self.bias, self.group, self.ops, self.fp8, swiglu=swiglu)
         return _run(_RowParallel.apply, x, self.weight, self.bias, self.group, self.ops)
 
     @torch.no_grad()

@@ -25,8 +25,10 @@ def _inputs(tag: str, m: int, k: int, n: int, with_bias: bool, device):
 
 
 def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "float32") -> list[dict]:
-    """Per case ``(layer, recipe, m, k, n, bias, save_gathered, steps)`` (``layer`` "column" or "row";
-    ``m`` tokens over the group; ``k``, ``n`` the layer's in and out features): ``steps`` steps with
+    """Per case ``(layer, recipe, m, k, n, bias, save_gathered, steps[, producer])`` (``layer`` "column" or
+    "row"; ``m`` tokens over the group; ``k``, ``n`` the layer's in and out features; ``producer``
+    "norm": the column layer takes an RMSNorm's input, ``layer(x, norm=...)``, and the gradient of its
+    weight is ``dnorm``; "swiglu": the row layer takes gate | up): ``steps`` steps with
     fresh inputs (a second one takes every op's and GEMM's kept plan, with new scales), each rank's
     largest relative errors of ``y``, ``dx``, ``dw`` (and ``db``) against the float64 reference, the
     dtypes of the outputs and gradients, and the paths taken. ``dtype``: of the inputs, parameters and
@@ -34,28 +36,51 @@ def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "fl
     device, dtype = device_name(), getattr(torch, dtype)
     rows = []
     for case in cases:
-        layer_kind, recipe, m, k, n, with_bias, save_gathered, steps = case
+        layer_kind, recipe, m, k, n, with_bias, save_gathered, steps = case[:8]
+        producer = case[8] if len(case) > 8 else None
         errs: dict[str, float] = {}
         for step in range(steps):
             x, w, bias, dy = (None if t is None else t.to(dtype).float()
                               for t in _inputs(f"{case}-{step}", m, k, n, with_bias, "cpu"))
             state = {"weight": w, **({"bias": bias} if with_bias else {})}
+            kwargs = {}
             if layer_kind == "column":
                 layer = ColumnParallelLinear(k, n, bias=with_bias, save_gathered=save_gathered, device=device,
                                              dtype=dtype, fp8=recipe)
                 mine = slice(rank * m // world, (rank + 1) * m // world)
                 x_in, dy_in = x[mine], dy[:, rank * n // world:(rank + 1) * n // world]
-                ref = fp8_reference.column_parallel(recipe, x, w, bias, dy, world, rank, save_gathered=save_gathered)
+                if producer == "norm":
+                    norm = kwargs["norm"] = torch.nn.RMSNorm(k, eps=1e-5, device=device, dtype=dtype)
+                    norm_w = (1 + 0.1 * randn((k,), torch.float32, f"{case}-{step}", "norm")).to(dtype).float()
+                    with torch.no_grad():
+                        norm.weight.copy_(norm_w)
+                    x_norm = fp8_reference.rms_norm32(x, norm_w, 1e-5)
+                    ref = fp8_reference.column_parallel(recipe, x_norm, w, bias, dy, world, rank,
+                                                        save_gathered=save_gathered)
+                    ref["dx"], ref["dnorm"] = fp8_reference.rms_norm_backward64(x[mine], norm_w, 1e-5, ref["dx"])
+                else:
+                    ref = fp8_reference.column_parallel(recipe, x, w, bias, dy, world, rank,
+                                                        save_gathered=save_gathered)
             else:
                 layer = RowParallelLinear(k, n, bias=with_bias, device=device, dtype=dtype, fp8=recipe)
-                x_in = x[:, rank * k // world:(rank + 1) * k // world]
+                ks = slice(rank * k // world, (rank + 1) * k // world)
+                x_in = x[:, ks]
                 dy_in = dy[rank * m // world:(rank + 1) * m // world]
-                ref = fp8_reference.row_parallel(recipe, x, w, bias, dy, world, rank)
+                if producer == "swiglu":  # x is the gate; the up projection's output is another input
+                    up = randn((m, k), torch.float32, f"{case}-{step}", "up").to(dtype).float()
+                    kwargs["swiglu"] = True
+                    x_in = torch.cat([x[:, ks], up[:, ks]], dim=1)
+                    ref = fp8_reference.row_parallel(recipe, fp8_reference.swiglu32(x, up), w, bias, dy, world, rank)
+                    ref["dx"] = fp8_reference.swiglu_backward64(x[:, ks], up[:, ks], ref["dx"])
+                else:
+                    ref = fp8_reference.row_parallel(recipe, x, w, bias, dy, world, rank)
             layer.load_full_state_dict(state)
             xin = x_in.to(device, dtype).clone().requires_grad_(True)
-            y = layer(xin)
+            y = layer(xin, **kwargs)
             y.backward(dy_in.to(device, dtype))
             got = {"y": y, "dx": xin.grad, "dw": layer.weight.grad}
+            if producer == "norm":
+                got["dnorm"] = kwargs["norm"].weight.grad
             if with_bias:
                 got["db"] = layer.bias.grad
             for name, value in got.items():
@@ -114,7 +139,10 @@ def fp8_block_check(rank: int, world: int, cases: list[tuple], dtype: str = "flo
     ffn = hidden) on ``batch`` sequences of ``seq`` tokens, one forward and backward. Each of its four
     linears is checked against ``support.fp8_reference`` on the inputs and output gradients it actually
     received (gathered from every rank): its output, input gradient and weight gradient (``<layer>_y``,
-    ``<layer>_dx``, ``<layer>_dw``); and the block's output and input gradient against float64 of the
+    ``<layer>_dx``, ``<layer>_dw``); the column layers receive the RMSNorm's input and the down
+    projection the gate | up projection, and the reference quantizes the norm's and the SwiGLU's
+    values (``rms_norm32``, ``swiglu32``) and takes the gradients back through them in float64, the norm
+    weights' too (``<layer>_dnorm``). Then the block's output and input gradient against float64 of the
     unquantized block (``y_exact``, ``dx_exact``). ``dtype``: of the block's parameters and activations."""
     from support import references
     from support.scenarios.layers import hf_block_state, small_block_data
@@ -142,15 +170,28 @@ def fp8_block_check(rank: int, world: int, cases: list[tuple], dtype: str = "flo
         y = block(x, batch)
         (y.float() * g_full[mine]).sum().backward()
         out = {"case": (recipe, hidden, batch, seq), "fp8": block.fp8.scaling}
+        norms = {"qkv": block.attn_norm, "gate_up": block.mlp_norm}
         for name, got in seen.items():
             column = name in ("qkv", "gate_up")
             weight = getattr(block, name).weight
             # The layer's full operands, from every rank's pieces (rank-major rows or column blocks).
-            full_x = _gathered(got["x"], 0 if column else 1, world)
-            full_dy = _gathered(got["dy"], 1 if column else 0, world)
-            full_w = _gathered(weight.detach(), 0 if column else 1, world)
-            check = fp8_reference.column_parallel if column else fp8_reference.row_parallel
-            ref = check(recipe, full_x.float().cpu(), full_w.float().cpu(), None, full_dy.float().cpu(), world, rank)
+            full_x = _gathered(got["x"], 0 if column else 1, world).float().cpu()
+            full_dy = _gathered(got["dy"], 1 if column else 0, world).float().cpu()
+            full_w = _gathered(weight.detach(), 0 if column else 1, world).float().cpu()
+            if column:  # the layer's input is the norm's output
+                norm = norms[name]
+                norm_w = norm.weight.detach().float().cpu()
+                ref = fp8_reference.column_parallel(recipe, fp8_reference.rms_norm32(full_x, norm_w, norm.eps), full_w,
+                                                    None, full_dy, world, rank)
+                ref["dx"], ref["dnorm"] = fp8_reference.rms_norm_backward64(full_x[mine], norm_w, norm.eps, ref["dx"])
+                out[f"{name}_dnorm"] = rel_err(norm.weight.grad.cpu(), ref["dnorm"])
+            elif name == "down":  # the layer's input is silu(gate) * up of each rank's gate | up
+                parts = [part.chunk(2, dim=1) for part in full_x.chunk(world, dim=1)]
+                full_h = torch.cat([fp8_reference.swiglu32(gate, up) for gate, up in parts], dim=1)
+                ref = fp8_reference.row_parallel(recipe, full_h, full_w, None, full_dy, world, rank)
+                ref["dx"] = fp8_reference.swiglu_backward64(*parts[rank], ref["dx"])
+            else:
+                ref = fp8_reference.row_parallel(recipe, full_x, full_w, None, full_dy, world, rank)
             for key, value in (("y", got["y"]), ("dx", got["dx"]), ("dw", weight.grad)):
                 out[f"{name}_{key}"] = rel_err(value.cpu(), ref[key])
         xr = x_full.double().requires_grad_(True)
