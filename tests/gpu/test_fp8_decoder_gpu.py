@@ -4,11 +4,12 @@ decode, and the decode step captured in a CUDA graph. Skipped without CUDA GPUs.
 
 import pytest
 
-from gpus import RANKS, needs_gpu
+from gpus import RANKS, needs_gpu, needs_two, one_gpu_per_rank
 from support.scenarios import fp8_decoder as S
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu]
+needs_own_gpus = one_gpu_per_rank("the decode benchmark times NCCL")
 TOL = 3e-3
 """float32 logits: the LM head's GEMM may run in tf32 (docs/design.md: ~3e-4 per GEMM); the float8
 GEMMs themselves are exact to float32."""
@@ -44,7 +45,8 @@ def test_fp8_decode_step_in_a_cuda_graph_bf16():
 
 
 @pytest.mark.multigpu
-@needs_gpu
+@needs_two
+@needs_own_gpus
 def test_decode_bench_fp8_gpu(tmp_path):
     import json
     import os
