@@ -37,7 +37,8 @@ def test_a_doubled_weight_scale_fails_the_weight_check_and_the_end_to_end_bound(
     differs from torch's quantization of the checkpoint, in every call of that weight and no other, and
     the logits leave the end-to-end bound."""
     (result,) = run_ranks(1, S.fp8_decoder_gemm_check, "rowwise", 2, [3, 2], 1, 1, 0, "float32", (0, "o", 2.0))
-    assert result["weights"] == ["prefill 0 layer 0 o (gemm_reduce_scatter)", "prefill 1 layer 0 o (gemm_reduce_scatter)",
+    assert result["weights"] == ["prefill 0 layer 0 o (gemm_reduce_scatter)",
+                                 "prefill 1 layer 0 o (gemm_reduce_scatter)",
                                  "decode 0 layer 0 o (gemm_all_reduce)"], result
     assert result["casts"] == [] and result["gemm_fp32"] <= 1, result
     assert result["exact"] > 3 * S.END_TO_END_FACTOR * result["effect"], result

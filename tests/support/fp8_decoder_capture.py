@@ -117,7 +117,8 @@ class Capture:
     def __enter__(self) -> "Capture":
         m = self.model
         self._names = {getattr(layer, n).data_ptr(): (i, n) for i, layer in enumerate(m.layers) for n in FP8_WEIGHTS}
-        self._saved = [(Float8Weight, "operands", Float8Weight.operands), (decoder_layer, "matmul", decoder_layer.matmul),
+        self._saved = [(Float8Weight, "operands", Float8Weight.operands),
+                       (decoder_layer, "matmul", decoder_layer.matmul),
                        (inference, "gemm_all_reduce", inference.gemm_all_reduce), (m, "ops", m.ops)]
         Float8Weight.operands = self._operands(Float8Weight.operands)
         decoder_layer.matmul = self._gemm("matmul", decoder_layer.matmul)
