@@ -23,9 +23,11 @@ FORMS = {
 }
 
 
-def qdq32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> torch.Tensor:
-    """float32 ``q * scale`` of float32 ``x [R, C]`` quantized along its rows in ``groups`` ("tensor",
-    "row", "1x128", "128x128"; blockwise groups pad the columns with zeros to 128 and drop them again)."""
+def quantize32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of float32 ``x [R, C]`` quantized along its rows in ``groups`` ("tensor", "row",
+    "1x128", "128x128"): ``q [R, C]`` in ``dtype`` and the float32 scale of each group, ``[1, 1]``,
+    ``[R, 1]``, ``[R, ceil(C/128)]`` or ``[ceil(R/128), ceil(C/128)]`` (blockwise groups pad with zeros
+    to 128, which changes no amax)."""
     rows, cols = x.shape
     c128 = -(-cols // 128) * 128
     r128 = -(-rows // 128) * 128
@@ -45,9 +47,24 @@ def qdq32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> torch.Tensor:
     scale = amax.clamp(min=1e-12) / FP8_MAX[dtype]
     if pow2:
         scale = torch.exp2(torch.ceil(torch.log2(scale.double()))).float()
-    s = each(scale)
-    q = (xp / s).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
-    return (q.float() * s)[:rows, :cols]
+    q = (xp / each(scale)).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    return q[:rows, :cols], (scale[:rows] if groups in ("row", "1x128") else scale)
+
+
+def expand_scale(scale: torch.Tensor, groups: str, rows: int, cols: int) -> torch.Tensor:
+    """``quantize32``'s ``scale`` table repeated over the elements of its groups, ``[rows, cols]``."""
+    if groups in ("1x128", "128x128"):
+        scale = scale.repeat_interleave(128, 1)
+    if groups == "128x128":
+        scale = scale.repeat_interleave(128, 0)
+    return scale[:rows, :cols].expand(rows, cols)
+
+
+def qdq32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> torch.Tensor:
+    """float32 ``q * scale`` of float32 ``x [R, C]`` quantized along its rows in ``groups``
+    (``quantize32``)."""
+    q, scale = quantize32(x, groups, dtype, pow2)
+    return q.float() * expand_scale(scale, groups, *x.shape)
 
 
 class Recipe:
