@@ -31,10 +31,13 @@ neither serialise their MMAs nor spill."""
 def compiled(tmp_path_factory) -> dict:
     """``{"recorded": kernels launched, "results": one dict per distinct compiled kernel}``."""
     recorded = [launch for per_rank in run_ranks(2, launches.op_launches) for launch in per_rank]
-    h200 = [variant for variant in map(launches.h200_variant, recorded) if variant is not None]
-    # The H200's launches in the dtype the GPU runs them in (the interpreter ran them in fp16).
-    chosen = [launch for launch in recorded if not launch.h200] + \
-        [launch.retyped("float16", "bfloat16") for launch in recorded + h200 if launch.h200]
+    # What a GPU launches: a launch whose launcher picks other tiles off the interpreter is compiled with
+    # the H200's tiles only (the interpreter's are never compiled on a GPU), and the H200's launches in the
+    # dtype the GPU runs them in (the interpreter ran them in fp16).
+    chosen = []
+    for launch in recorded:
+        on_gpu = launch if launch.h200 else launches.h200_variant(launch)
+        chosen.append(launch if on_gpu is None else on_gpu.retyped("float16", "bfloat16"))
     folder = tmp_path_factory.mktemp("gpu_compile")
     path = folder / "launches.json"
     path.write_text(json.dumps([launch.to_json() for launch in chosen]))
