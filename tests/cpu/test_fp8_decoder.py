@@ -10,8 +10,8 @@ from tileweave.testing.emulated import run_ranks
 TOL = 1e-5  # float32 logits of float8 products whose operands match the reference's bit for bit
 
 # (world, scaling, batch, prompt chunks, decode steps, layers, seed, convert a loaded model with to_fp8)
+# (test_fp8_decoder_gemms.py runs each GEMM of a one-rank blockwise and a two-rank rowwise decoder too)
 CASES = [
-    (1, "rowwise", 2, [3, 2], 2, 2, 0, False),
     (1, "blockwise", 1, [2], 1, 1, 1, True),
     # two ranks: a 6-row chunk sequence-parallel (AllGather+GEMM, GEMM+ReduceScatter in float8), a 3-row
     # chunk replicated (GEMM+AllReduce), then decode steps on GEMM+AllReduce; blockwise: 4 rows sequence-parallel

@@ -95,7 +95,7 @@ def test_all_gather_transport_switches_per_shape(world):
             assert r["err"] < TOL[r["case"]["dtype"]] and r["gathered_exact"], r
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_all_gather_gemm_graphable(world):
     # Constant-valued flags (what a CUDA-graph replay repeats), eager here: fresh inputs call after
     # call, both transports, a late producer.
@@ -151,7 +151,7 @@ def test_a_graphable_op_refuses_to_pull_when_set_later():
         op.pull = True
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_gemm_reduce_scatter_graphable(world):
     # The chunked transport on constant-valued flags: several blocks per owner, fresh inputs each call,
     # a late producer; still bitwise repeatable.
