@@ -121,7 +121,7 @@ def test_graphable_transport_switches_and_gathers_alone():
         assert result["exact"] and result["fused_err"] < TOL["float16"], result
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3])  # more hops: the eight-rank ring below
 def test_all_gather_gemm_ring_graphable(world):
     # The ring on 0/1 flags: each forward waits for its own READY word, which is reset only after the
     # copy stream is joined; a late rank delays every chunk that passes through it.
@@ -163,7 +163,7 @@ def test_gemm_reduce_scatter_graphable(world):
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3])  # more hops: the eight-rank ring below
 def test_all_gather_gemm_ring(world):
     # Each chunk is forwarded hop by hop; a late rank delays every chunk that passes through it.
     cases = [
