@@ -13,8 +13,9 @@ its own q, k, v. The logits are compared with the exact (unquantized) model, wit
 gross error (a wrong scale or layout) exceeds several times over.
 
 One run per scaling feeds the tests of a kind (``decoder_run``), each test one property, so that a
-failure names which one failed: with the GEMMs within the tensor cores' bound but not float32's, the
-difference is the FP8 MMA's accumulation inside a K step, not the decoder.
+failure names which one failed. The GEMMs are held to the tensor cores' bound, not float32's: Hopper's
+FP8 MMA keeps fewer bits than fp32 while it accumulates inside one K step (torch's exact scaled matmul
+too), so no FP8 GEMM there meets float32's bound; the CPU tests hold the same GEMMs to it.
 """
 
 import functools
@@ -54,15 +55,6 @@ def test_fp8_decoder_gpu_gemms_match_float64_of_their_operands(scaling):
     1e-3 of the terms' magnitudes, 64 times below one e4m3 step)."""
     for result in decoder_run(scaling):
         assert result["gemm_mma"] <= 1, result
-
-
-@needs_gpu
-@pytest.mark.parametrize("scaling", SCALINGS)
-def test_fp8_decoder_gpu_gemms_accumulate_in_float32(scaling):
-    """The kernels add each K step's product to an fp32 accumulator: every element within float32's
-    error bound of float64 of the operands, and the output within ``TOL``."""
-    for result in decoder_run(scaling):
-        assert result["gemm_fp32"] <= 1 and result["gemm"] < TOL, result
 
 
 @needs_gpu

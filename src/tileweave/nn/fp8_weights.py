@@ -82,8 +82,11 @@ def quantize_weight(w: torch.Tensor, scaling: str, *, row_amax: torch.Tensor | N
     if scaling != "rowwise" or tuple(row_amax.shape) != (n, 1):
         raise ValueError(f"row_amax applies to rowwise scaling and must be [N, 1] = {[n, 1]}, got {scaling!r} "
                          f"and {list(row_amax.shape)}")
-    # quantize's arithmetic (float32, IEEE division, clamped, cast to nearest even) with the given amax
-    scale = row_amax.float().clamp_min(EPS) / FP8_MAX[torch.float8_e4m3fn]
+    # quantize's arithmetic (float32, IEEE division, clamped, cast to nearest even) with the given amax.
+    # The divisor is a tensor: CUDA divides by a Python number as a product with its reciprocal, which
+    # can differ from the quotient in the last bit.
+    amax = row_amax.float().clamp_min(EPS)
+    scale = amax / torch.full_like(amax, FP8_MAX[torch.float8_e4m3fn])
     data = (w.float() / scale).clamp(-FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e4m3fn])
     return Float8Weight(data.to(torch.float8_e4m3fn), scale, scaling)
 
