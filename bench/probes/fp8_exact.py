@@ -1,8 +1,9 @@
-"""Why the exact FP8 GEMM (each K step's product summed in fp32) trails torch's on large shapes: the
-Hopper kernel's exact mode on 128 x 128 tiles next to its fast mode on the same tiles (what the tile
-alone costs), the warp-specialised exact and blockwise kernel (a loader warp; ``maxnreg`` caps the
-registers), and torch's scaled matmuls, on the TP block's large GEMMs. Every output checked against
-float64 first. Run by hand from this folder: ``PYTHONPATH=../../src python3 fp8_exact.py OUT``."""
+"""The exact and blockwise FP8 GEMMs (each K step's product summed in fp32) on the Hopper kernels
+(``tileweave.ops.compute.fp8_sm90.kernel_of``): the loader-warp kernel (exact's default), the plain one
+(blockwise's default) and the two-half kernel (two MMA warp groups, each its half of a tile), at 4-6
+buffers, against torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's
+smaller ones. Every output checked against float64 first. Run by hand from this folder:
+``PYTHONPATH=../../src python3 fp8_exact.py OUT``."""
 import json
 import sys
 
@@ -13,15 +14,15 @@ from fp8_sm90 import _hopper, _inputs
 from tileweave.bench.fp8 import torch_scaled_mm
 
 SHAPES = ((8192, 57344, 8192), (8192, 8192, 57344), (57344, 8192, 8192), (8192, 8192, 28672), (8192, 8192, 8192),
-          (4096, 4096, 4096))
+          (4096, 4096, 4096), (4096, 3072, 4096), (8192, 768, 4096), (8192, 4096, 512), (16384, 1536, 8192))
 BASE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8}
-VARIANTS = {  # name: (fast accumulation, config)
-    "exact_s5": (False, dict(BASE, STAGES=5)),
-    "fast128_s5": (True, dict(BASE, STAGES=5)),
-    "fast256_s3": (True, dict(BASE, BN=256, STAGES=3)),
-    "ws_exact_s4": (False, dict(BASE, STAGES=4, maxnreg=168)),
-    "ws_exact_s5": (False, dict(BASE, STAGES=5, maxnreg=168)),
-    "ws_exact_s6": (False, dict(BASE, STAGES=6, maxnreg=168)),
+LOADER = dict(BASE, maxnreg=168, kernel="loader")
+HALVES = dict(BASE, num_warps=4, kernel="halves")
+VARIANTS = {  # scaling: {name: (fast accumulation, config)}
+    "tensorwise": {"loader_s5": (False, dict(LOADER, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4)),
+                   "halves_s5": (False, dict(HALVES, STAGES=5)), "halves_s6": (False, dict(HALVES, STAGES=6))},
+    "blockwise": {"plain_s5": (False, dict(BASE, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4)),
+                  "halves_s5": (False, dict(HALVES, STAGES=5)), "halves_s6": (False, dict(HALVES, STAGES=6))},
 }
 
 
@@ -31,10 +32,7 @@ def main(out):
         for scaling in ("tensorwise", "blockwise"):
             a8, sa, w8, sb, ref = _inputs(m, n, k, scaling)
             row = {"m": m, "n": n, "k": k, "scaling": scaling}
-            variants = VARIANTS if scaling == "tensorwise" else {
-                "block_s5": (False, dict(BASE, STAGES=5)), "ws_block_s5": (False, dict(BASE, STAGES=5, maxnreg=168)),
-                "ws_block_s4": (False, dict(BASE, STAGES=4, maxnreg=168))}
-            for name, (fast, config) in variants.items():
+            for name, (fast, config) in VARIANTS[scaling].items():
                 try:
                     got = _hopper(a8, w8, sa, sb, fast, config=config)
                     row[f"{name}_err"] = _err(got.float(), ref)
@@ -42,7 +40,7 @@ def main(out):
                 except Exception as e:  # a variant that fails to compile or launch: recorded
                     row[f"{name}_error"] = repr(e)[:300]
             if scaling == "tensorwise":
-                for fast in (False, True):
+                for fast in (False, ):
                     call = lambda: torch._scaled_mm(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                     use_fast_accum=fast)
                     row[f"torch_{'fast' if fast else 'exact'}_err"] = _err(call().float(), ref)

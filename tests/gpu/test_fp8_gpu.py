@@ -125,6 +125,28 @@ def test_matmul_fp8_hopper_kernel_k_steps(scaling, k, fast):
         assert _rel(out, _reference(a, w.t(), scale_a, scale_b)) < (FAST_TOL if fast else TOL[torch.float32])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("kernel", ["loader", "halves"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("k", [128, 384, 1152])
+def test_hopper_kernels_each_config(kernel, scaling, k):
+    # Each exact/blockwise kernel launched with its own config, whichever a default route takes: one,
+    # three and nine K steps, M and N off the tile, a float32 output and a bias, more tiles than SMs.
+    m, n = 2000, 2000
+    a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
+    scale_a, scale_b = _scales(scaling, m, n, k)
+    bias = torch.randn(n, device="cuda")
+    scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
+    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 8, "maxnreg": 168,
+              "kernel": "loader"} if kernel == "loader" else {
+              "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 4, "kernel": "halves"}
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+    fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
+    ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
 def test_matmul_fp8_e5m2_and_row_major_b():
     a, b = _fp8(512, 384, dtype=E5M2), _fp8(384, 300, seed=5)
     scale_a, scale_b = _scales("rowwise", 512, 300, 384)

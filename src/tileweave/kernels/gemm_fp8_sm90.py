@@ -99,6 +99,19 @@ def _retire(acc, pending, in_flight: gl.constexpr, sa, sb, SCALING: gl.constexpr
 
 
 @gluon.jit
+def _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                 SCALING: gl.constexpr, BN: gl.constexpr):
+    # Step kb's block scales, or ones where the scales apply to the finished tile.
+    if SCALING == "block":
+        sa, sb = _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb,
+                               stride_sam, stride_sak, stride_sbk, stride_sbn, BN)
+    else:
+        sa = 1.0
+        sb = 1.0
+    return sa, sb
+
+
+@gluon.jit
 def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, stride_sak, stride_sbk, stride_sbn,
                   BN: gl.constexpr):
     # Step kb's scales: scale_a of the tile's rows (1 x 128 blocks), scale_b of its columns' 128-blocks.
@@ -372,6 +385,97 @@ def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N,
                        HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [1], [24])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# -- two MMA partitions: each warp group its half of the tile's rows, one product at a time ---------------
+
+
+@gluon.jit
+def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                  stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
+                  BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    # One warp group: rows HALF * BM/2 ... of each tile. Each K step's product is waited for and added
+    # at once; the other warp group's MMA runs meanwhile, as the two are not synchronised with each other.
+    HM: gl.constexpr = BM // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_steps = gl.cdiv(K, BK)
+    zero = gl.zeros((HM, BN), gl.float32, mma_layout)
+    steps = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM + HALF * HM
+        off_n = pid_n * BN
+        offs_m = off_m + gl.arange(0, HM, layout=rows_layout)
+        offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        acc = zero
+        for ki in range(k_steps):
+            s = steps % STAGES
+            mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+            p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                  stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            if SCALING == "block":
+                acc += p * _outer(sa, sb, BN)
+            else:
+                acc += p
+            steps += 1
+        if SCALING != "block":
+            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
+            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
+            acc = acc * (sa[:, None] * sb[None, :])
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+        out = c_smem.index(HALF)
+        tma.store_wait(0)
+        out.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], out)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
+                                stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
+                                BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The exact and blockwise modes with a loader warp and two MMA warp groups in partitions of their
+    own, each owning half of every tile's rows: a buffer is released when both have read it."""
+    HM: gl.constexpr = BM // 2
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
+    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HM, BN],
+                                        gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                         stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES, SCALING,
+                         HAS_BIAS)),
+        (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                         stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES, SCALING,
+                         HAS_BIAS)),
+        (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
+    ], [4, 1], [232, 24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

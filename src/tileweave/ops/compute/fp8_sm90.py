@@ -31,16 +31,18 @@ def suits(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: Scales | No
 
 
 def config_for(scales: Scales, out_dtype: torch.dtype) -> dict:
-    """Tile, buffers, warps and kernel. Fast accumulation: 128 x 256 (a 16-bit output: a float32 tile of
-    128 x 256 leaves too little shared memory for the operand buffers). Where each K step's product is
-    summed in fp32: 128 x 128 (three live register tiles, the sum, the product being added and the next
-    one in flight); exact scaling on the warp-specialised kernel (``maxnreg``: eight MMA warps and a
-    loader warp within the register file), blockwise on the other (its scales' registers would spill)."""
+    """Tile, buffers, warps and ``kernel`` (``kernel_of``). Fast accumulation: 128 x 256 (a 16-bit
+    output: a float32 tile of 128 x 256 leaves too little shared memory for the operand buffers). Where
+    each K step's product is summed in fp32: 128 x 128 (three live register tiles, the sum, the product
+    being added and the next one in flight); exact scaling on the kernel with a loader warp (``maxnreg``:
+    eight MMA warps and a loader warp within the register file), blockwise on the plain one (its scales'
+    registers would spill there)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
-        return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8}
+        return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     if scales.kernel_mode == "outer":
-        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "maxnreg": 168}
-    return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8}
+        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "maxnreg": 168,
+                "kernel": "loader"}
+    return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
 
 
 _KERNEL_MODES = {"outer": "outer", "outer_fast": "fast", "block": "block"}
@@ -54,14 +56,13 @@ def _int_key(v: int) -> tuple:
 
 def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, scales: Scales, *,
               config: dict | None = None, programs: int) -> tuple[int, tuple, tuple, tuple, dict]:
-    """``(grid, tensors, ints, constexprs, options)`` of the kernel launch for these operands on a GPU
-    of ``programs`` SMs; ``options``: ``num_warps``, and ``maxnreg`` where the config has one, which runs
-    the warp-specialised kernel (``kernel_of``: exact and blockwise modes, a loader warp beside the
-    ``num_warps`` MMA warps, within that register cap)."""
+    """``(grid, tensors, ints, constexprs, options)`` of the launch of ``kernel_of(config)`` for these
+    operands on a GPU of ``programs`` SMs; ``options``: ``num_warps``, and ``maxnreg`` where the config
+    has one."""
     cfg = config or config_for(scales, c.dtype)
-    if "maxnreg" in cfg and scales.kernel_mode == "outer_fast":
-        raise ValueError("the warp-specialised FP8 kernel (a config with maxnreg) sums each K step in fp32: it "
-                         "takes exact and blockwise scaling, not use_fast_accum=True")
+    if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
+        raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
+                         "blockwise scaling, not use_fast_accum=True")
     m, k = a.shape
     n = b.shape[1]
     weight = b.t()  # [N, K], row-major
@@ -77,11 +78,16 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
 
 
-def kernel_of(options: dict):
-    """The kernel that ``arguments``' ``options`` launch."""
-    from tileweave.kernels.gemm_fp8_sm90 import fp8_gemm_sm90_kernel, fp8_gemm_sm90_ws_kernel
+def kernel_of(config: dict):
+    """The kernel of a config's ``"kernel"``: ``"plain"`` (every mode; its loads issued by the MMA warps),
+    ``"loader"`` (exact and blockwise, a loader warp beside ``num_warps`` MMA warps) or ``"halves"``
+    (exact and blockwise, a loader warp and two MMA warp groups, ``num_warps`` 4, each its half of a
+    tile's rows)."""
+    from tileweave.kernels import gemm_fp8_sm90 as k
 
-    return fp8_gemm_sm90_ws_kernel if "maxnreg" in options else fp8_gemm_sm90_kernel
+    kernels = {"plain": k.fp8_gemm_sm90_kernel, "loader": k.fp8_gemm_sm90_ws_kernel,
+               "halves": k.fp8_gemm_sm90_halves_kernel}
+    return kernels[config.get("kernel", "plain")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +114,13 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
     plan that ``relaunch`` replays."""
     triton_launch.install_allocator()
     device = a.device.index
+    cfg = config or config_for(scales, c.dtype)
     grid, tensors, ints, constexprs, options = arguments(
-        a, b, c, bias, scales, config=config,
+        a, b, c, bias, scales, config=cfg,
         programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
     plan = LaunchPlan(device, grid, ints, constexprs, bias is not None)
-    fn = kernel_of(options)
-    key = (device, tuple(options.items()), constexprs, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
+    fn = kernel_of(cfg)
+    key = (device, fn, tuple(options.items()), constexprs, tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors),
            tuple(_int_key(v) for v in ints))
     kernel = _compiled.get(key) if triton_launch.FAST else None
     with torch.cuda.device(device):
