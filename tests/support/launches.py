@@ -469,20 +469,21 @@ def hopper_fp8_launches() -> list[Launch]:
 
     found = []
     # Each SCALING mode, both tile configs (fast accumulation with a bf16 output takes 128 x 256), both
-    # outputs, with and without a bias, zero and unit scale strides; the two-half kernel in both of its
-    # modes.
+    # outputs, with and without a bias, zero and unit scale strides; each exact and blockwise kernel in
+    # both of its modes (the shapes here are small: blockwise takes the two-half kernel).
     halves = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
+    plain = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     for scaling, fast, out, bias, config in (("tensorwise", False, torch.bfloat16, None, None),
                                              ("rowwise", True, torch.bfloat16, None, None),
                                              ("rowwise", False, torch.float32, torch.zeros(384), None),
                                              ("blockwise", False, torch.float32, torch.zeros(384), None),
                                              ("tensorwise", False, torch.bfloat16, None, halves),
-                                             ("blockwise", False, torch.bfloat16, None, halves)):
+                                             ("blockwise", False, torch.bfloat16, None, plain)):
         m, n, k = 256, 384, 512
         a, b = _fp8(m, k), _fp8(n, k).t()
         scale_a, scale_b = _fp8_scales(scaling, m, n, k)
         scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b, fast_accum=fast)
-        config = config or fp8_sm90.config_for(scales, out)
+        config = config or fp8_sm90.config_for(scales, out, m, n, k)
         _, tensors, ints, constexprs, options = fp8_sm90.arguments(
             a, b, torch.empty(m, n, dtype=out), bias, scales, config=config, programs=H200_SMS)
         kernel = fp8_sm90.kernel_of(config)

@@ -30,18 +30,25 @@ def suits(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: Scales | No
     return _rows_ok(a) and _rows_ok(b.t()) and _rows_ok(c) and c.is_contiguous()
 
 
-def config_for(scales: Scales, out_dtype: torch.dtype) -> dict:
-    """Tile, buffers, warps and ``kernel`` (``kernel_of``). Fast accumulation: 128 x 256 (a 16-bit
-    output: a float32 tile of 128 x 256 leaves too little shared memory for the operand buffers). Where
-    each K step's product is summed in fp32: 128 x 128 (three live register tiles, the sum, the product
-    being added and the next one in flight); exact scaling on the kernel with a loader warp (``maxnreg``:
-    eight MMA warps and a loader warp within the register file), blockwise on the plain one (its scales'
-    registers would spill there)."""
+SMALL_BLOCKWISE = 1 << 38
+"""M * N * K up to which blockwise scaling takes the two-half kernel."""
+
+
+def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -> dict:
+    """Tile, buffers, warps and ``kernel`` (``kernel_of``) of an ``[M, K] @ [K, N]`` call. Fast
+    accumulation: 128 x 256 (a 16-bit output: a float32 tile of 128 x 256 leaves too little shared
+    memory for the operand buffers). Where each K step's product is summed in fp32, 128 x 128: exact
+    scaling on the kernel with a loader warp (``maxnreg``: eight MMA warps and a loader warp within the
+    register file; three live register tiles, the sum, the product being added and the next one in
+    flight); blockwise on the two-half kernel up to ``SMALL_BLOCKWISE`` (one product per warp group, so
+    its scales fit in registers) and on the plain kernel above it (two products in flight)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     if scales.kernel_mode == "outer":
         return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "maxnreg": 168,
                 "kernel": "loader"}
+    if scales.kernel_mode == "block" and m * n * k <= SMALL_BLOCKWISE:
+        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
 
 
@@ -59,7 +66,7 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     """``(grid, tensors, ints, constexprs, options)`` of the launch of ``kernel_of(config)`` for these
     operands on a GPU of ``programs`` SMs; ``options``: ``num_warps``, and ``maxnreg`` where the config
     has one."""
-    cfg = config or config_for(scales, c.dtype)
+    cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
                          "blockwise scaling, not use_fast_accum=True")
@@ -114,7 +121,7 @@ def launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor
     plan that ``relaunch`` replays."""
     triton_launch.install_allocator()
     device = a.device.index
-    cfg = config or config_for(scales, c.dtype)
+    cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
     grid, tensors, ints, constexprs, options = arguments(
         a, b, c, bias, scales, config=cfg,
         programs=programs or torch.cuda.get_device_properties(device).multi_processor_count)
