@@ -127,7 +127,7 @@ def test_matmul_fp8_hopper_kernel_k_steps(scaling, k, fast):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels are for sm_90")
-@pytest.mark.parametrize("kernel", ["loader", "halves"])
+@pytest.mark.parametrize("kernel", ["plain", "loader", "halves"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
 @pytest.mark.parametrize("k", [128, 384, 1152])
 def test_hopper_kernels_each_config(kernel, scaling, k):
@@ -138,9 +138,8 @@ def test_hopper_kernels_each_config(kernel, scaling, k):
     scale_a, scale_b = _scales(scaling, m, n, k)
     bias = torch.randn(n, device="cuda")
     scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
-    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 8, "maxnreg": 168,
-              "kernel": "loader"} if kernel == "loader" else {
-              "BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 4, "kernel": "halves"}
+    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 8, "kernel": kernel,
+              **({"maxnreg": 168} if kernel == "loader" else {}), **({"num_warps": 4} if kernel == "halves" else {})}
     out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
     fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
     ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()
