@@ -187,6 +187,18 @@ def test_all_gather_alone_on_the_copy_engines(world, transport):
         assert result["fused_err"] < TOL["float16"], result
 
 
+@pytest.mark.parametrize("world, policy", [(2, "fused"), (2, "fallback"), (1, "fused")])
+def test_all_gather_alone_carries_float8_rows_with_their_scales(world, policy):
+    # The TP layers regather float8 rows with their scales for a weight gradient; every path keeps both
+    # (the ring forwards scales as AllGather+GEMM's float8 calls do, tested in test_fp8_fused).
+    for result in run_ranks(world, scenarios.all_gather_only_check, "mesh", 2, world - 1, False, True, policy):
+        assert result["exact"], result
+        assert result["fused_err"] < TOL["float16"], result
+        missing, stray = result["refusals"]
+        assert "float8 a_shard [7, 256] needs scales" in missing, missing
+        assert "scales go with float8 rows" in stray, stray
+
+
 @pytest.mark.parametrize("transport", ["mesh", "ring"])
 def test_all_gather_gemm_eight_ranks(transport):
     # TP=8 as on an 8-GPU node: rows not a tile multiple, a late producer (the full mesh and the ring,

@@ -2,13 +2,16 @@
 activations and outputs: each recipe's forward output and input, weight and bias gradients against
 float64 of the same quantized math (``support.fp8_reference``), at one rank and at two, shapes whose M
 and N are off the GPU tiles; the block's four linears each on the tensors it received. Skipped without
-a GPU with FP8 tensor cores; the two-rank tests without two GPUs (or TILEWEAVE_GPU_RANKS=2 on one)."""
+a GPU with FP8 tensor cores; the two-rank tests without two GPUs (or TILEWEAVE_GPU_RANKS=2 on one).
+Also which values each cast reads: every float8 operand of a step equal, element for element, to the
+reference's cast of the documented values (``support.scenarios.fp8_operands``), in bf16."""
 
 import pytest
 import torch
 
 from gpus import RANKS, needs_gpu, needs_two
 from support.scenarios import fp8_layers as scenarios
+from support.scenarios.fp8_operands import fp8_operands_check
 from tileweave.testing.emulated import run_ranks
 
 pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.skipif(
@@ -58,3 +61,20 @@ def test_fp8_block_gpu(ranks):
                     assert row[f"{layer}_{key}"] < TOL, (layer, key, row)
             for key in ("y_exact", "dx_exact"):
                 assert row[key] < 0.15, (key, row)
+
+
+# (layer, recipe, M tokens over the group, in_features, out_features, save_gathered, producer): a fused norm
+# with the input gathered again, whose weight gradient once cast the norm's bf16 output; no SwiGLU, whose
+# float64 exponential may differ from the CPU's in a last bit (tests/gpu/test_fused_quantize_gpu.py)
+OPERANDS = [("column", recipe, 4000, 1024, 2048, False, "norm") for recipe in ("tensorwise", "rowwise", "blockwise")]
+OPERANDS += [("column", "rowwise", 4000, 1024, 1000, True, "norm"), ("row", "blockwise", 4000, 1024, 1024, True, None)]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp8_casts_read_the_documented_values_gpu(ranks):
+    if ranks > RANKS:
+        pytest.skip("needs two CUDA GPUs (or TILEWEAVE_GPU_RANKS=2 on one)")
+    for rows in run_ranks(ranks, fp8_operands_check, OPERANDS, "bfloat16", gpus=True, timeout_s=300):
+        for row in rows:
+            assert row["gemms"] == ["forward", "dgrad", "wgrad"], row
+            assert row["differ"] == [], row

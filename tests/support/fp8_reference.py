@@ -82,10 +82,14 @@ class Recipe:
 
 
 def column_parallel(recipe: str, x: torch.Tensor, w: torch.Tensor, bias, dy: torch.Tensor, world: int, rank: int,
-                    *, save_gathered: bool = True) -> dict:
+                    *, save_gathered: bool = True, fused_norm: bool = False) -> dict:
     """ColumnParallelLinear's FP8 math for rank ``rank``: full ``x [M, K]``, full ``w [N, K]``, ``bias
     [N]`` or None, and the gradient ``dy [M, N]`` of the full output; float64 ``y`` and ``db`` of the
-    rank's N slice, its ``dx`` rows, its ``dw``."""
+    rank's N slice, its ``dx`` rows, its ``dw``. The weight gradient's activation is the forward's
+    float8 rows requantized along the tokens, or with ``save_gathered=False`` ``x`` itself quantized
+    once; ``fused_norm``: ``x`` holds the float32 values of an RMSNorm fused into the layer's cast,
+    which exist nowhere else, so the layer casts the forward's rows again and the weight gradient
+    takes them whatever ``save_gathered``."""
     r = Recipe(recipe)
     m, n = x.shape[0], w.shape[0]
     rows, cols = slice(rank * m // world, (rank + 1) * m // world), slice(rank * n // world, (rank + 1) * n // world)
@@ -96,7 +100,7 @@ def column_parallel(recipe: str, x: torch.Tensor, w: torch.Tensor, bias, dy: tor
     dx_full = sum(r.a(dy[:, c], grad=True).double() @ r.b(w[c].t()).double().t()
                   for c in (slice(p * n // world, (p + 1) * n // world) for p in range(world)))
     dy_r = dy[:, cols]
-    x_wgrad = gathered if save_gathered else x                # requantized from float8, or from the input
+    x_wgrad = gathered if save_gathered or fused_norm else x  # requantized from float8, or from the input
     dw = r.a(dy_r.t(), grad=True).double() @ r.b(x_wgrad.t()).double().t()
     out = {"y": y + (bias[cols].double() if bias is not None else 0), "dx": dx_full[rows], "dw": dw}
     if bias is not None:

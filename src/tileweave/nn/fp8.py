@@ -30,27 +30,46 @@ blockwise    x e4m3 per 1 x 128 (along K), w e4m3    dy e4m3 per 1 x 128 (along 
   GEMM takes for its second operand; DeepSeek-V3 uses 128 x 1 tiles there too), the tokens padded with
   zeros to a multiple of 128. Both local feature dimensions (in and out) must be multiples of 128.
 
-Where the weight gradient's operands come from. Its activation ``x`` is the forward's float8 ``x``
-(for the column-parallel layer, the gathered float8 rows), kept for the backward, dequantized and
-quantized again along the tokens (DeepSeek-V3's requantization; it keeps ``[M, K]`` bytes, half of a
-bf16 copy); the column layer with ``save_gathered=False`` gathers the input again in its own dtype and
-quantizes that once. Its gradient ``dy`` is quantized from the output gradient where the layer has it
-whole (the column layer), and requantized from the gathered float8 ``dy`` where only that crossed the
-ranks (the row layer, whose dgrad AllGather+GEMM gathers ``dy`` in float8: half the bytes). Bias
-gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the gathered
-float8 ``dy`` dequantized (row layer).
+Which values each activation cast reads (``x`` of the forward and of the weight gradient; ``q(.)``: a
+cast of the table above, ``deq(.)``: float8 times its scales, in float32):
+
+===========================  ===========================================  ==========================================
+layer, input                 forward ``q(x)``                             wgrad ``q(x)``, along the tokens
+===========================  ===========================================  ==========================================
+column                       ``x_shard`` in its dtype                     ``deq`` of the forward's gathered float8
+                                                                          rows; ``save_gathered=False``: ``x``
+                                                                          gathered again in its dtype
+column, ``norm=``            the norm's float32 values, in its kernel     ``deq`` of the forward's float8 rows, kept
+                                                                          gathered or (``save_gathered=False``)
+                                                                          cast again and gathered
+row                          ``x`` in its dtype                           ``deq`` of the forward's float8 ``x``
+row, ``swiglu=True``         the SwiGLU's float32 values, in its kernel   ``deq`` of the forward's float8 ``x``
+===========================  ===========================================  ==========================================
+
+A fused producer's float32 values are never rounded to the model's dtype, and never stored: the weight
+gradient takes the forward's float8 rows, dequantized and quantized again along the tokens
+(DeepSeek-V3's requantization; ``[M, K]`` bytes kept, half of a bf16 copy). A column layer with
+``norm=`` and ``save_gathered=False`` keeps no copy of the rows: its backward runs the norm's kernel
+again on the norm's input (kept anyway for the norm's backward), which gives the forward's rows and
+scales bit for bit, and gathers them with their scales (half the bytes of bf16); ``save_gathered`` then
+trades ``[M, K]`` bytes of memory for that gather and one pass over ``[M/W, K]``, and changes no bit of
+the gradients. Without a producer, ``save_gathered=False`` gathers the input itself and quantizes it
+once. The gradient ``dy`` is quantized from the output gradient where the layer has it whole (the
+dgrad's, and the column layer's wgrad), and requantized from the gathered float8 ``dy`` where only that
+crossed the ranks (the row layer's wgrad: its dgrad AllGather+GEMM gathers ``dy`` in float8, half the
+bytes). Bias gradients are sums of ``dy`` in float32: the output gradient itself (column layer), the
+gathered float8 ``dy`` dequantized (row layer).
 
 Which casts are fused into the kernel that produces the tensor. The forward GEMM's activation operand
 of a column-parallel linear called with ``norm=`` (the RMSNorm before it, as ``TPTransformerBlock`` calls
 its QKV and gate/up projections) is written by the RMSNorm's own kernel, and that of a row-parallel
 linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
 blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
-cast). The normalized or gated activation is then never written in high precision (but by a column
-layer with ``save_gathered=False``, which keeps it to gather it again), its values are cast from
-float32 (not rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from
-the norm's input and each row's ``rstd`` or from ``gate | up``. Every other cast is a pass of its own
-(``tileweave.ops.compute.quantize``): the forward's input of a linear called without a producer, the
-weights (twice per step), the output gradients and the weight gradient's requantized operands.
+cast). The normalized or gated activation is never written in high precision, and the norm's and
+SwiGLU's backward run in torch, from the norm's input and each row's ``rstd`` or from ``gate | up``.
+Every other cast is a pass of its own (``tileweave.ops.compute.quantize``): the forward's input of a
+linear called without a producer, the weights (twice per step), the output gradients and the weight
+gradient's requantized operands.
 
 The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
 K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
@@ -136,13 +155,11 @@ class Float8Recipe:
         return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
                         power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
 
-    def normed_lhs(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
-                   return_values: bool = False) -> NormQuantized:
+    def normed_lhs(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> NormQuantized:
         """The forward GEMM's first operand ``q(rms_norm(x))`` of ``x [M, K]``, as ``lhs`` casts it, from the
-        kernel that computes the norm (``rms_norm_quantize``: also each row's ``rstd``, and the normalized
-        values in ``x``'s dtype with ``return_values``)."""
-        return rms_norm_quantize(x, weight, eps, _A[self.scaling], power_of_two=self.power_of_two_scales,
-                                 return_values=return_values)
+        kernel that computes the norm (``rms_norm_quantize``: also each row's ``rstd``). A second call on
+        the same tensors returns the same rows and scales, bit for bit."""
+        return rms_norm_quantize(x, weight, eps, _A[self.scaling], power_of_two=self.power_of_two_scales)
 
     def swiglu_lhs(self, gate: torch.Tensor, up: torch.Tensor) -> Quantized:
         """The forward GEMM's first operand ``q(silu(gate) * up)`` (``[M, K]`` each), as ``lhs`` casts it,

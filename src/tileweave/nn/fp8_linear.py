@@ -10,7 +10,10 @@ pass       computation (q(.): float8 with its scales)         op
 forward    ``y [M, N/W] = AG_M(q(x_shard)) @ q(w).T + b``     AllGather+GEMM, float8 rows travel
 dgrad      ``dx_shard [M/W, K] = RS_M(q(dy) @ q(w))``         GEMM+ReduceScatter
 wgrad      ``dw [N/W, K] = q(dy).T @ q(AG_M(q(x_shard)))``    GEMM; the gathered float8 rows kept
-                                                              from the forward, quantized again
+                                                              from the forward, quantized again;
+                                                              ``save_gathered=False``:
+                                                              ``q(dy).T @ q(AG_M(x_shard))``, the
+                                                              input gathered again in backward
 =========  =================================================  ==================================
 
 RowParallelLinear, weight ``w [N, K/W]``, ``x [M, K/W]``:
@@ -28,7 +31,10 @@ wgrad      ``dw [N, K/W] = q(AG_M(q(dy_shard))).T @ q(q(x))`` GEMM on the gather
 With a producer of the input fused in (``tileweave.nn.fused_inputs``), the column layer's ``q(x_shard)``
 is ``q(rms_norm(x_shard))`` written by the norm's kernel, and the row layer's ``q(x)`` is ``q(silu(gate) *
 up)`` of ``x = gate | up`` written by the SwiGLU's kernel; their backward turns the input gradient
-above into the producer's. Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
+above into the producer's. The weight gradient then takes the forward's float8 operand, requantized:
+with ``save_gathered=False`` the column layer's backward casts ``q(rms_norm(x_shard))`` again with the
+norm's kernel (the same bits) and gathers that, ``q(dy).T @ q(AG_M(q(rms_norm(x_shard))))`` either way.
+Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
 quantized in its own orientation, read in place. The weight is quantized each step from the master
 weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
 the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
@@ -71,9 +77,9 @@ class ColumnParallelFP8(torch.autograd.Function):
         # norm_eps not None: x_shard is the input of an RMSNorm (weight norm_weight, or none), fused into the cast
         rstd = None
         if norm_eps is None:
-            qx, x_regather = recipe.lhs(x_shard), x_shard
-        else:  # the normalized input is written in high precision only to be gathered again in backward
-            qx, rstd, x_regather = recipe.normed_lhs(x_shard, norm_weight, norm_eps, return_values=not save_gathered)
+            qx = recipe.lhs(x_shard)
+        else:
+            qx, rstd, _ = recipe.normed_lhs(x_shard, norm_weight, norm_eps)
         qw = recipe.rhs(weight)
         fp8 = dict(scale_a=qx.scale, scale_b=qw.scale.t(), out_dtype=out_dtype,
                    use_fast_accum=recipe.forward_fast_accum)
@@ -82,12 +88,13 @@ class ColumnParallelFP8(torch.autograd.Function):
             y, gathered, gathered_scales = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype),
                                                                return_gathered=True, **fp8)
             ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw), *norm_saved)
-        else:  # gathered again in backward, in the input's dtype
+        else:  # gathered again in backward: the input, or with a norm its float8 rows, cast again from its input
             y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
-            ctx.save_for_backward(x_regather, None, weight, _tensor_scale(recipe, qw), *norm_saved)
+            ctx.save_for_backward(x_shard if norm_eps is None else None, None, weight, _tensor_scale(recipe, qw),
+                                  *norm_saved)
         ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
         ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
-        ctx.norm = norm_eps is not None
+        ctx.norm, ctx.norm_eps = norm_eps is not None, norm_eps
         return y
 
     @staticmethod
@@ -95,7 +102,7 @@ class ColumnParallelFP8(torch.autograd.Function):
         saved, saved_scales, weight, w_scale, x_norm_in, norm_weight, rstd = ctx.saved_tensors
         recipe = ctx.recipe
         dy = dy.contiguous()
-        pending = None if ctx.save_gathered else start_gather(ctx.ops, saved, ctx.group)
+        pending = None if ctx.save_gathered else _regather(ctx, saved, x_norm_in, norm_weight)
         qdy = recipe.lhs(dy, grad=True)
         qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
         dx_shard = ctx.ops.gemm_reduce_scatter(qdy.data, qwt.data.t(), ctx.group, scale_a=qdy.scale,
@@ -104,8 +111,8 @@ class ColumnParallelFP8(torch.autograd.Function):
         qdyt = recipe.lhs(dy, grad=True, transpose=True, tokens=True, scale=_tensor_scale(recipe, qdy))
         if pending is None:  # the forward's gathered float8 rows, quantized again along the tokens
             qxt = recipe.rhs(saved, transpose=True, tokens=True, x_scale=saved_scales)
-        else:
-            qxt = recipe.rhs(pending.wait(), transpose=True, tokens=True)
+        else:  # the input in its dtype, quantized once; or float8 rows with their scales, quantized again
+            qxt = recipe.rhs(pending.wait(), transpose=True, tokens=True, x_scale=pending.gathered_scales)
             pending.release()
         dw = _wgrad(ctx.ops, recipe, qdyt, qxt, weight.dtype)
         db = None if ctx.bias_dtype is None else dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
@@ -113,6 +120,19 @@ class ColumnParallelFP8(torch.autograd.Function):
         if ctx.norm:  # dx_shard so far is the gradient of the norm's output
             dx_shard, dnorm = rms_norm_backward(dx_shard, x_norm_in, norm_weight, rstd)
         return dx_shard, dw, db, dnorm, None, None, None, None, None, None
+
+
+def _regather(ctx, x_shard, x_norm_in, norm_weight):
+    """Start gathering the weight gradient's activation again (``save_gathered=False``): the input in its
+    own dtype; with a fused norm, whose output was never written in high precision, the forward's float8
+    rows, cast again by the norm's kernel from the norm's input (kept for the norm's backward anyway; the
+    kernel's fixed formula gives the forward's rows and scales bit for bit), with their scales."""
+    if not ctx.norm:
+        return start_gather(ctx.ops, x_shard, ctx.group)
+    q = ctx.recipe.normed_lhs(x_norm_in, norm_weight, ctx.norm_eps).q
+    rows = q.data.shape[0]
+    scales = q.scale.reshape(1, 1).expand(rows, 1) if q.scale.dim() == 0 else q.scale  # the gathered form
+    return start_gather(ctx.ops, q.data, ctx.group, scales=scales.contiguous())
 
 
 class RowParallelFP8(torch.autograd.Function):

@@ -208,7 +208,8 @@ class ColumnParallelLinear(_TPLinear):
         """``ops``: the communication GEMMs to run on (``TPOps``; None: ``TILEWEAVE_OPS``); ``fp8``: the
         FP8 recipe of its three GEMMs (``tileweave.nn.fp8``), or None (no float8). With ``fp8`` the kept
         gathered input is the forward's float8 rows (``[M, K]`` bytes); ``save_gathered=False`` gathers
-        the input again in its own dtype."""
+        the input again in its own dtype, or, called with ``norm=``, the forward's float8 rows, cast
+        again from the norm's input (the same gradients as ``save_gathered=True``)."""
         super().__init__(in_features, out_features, split_dim=0, bias=bias, group=group, device=device,
                          dtype=dtype, ops=ops, sequence_parallel=sequence_parallel, fp8=fp8)
         self.save_gathered = save_gathered

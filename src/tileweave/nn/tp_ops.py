@@ -52,8 +52,10 @@ def gather_for_weight_grad(ops: TPOps, dy_shard: torch.Tensor, weight: torch.Ten
 class Gathered:
     """A finished all-gather, with the interface of ``PendingGather``."""
 
-    def __init__(self, gathered: torch.Tensor) -> None:
+    def __init__(self, gathered: torch.Tensor, gathered_scales: torch.Tensor | None = None) -> None:
         self._gathered = gathered
+        self.gathered_scales = gathered_scales
+        """Float8 gathers: the ``[M, KB]`` float32 scales of the gathered rows (None otherwise)."""
 
     def wait(self) -> torch.Tensor:
         return self._gathered
@@ -62,13 +64,24 @@ class Gathered:
         pass
 
 
-def start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup):
+def start_gather(ops: TPOps, x_shard: torch.Tensor, group: dist.ProcessGroup, *,
+                 scales: torch.Tensor | None = None):
     """Gather the input again for the weight gradient while the input gradient runs: on the shared op's
     copy engines (no SMs, so nothing competes with a fused kernel spinning on its peers, unlike an NCCL
-    kernel would), into its own buffer, released after the weight gradient; else with NCCL."""
+    kernel would), into its own buffer, released after the weight gradient; else with NCCL. Float8 rows
+    take their ``scales`` (``[M/W, KB]`` float32, ``AllGatherGemm.all_gather``'s form), gathered beside
+    them into the result's ``gathered_scales``."""
     if ops.shared_all_gather is not None:
-        return ops.shared_all_gather(group, x_shard.device).all_gather(x_shard)
+        return ops.shared_all_gather(group, x_shard.device).all_gather(x_shard, scales=scales)
+    return Gathered(_all_gather_rows(x_shard, group), None if scales is None else _all_gather_rows(scales, group))
+
+
+def _all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``t [rows, C]``, rank after rank; float8 travels as bytes, which every backend moves."""
+    t = t.contiguous()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return _all_gather_rows(t.view(torch.uint8), group).view(t.dtype)
     world = dist.get_world_size(group)
-    gathered = x_shard.new_empty((x_shard.shape[0] * world, x_shard.shape[1]))
-    dist.all_gather(list(gathered.chunk(world)), x_shard.contiguous(), group=group)
-    return Gathered(gathered)
+    gathered = t.new_empty((t.shape[0] * world, t.shape[1]))
+    dist.all_gather(list(gathered.chunk(world)), t, group=group)
+    return gathered

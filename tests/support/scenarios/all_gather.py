@@ -121,22 +121,49 @@ def all_gather_auto_transport_check(rank: int, world: int, cases: list[Case], ro
 
 
 def all_gather_only_check(rank: int, world: int, transport: str, iters: int, straggler: int,
-                          graphable: bool = False) -> dict:
+                          graphable: bool = False, fp8: bool = False, policy: str = "fused") -> dict:
     """``AllGatherGemm.all_gather`` alone and interleaved with fused calls on the same op: every
-    gathered tensor equals the concatenated shards, bitwise, call after call with fresh inputs."""
+    gathered tensor equals the concatenated shards, bitwise, call after call with fresh inputs; ``fp8``:
+    float8 rows with two block scales per row, the gathered scales equal to the concatenated ones too,
+    and ``"refusals"``: the errors of float8 rows without scales and of scales with float16 rows."""
     device = device_name()
-    op = tileweave.AllGatherGemm(policy="fused", transport=transport, graphable=graphable)
+    op = tileweave.AllGatherGemm(policy=policy, transport=transport, graphable=graphable)
+    refusals = []
+    if fp8:  # refused before any communication, on every rank alike
+        row8, row16 = torch.zeros(7, 256, device=device).to(torch.float8_e4m3fn), torch.zeros(7, 24, device=device)
+        for args in ((row8, None), (row16, torch.ones(7, 1, device=device))):
+            try:
+                op.all_gather(args[0], scales=args[1])
+                refusals.append("no error")
+            except TypeError as exc:
+                refusals.append(str(exc))
     set_producer_delay(0.2 if rank == straggler else 0.0)
     exact, fused_err = True, 0.0
     for it in range(iters):
         shards = [randn((7, 24), torch.float16, "gather", it, p, device=device) for p in range(world)]
-        pending = op.all_gather(shards[rank])
-        gathered = pending.wait().clone()
-        pending.release()
-        exact &= bool(torch.equal(gathered, torch.cat(shards)))
+        if fp8:
+            exact &= _float8_gather_exact(op, rank, world, it, device)
+        else:
+            pending = op.all_gather(shards[rank])
+            gathered = pending.wait().clone()
+            pending.release()
+            exact &= bool(torch.equal(gathered, torch.cat(shards)))
         b = randn((24, 16), torch.float16, "gather-b", it, device=device)
         out = op(shards[rank], b)  # the next epoch on the same buffer and flags
         ref = torch.cat(shards).double() @ b.double()
         fused_err = max(fused_err, rel_err(out, ref))
     set_producer_delay(0.0)
-    return {"exact": exact, "fused_err": fused_err}
+    return {"exact": exact, "fused_err": fused_err, "refusals": refusals}
+
+
+def _float8_gather_exact(op, rank: int, world: int, it: int, device) -> bool:
+    """One ``op.all_gather`` of float8 rows with ``[7, 2]`` scales: whether the gathered bytes and scales
+    are every rank's, in rank order."""
+    shards = [(30 * randn((7, 256), torch.float32, "gather8", it, p, device=device)).clamp(-448, 448)
+              .to(torch.float8_e4m3fn) for p in range(world)]
+    scales = [randn((7, 2), torch.float32, "gather8-s", it, p, device=device).abs() for p in range(world)]
+    pending = op.all_gather(shards[rank], scales=scales[rank])
+    gathered = pending.wait().clone()
+    same_scales = bool(torch.equal(pending.gathered_scales, torch.cat(scales)))
+    pending.release()
+    return same_scales and bool(torch.equal(gathered.view(torch.uint8), torch.cat(shards).view(torch.uint8)))

@@ -56,7 +56,7 @@ def fp8_linear_check(rank: int, world: int, cases: list[tuple], dtype: str = "fl
                         norm.weight.copy_(norm_w)
                     x_norm = fp8_reference.rms_norm32(x, norm_w, 1e-5)
                     ref = fp8_reference.column_parallel(recipe, x_norm, w, bias, dy, world, rank,
-                                                        save_gathered=save_gathered)
+                                                        save_gathered=save_gathered, fused_norm=True)
                     ref["dx"], ref["dnorm"] = fp8_reference.rms_norm_backward64(x[mine], norm_w, 1e-5, ref["dx"])
                 else:
                     ref = fp8_reference.column_parallel(recipe, x, w, bias, dy, world, rank,
@@ -182,7 +182,7 @@ def fp8_block_check(rank: int, world: int, cases: list[tuple], dtype: str = "flo
                 norm = norms[name]
                 norm_w = norm.weight.detach().float().cpu()
                 ref = fp8_reference.column_parallel(recipe, fp8_reference.rms_norm32(full_x, norm_w, norm.eps), full_w,
-                                                    None, full_dy, world, rank)
+                                                    None, full_dy, world, rank, fused_norm=True)
                 ref["dx"], ref["dnorm"] = fp8_reference.rms_norm_backward64(full_x[mine], norm_w, norm.eps, ref["dx"])
                 out[f"{name}_dnorm"] = rel_err(norm.weight.grad.cpu(), ref["dnorm"])
             elif name == "down":  # the layer's input is silu(gate) * up of each rank's gate | up

@@ -38,8 +38,9 @@ NCCL, then one ``matmul``. With ``return_gathered`` a float8 call returns ``(out
 gathered_scales [M, KB])``: fresh tensors (the copy stream fills them, each shard once it has arrived),
 the scales in the gathered form, so that ``gathered * gathered_scales`` (each row times its scale or
 its 1 x 128 blocks' scales) is every rank's ``a_shard * scale_a``. Refused with float8:
-``policy="oneshot"`` (its kernel gathers rows only), ``gathered_out``, and ``all_gather``. Every rank
-must pass scales of the same shapes.
+``policy="oneshot"`` (its kernel gathers rows only) and ``gathered_out``. ``all_gather`` (the gather
+alone) takes float8 rows with their scales in the gathered form, which travel alike. Every rank must
+pass scales of the same shapes.
 
 Capture in a CUDA graph (``graphable=True``, every transport): a replay repeats the flag values
 written at capture, so a graphable op never writes an epoch. Its flags hold 0 or 1 instead: a producer
@@ -64,6 +65,7 @@ from tileweave.ops.all_gather.push import PendingGather, programs, run_chunked, 
 from tileweave.ops.dense import DenseOp, Plan, wanted
 from tileweave.ops.skeleton import option
 from tileweave.ops.compute.gemm_launch import ag_stream_k_tail
+from tileweave.ops.compute.scaling import FP8_DTYPES
 from tileweave.ops.workspace import agree
 from tileweave.runtime.backend import Backend
 from tileweave.tune.configs import GemmConfig
@@ -184,33 +186,60 @@ class AllGatherGemm(DenseOp):
         itemsize = torch.empty((), dtype=dtype).element_size()
         return self.memory.workspace(backend, m * k * itemsize).data.view(backend.rank, dtype, (m, k))
 
-    def all_gather(self, a_shard: torch.Tensor) -> PendingGather:
+    def all_gather(self, a_shard: torch.Tensor, *, scales: torch.Tensor | None = None) -> PendingGather:
         """Start gathering ``a_shard [M/W, K]`` into this op's ``[M, K]`` buffer, without a GEMM: the
         same copy-engine transport, so it needs no SM and can run next to kernels that spin on their
         peers. ``wait()`` on the result makes the caller's stream wait for every shard and returns the
         buffer; ``release()``, once the kernels that read it are enqueued, lets the peers refill it.
         Collective like a call of the op: every rank, in the same order; no other call of this object
-        between the start and ``release()``."""
-        common.check_matrix("a_shard", a_shard)
-        common.check_runs_dtype(OP, "a_shard", a_shard)
+        between the start and ``release()``.
+
+        Float8 rows (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) come with their ``scales``,
+        ``[M/W, KB]`` float32 in the gathered form (module docstring: each row's scale, a tensorwise
+        scale repeated on every row, or each row's ``K/128`` block scales); they travel beside the rows
+        under the same flag, and the result's ``gathered_scales`` (``[M, KB]``, in the buffer, lent
+        alike) holds every rank's. Every rank passes the same dtype and shapes. Errors name the
+        argument: ``scales`` missing for float8 rows or given for others, of a wrong dtype or shape."""
+        _check_gather_scales(a_shard, scales)
         backend = self.backend_for(a_shard.device)
         w = backend.world_size
         mc, k = a_shard.shape
         if w == 1:
-            return PendingGather(backend, a_shard)
+            return PendingGather(backend, a_shard, gathered_scales=scales)
         if self.policy == "fallback" or not backend.peer_access:
+            if scales is not None:  # float8 travels as bytes, the scales as float32 rows
+                return PendingGather(backend, common.all_gather_rows(a_shard, backend),
+                                     gathered_scales=common.all_gather_rows(scales, backend))
             gathered = a_shard.new_empty((mc * w, k))
             dist.all_gather_into_tensor(gathered, a_shard.contiguous(), group=backend.group)
             return PendingGather(backend, gathered)
         if not self.graphable:
             common.check_not_capturing(OP, a_shard)
-        key = ("all_gather", mc, k, a_shard.dtype)
+        kb = 0 if scales is None else scales.shape[1]
+        key = ("all_gather", mc, k, a_shard.dtype, kb)
         if key not in self._plans:
-            agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3])), None)
+            agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3]), key[4]), None)
             self._plans[key] = Plan("all_gather", None, backend)
         self.errors.raise_pending(backend, common.capturing(a_shard))
+        shard_scales = None if scales is None else scales.contiguous()
         return PendingGather.start(backend, self.memory, a_shard, ring=self.transport == "ring",
-                                   constant=self.graphable)
+                                   constant=self.graphable, shard_scales=shard_scales)
+
+
+def _check_gather_scales(a_shard, scales) -> None:
+    """``all_gather``'s arguments: rows of a dtype the ops run, or float8 rows with ``[M/W, KB]`` float32
+    scales on their device."""
+    if isinstance(a_shard, torch.Tensor) and a_shard.dim() == 2 and a_shard.dtype in FP8_DTYPES:
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 2 \
+                or scales.shape[0] != a_shard.shape[0] or scales.device != a_shard.device:
+            raise TypeError(f"{OP}.all_gather: float8 a_shard {list(a_shard.shape)} needs scales, a float32 "
+                            f"[{a_shard.shape[0]}, KB] tensor on {a_shard.device} (each row's scale or block "
+                            f"scales), got {common.describe(scales)}")
+        return
+    common.check_matrix("a_shard", a_shard)
+    common.check_runs_dtype(OP, "a_shard", a_shard)
+    if scales is not None:
+        raise TypeError(f"{OP}.all_gather: scales go with float8 rows; a_shard is {a_shard.dtype}")
 
 
 def _check_gathered_out(gathered_out: torch.Tensor, a_shard: torch.Tensor, world: int) -> None:

@@ -195,9 +195,10 @@ class PendingGather:
     without a push (a group of one, NCCL's gather), it holds the gathered rows alone."""
 
     def __init__(self, backend: Backend, gathered: torch.Tensor, *, ws: Workspace | None = None,
-                 plan: PushPlan | None = None, values: FlagValues | None = None) -> None:
+                 plan: PushPlan | None = None, values: FlagValues | None = None,
+                 gathered_scales: torch.Tensor | None = None) -> None:
         self.backend, self.gathered, self.ws, self.plan, self.values = backend, gathered, ws, plan, values
-        self.gathered_scales = None if plan is None else plan.gathered_scales
+        self.gathered_scales = gathered_scales if plan is None else plan.gathered_scales
         """Float8 gathers: the ``[M, KB]`` float32 a-scales of ``gathered``'s rows (None otherwise)."""
 
     @staticmethod
