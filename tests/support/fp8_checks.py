@@ -72,18 +72,19 @@ def same_scale(got: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def bounds(out_dtype: torch.dtype, ref: torch.Tensor, mag: torch.Tensor, k: int, *, reduced: bool = False,
-           fast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           fast_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The elementwise error bounds ``(fp32, mma)`` of a GEMM of float8 operands with an fp32 accumulator,
     from the float64 result ``ref`` of its operands and the sum ``mag`` of the magnitudes of its terms:
-    every product is exact in fp32; ``k`` additions, the scales (two products per term or per tile) and
-    a bias or residual add at most ``(k + 8) u`` of the magnitudes (``u``: float32's unit roundoff), the
-    output's rounding its unit of ``|ref|``, and where partial sums may be rounded to the output dtype
-    before they are added (``reduced``), that unit of the magnitudes too. ``mma`` adds ``MMA_UNIT`` of
-    the magnitudes (per 128 of the contraction with ``fast``, ``use_fast_accum``) for tensor cores that
-    keep fewer bits inside one K step."""
+    every product is exact in fp32; ``k`` additions (a number, or a tensor broadcast over ``ref``), the
+    scales (two products per term or per tile) and a bias or residual add at most ``(k + 8) u`` of the
+    magnitudes (``u``: float32's unit roundoff), the output's rounding its unit of ``|ref|``, and where
+    partial sums may be rounded to the output dtype before they are added (``reduced``), that unit of the
+    magnitudes too. ``mma`` adds ``MMA_UNIT`` of the magnitudes for tensor cores that keep fewer bits
+    inside one K step; ``fast_k``: the length of a contraction summed inside the MMA with
+    ``use_fast_accum``, which takes that room per 128 of it."""
     out = OUT_UNIT[out_dtype]
     fp32 = (k + 8) * U32 * mag + out * (ref.abs() + (mag if reduced else 0))
-    steps = math.ceil(k / 128) if fast else 1
+    steps = max(1, math.ceil(fast_k / 128))
     return fp32 + 1e-300, fp32 + steps * MMA_UNIT * mag + 1e-300
 
 
