@@ -31,6 +31,11 @@ OUT_UNIT = {torch.float32: U32, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 **
 """Per output dtype: its rounding (bfloat16 and float16 with a factor 2 for the reduced sums)."""
 
 
+def snapshot(t):
+    """A detached copy of a tensor (anything else as it is): what a capture keeps of a call."""
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
 def to_cpu(obj):
     """A dataclass with every tensor field moved to the CPU."""
     return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).cpu() for f in dataclasses.fields(obj)

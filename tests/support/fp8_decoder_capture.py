@@ -35,7 +35,8 @@ import math
 
 import torch
 
-from support.fp8_checks import FLOAT8, GROUPS, Worst, bounds, dequantize_a, dequantize_b, exchange, rel, to_cpu
+from support.fp8_checks import (FLOAT8, GROUPS, Worst, bounds, dequantize_a, dequantize_b, exchange, rel, snapshot,
+                                to_cpu)
 from support.fp8_reference import E4M3, expand_scale, quantize32
 from tileweave.nn import decoder_layer, inference
 from tileweave.nn.decoder_layer import FP8_WEIGHTS
@@ -43,9 +44,6 @@ from tileweave.nn.fp8_weights import Float8Weight
 
 ROW_PARALLEL = ("gemm_all_reduce", "gemm_reduce_scatter")
 
-
-def _copy(t):
-    return None if t is None else t.detach().clone()
 
 
 @dataclasses.dataclass
@@ -131,8 +129,7 @@ class Capture:
             if self._pending is not None:
                 raise AssertionError(f"{self._pending[-1].label()}: cast again before its GEMM ran")
             layer, name = self._names[weight.data.data_ptr()]
-            call = GemmCall(self.phase, layer, name, _copy(x), _copy(a), _copy(fp8["scale_a"]), _copy(b),
-                            _copy(fp8["scale_b"]))
+            call = GemmCall(self.phase, layer, name, *map(snapshot, (x, a, fp8["scale_a"], b, fp8["scale_b"])))
             self._pending = (a, b, fp8["scale_a"], fp8["scale_b"], call)
             return a, b, fp8
         return wrapped
@@ -147,25 +144,26 @@ class Capture:
             self._pending = None
             if not (a is pa and b is pb and kw.get("scale_a") is psa and kw.get("scale_b") is psb):
                 raise AssertionError(f"{call.label()} ({op}): operands other than those the cast produced")
-            call.op, call.bias = op, _copy(kw.get("bias"))
-            call.residual, call.norm_weight = _copy(kw.get("residual")), _copy(kw.get("norm_weight"))
+            call.op, call.bias = op, snapshot(kw.get("bias"))
+            call.residual, call.norm_weight = snapshot(kw.get("residual")), snapshot(kw.get("norm_weight"))
             call.eps = kw.get("eps", 0.0)
             out = gemm(a, b, *args, **kw)
             if op == "gemm_all_reduce":
-                call.normed, call.out = _copy(out[0]), _copy(out[1])
+                call.normed, call.out = snapshot(out[0]), snapshot(out[1])
             else:
-                call.out = _copy(out)
+                call.out = snapshot(out)
             self.gemms.append(call)
             return out
         return wrapped
 
     def _attention(self, index: int, attention):
         def wrapped(qkv, cache, i, step):
-            start, qkv_in = cache.length, _copy(qkv)
+            start, qkv_in = cache.length, snapshot(qkv)
             out = attention(qkv, cache, i, step)
             keys = step.allowed.shape[-1]
-            self.attention.append(AttentionCall(self.phase, index, qkv_in, _copy(out), _copy(cache.k[i, :, :, :keys]),
-                                                _copy(cache.v[i, :, :, :keys]), start, step.batch, step.seq))
+            self.attention.append(AttentionCall(self.phase, index, qkv_in, snapshot(out),
+                                                snapshot(cache.k[i, :, :, :keys]), snapshot(cache.v[i, :, :, :keys]),
+                                                start, step.batch, step.seq))
             return out
         return wrapped
 

@@ -44,7 +44,7 @@ import inspect
 import torch
 
 from support.fp8_checks import (FLOAT8, GROUPS, OUT_UNIT, U32, Worst, bounds, dequantize_a, dequantize_b,
-                                exchange, ratio, rel, same_scale, to_cpu)
+                                exchange, ratio, rel, same_scale, snapshot, to_cpu)
 from support.fp8_reference import E4M3, FORMS, expand_scale, quantize32
 from tileweave.nn import moe_fp8
 
@@ -61,9 +61,6 @@ ELEMENTWISE_UNITS = 64
 few units, and ``exp(-g)`` about ``|g|`` units for the rounding of its argument), of the terms'
 magnitudes."""
 
-
-def _copy(t):
-    return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
 
 @dataclasses.dataclass
@@ -183,7 +180,7 @@ class Capture:
     def _cast(self, x, q) -> None:
         if self._pending is not None:
             raise AssertionError(f"{self.phase}: cast again before its GEMM ran")
-        self._pending = (_copy(x), q)
+        self._pending = (snapshot(x), q)
 
     def _name(self, layer: int, w: torch.Tensor) -> str:
         fl = self.layer.ffn_local
@@ -196,8 +193,8 @@ class Capture:
     def _plan(self, plan_fn):
         def wrapped(ids, num_experts, group):
             plan = plan_fn(ids, num_experts, group)
-            self.routing.append(Routing(self.phase, _copy(ids), _copy(plan.pair_row), _copy(plan.row_token),
-                                        _copy(plan.row_expert), _copy(plan.offsets)))
+            self.routing.append(Routing(self.phase, snapshot(ids), snapshot(plan.pair_row), snapshot(plan.row_token),
+                                        snapshot(plan.row_expert), snapshot(plan.offsets)))
             self.calls.append((self.phase, "plan"))
             return plan
         return wrapped
@@ -217,9 +214,10 @@ class Capture:
             y, gathered, scales = result if isinstance(result, tuple) else (result, None, None)
             epilogue = kw.get("epilogue")
             self.gemms.append(GemmCall(
-                self.phase, name, x, _copy(a), _copy(q.scale), _copy(w), _copy(kw.get("scale_b")), _copy(y),
-                bool(kw.get("use_fast_accum")), pre=_copy(getattr(epilogue, "pre", None)), gathered=_copy(gathered),
-                gathered_scales=_copy(scales), weights=_copy(args[0]) if layer == 1 else None))
+                self.phase, name, x, *map(snapshot, (a, q.scale, w, kw.get("scale_b"), y)),
+                bool(kw.get("use_fast_accum")), pre=snapshot(getattr(epilogue, "pre", None)),
+                gathered=snapshot(gathered), gathered_scales=snapshot(scales),
+                weights=snapshot(args[0]) if layer == 1 else None))
             self.calls.append((self.phase, name))
             return result
         return wrapped
@@ -227,7 +225,7 @@ class Capture:
     def _swiglu_grad(self, fn):
         def wrapped(g, pre, row_scale):
             dy, h_scaled, row_dot = fn(g, pre, row_scale)
-            self.swiglu.append(SwiGLUGradCall(self.phase, *map(_copy, (g, pre, row_scale, dy, h_scaled, row_dot))))
+            self.swiglu.append(SwiGLUGradCall(self.phase, *map(snapshot, (g, pre, row_scale, dy, h_scaled, row_dot))))
             self.calls.append((self.phase, "swiglu grad"))
             return dy, h_scaled, row_dot
         return wrapped
@@ -244,8 +242,8 @@ class Capture:
             if tuple(out.shape[1:]) not in names:
                 raise AssertionError(f"{self.phase}: a weight gradient of shape {tuple(out.shape)}, not the layer's")
             name = names[tuple(out.shape[1:])]
-            args_ = {k: _copy(v) for k, v in bound.arguments.items() if k not in ("out", "config")}
-            self.wgrads.append(WgradCall(self.phase, name, args_, _copy(out)))
+            args_ = {k: snapshot(v) for k, v in bound.arguments.items() if k not in ("out", "config")}
+            self.wgrads.append(WgradCall(self.phase, name, args_, snapshot(out)))
             self.calls.append((self.phase, name))
             return out
         return wrapped
