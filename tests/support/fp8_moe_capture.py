@@ -32,8 +32,8 @@ GEMM at a time, each against its own inputs, nothing compounds:
 ``Capture`` wraps, while its context is open in one rank's process (the library is unchanged): the
 layer's ops (``TPMoE.ops``: ``plan``, ``layer0``, ``layer1``), its recipe's activation casts
 (``TPMoE.fp8.lhs``), and ``tileweave.nn.moe_fp8``'s ``swiglu_grad`` and ``grouped_wgrad`` (the weight
-gradients, captured at the call whatever their operands' dtype; float8 operands are not checked yet and
-are reported so).
+gradients, captured at the call whatever their operands' dtype; ``check`` raises, naming the call, on
+float8 operands, whose dequantization is not written yet).
 """
 
 from __future__ import annotations
