@@ -1,12 +1,17 @@
 """``TPMoE(fp8=...)`` on emulated ranks: for each recipe (tensorwise, rowwise, blockwise) the output, the
 input gradient, both expert weight gradients and the router's gradient against float64 of the same
 quantized math, written independently (``support.fp8_moe_layer_reference``), at one and two ranks, with
-fresh tokens and routing per step, a straggling rank, the gathered input kept or gathered again; the
-layer's refusals by name."""
+fresh tokens and routing per step, a straggling rank, the gathered input kept or gathered again; in the
+same runs every cast and GEMM of the forward and backward checked on its own
+(``support.fp8_moe_capture``: casts and weights bit for bit torch's, each GEMM within float32's bound of
+float64 of its own operands) and the results against the exact layer within ``END_TO_END_FACTOR``
+times the quantization's own effect, the checks the GPU tests rely on; a doubled expert weight scale
+fails them. The layer's refusals by name."""
 
 import pytest
 
-from support.moe_layer_scenarios import LayerCase, tp_moe_fp8_check, tp_moe_fp8_errors_check
+from support.moe_layer_scenarios import LayerCase, tp_moe_fp8_errors_check
+from support.scenarios import fp8_moe_layer as S
 from tileweave.testing.emulated import run_ranks
 
 TOL = 1e-5  # float32 results of float8 products that match the reference's quantization
@@ -24,16 +29,37 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_moe_fp8_matches_float64_of_the_same_quantized_math(name):
     world, recipe, case = CASES[name]
-    for rank, result in enumerate(run_ranks(world, tp_moe_fp8_check, recipe, case)):
+    for rank, result in enumerate(run_ranks(world, S.tp_moe_fp8_check, recipe, case)):
         assert result["gap"] > 0.5, ("the data must route unambiguously", result["gap"])
         assert len(result["steps"]) == case.steps
         for step, errors in enumerate(result["steps"]):
-            for key in ("out", "dx", "d_w0", "d_w1", "d_router"):
+            for key in S.KEYS:
                 assert errors[key] < TOL, (name, rank, step, key, errors)
             assert 1e-3 < errors["out_exact"] < 0.2, (name, rank, step, errors)  # float8 ran: a few percent
         assert result["dtypes"] == [result["dtype"]], result["dtypes"]  # outputs and gradients in the model's
         expected = ("fallback", "fallback") if case.policy == "fallback" else ("fused", "chunked")
         assert result["paths"] == (("local", "local") if world == 1 else expected), result["paths"]
+        # each cast and GEMM on its own, as on a GPU (where the GEMMs get the tensor cores' room instead)
+        assert result["expected"], result["calls"]
+        assert result["casts"] == [] and result["weights"] == [] and result["operands"] == [], result
+        assert result["links"] == [], result["links"]
+        assert result["gemm_fp32"] <= 1 and result["gemm"] < TOL, result
+        assert result["swiglu_grad"] <= 1 and result["wgrad_fp32"] <= 1 and result["wgrad"] < TOL, result
+        for key, e in result["end_to_end"].items():
+            assert e["effect"] < S.EFFECT_MAX and e["exact"] <= S.END_TO_END_FACTOR * e["effect"], (key, e)
+
+
+def test_a_doubled_expert_weight_scale_fails_the_weight_check_and_the_end_to_end_bound():
+    """The GEMM computes what it was given (its check passes); the weight operand it was given differs
+    from torch's quantization of the checkpoint in that call only, on every rank, and the output leaves
+    the end-to-end bound."""
+    case = LayerCase(tokens=8, hidden=32, ffn=48, experts=3, top_k=2, seed=25)
+    for result in run_ranks(2, S.tp_moe_fp8_check, "rowwise", case, (1, 2.0)):
+        assert result["weights"] == ["step 0 x @ w0"], result
+        assert result["casts"] == [] and result["operands"] == [] and result["links"] == [], result
+        assert result["gemm_fp32"] <= 1 and result["swiglu_grad"] <= 1 and result["wgrad_fp32"] <= 1, result
+        e = result["end_to_end"]["out"]
+        assert e["exact"] > 3 * S.END_TO_END_FACTOR * e["effect"], e
 
 
 def test_tp_moe_fp8_refusals():

@@ -14,7 +14,7 @@ own inputs, nothing compounds:
   an e4m3 value and a float32 scale is exact): a wrong scale or layout shows here, since the GEMM itself
   is checked against the operands it was given;
 * GEMM: its output against float64 of its own dequantized operands (every rank's, for the gathered and
-  the reduced forms), elementwise within a bound derived from the operands (``_bounds``); the RMSNorm
+  the reduced forms), elementwise within a bound derived from the operands (``support.fp8_checks.bounds``); the RMSNorm
   fused into the replicated row-parallel GEMM against float64 of that GEMM's own sum;
 * attention: its output against a float64 attention (RoPE, causal softmax) of its own q, k, v and the
   cache's keys and values; the keys and values it wrote against float64 RoPE of its own k, v.
@@ -34,30 +34,16 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 
+from support.fp8_checks import (FLOAT8, GROUPS, Worst, bounds, dequantize_a, dequantize_b, exchange, rel, snapshot,
+                                to_cpu)
 from support.fp8_reference import E4M3, expand_scale, quantize32
 from tileweave.nn import decoder_layer, inference
 from tileweave.nn.decoder_layer import FP8_WEIGHTS
 from tileweave.nn.fp8_weights import Float8Weight
 
-GROUPS = {"rowwise": ("row", "row"), "blockwise": ("1x128", "128x128")}
-"""Per scaling: the activations' groups and the weights' groups."""
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-U32 = 2.0 ** -24
-"""The unit roundoff of float32."""
-MMA_UNIT = 2.0 ** -10
-"""Room for Hopper's FP8 MMA, which aligns the products of one instruction to the largest and keeps
-about 14 bits of them (DeepSeek-V3, section 3.3.2) before a K step's sum reaches the fp32 accumulator:
-at most 2^-13 of the magnitudes per instruction, up to four instructions (K = 32 each) of a 128-wide K
-step, and a factor 2 to spare. One e4m3 step is 2^-4 to 2^-3, 64 times more."""
-OUT_UNIT = {torch.float32: U32, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-"""Per output dtype: its rounding (bfloat16 and float16 with a factor 2 for the reduced sums)."""
 ROW_PARALLEL = ("gemm_all_reduce", "gemm_reduce_scatter")
 
-
-def _copy(t):
-    return None if t is None else t.detach().clone()
 
 
 @dataclasses.dataclass
@@ -143,8 +129,7 @@ class Capture:
             if self._pending is not None:
                 raise AssertionError(f"{self._pending[-1].label()}: cast again before its GEMM ran")
             layer, name = self._names[weight.data.data_ptr()]
-            call = GemmCall(self.phase, layer, name, _copy(x), _copy(a), _copy(fp8["scale_a"]), _copy(b),
-                            _copy(fp8["scale_b"]))
+            call = GemmCall(self.phase, layer, name, *map(snapshot, (x, a, fp8["scale_a"], b, fp8["scale_b"])))
             self._pending = (a, b, fp8["scale_a"], fp8["scale_b"], call)
             return a, b, fp8
         return wrapped
@@ -159,54 +144,31 @@ class Capture:
             self._pending = None
             if not (a is pa and b is pb and kw.get("scale_a") is psa and kw.get("scale_b") is psb):
                 raise AssertionError(f"{call.label()} ({op}): operands other than those the cast produced")
-            call.op, call.bias = op, _copy(kw.get("bias"))
-            call.residual, call.norm_weight = _copy(kw.get("residual")), _copy(kw.get("norm_weight"))
+            call.op, call.bias = op, snapshot(kw.get("bias"))
+            call.residual, call.norm_weight = snapshot(kw.get("residual")), snapshot(kw.get("norm_weight"))
             call.eps = kw.get("eps", 0.0)
             out = gemm(a, b, *args, **kw)
             if op == "gemm_all_reduce":
-                call.normed, call.out = _copy(out[0]), _copy(out[1])
+                call.normed, call.out = snapshot(out[0]), snapshot(out[1])
             else:
-                call.out = _copy(out)
+                call.out = snapshot(out)
             self.gemms.append(call)
             return out
         return wrapped
 
     def _attention(self, index: int, attention):
         def wrapped(qkv, cache, i, step):
-            start, qkv_in = cache.length, _copy(qkv)
+            start, qkv_in = cache.length, snapshot(qkv)
             out = attention(qkv, cache, i, step)
             keys = step.allowed.shape[-1]
-            self.attention.append(AttentionCall(self.phase, index, qkv_in, _copy(out), _copy(cache.k[i, :, :, :keys]),
-                                                _copy(cache.v[i, :, :, :keys]), start, step.batch, step.seq))
+            self.attention.append(AttentionCall(self.phase, index, qkv_in, snapshot(out),
+                                                snapshot(cache.k[i, :, :, :keys]), snapshot(cache.v[i, :, :, :keys]),
+                                                start, step.batch, step.seq))
             return out
         return wrapped
 
 
 # -- the checks ------------------------------------------------------------------------------------------
-
-def _cpu(obj):
-    return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).cpu() for f in dataclasses.fields(obj)
-                                       if isinstance(getattr(obj, f.name), torch.Tensor)})
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def dequantize_a(a: torch.Tensor, scale: torch.Tensor, scaling: str) -> torch.Tensor:
-    """float64 ``a [M, K] * scale_a`` (``[M, 1]`` rowwise, ``[M, K/128]`` blockwise: the GEMMs' layouts)."""
-    groups = GROUPS[scaling][0]
-    return a.double() * expand_scale(scale, groups, *a.shape).double()
-
-
-def dequantize_b(b: torch.Tensor, scale: torch.Tensor, scaling: str) -> torch.Tensor:
-    """float64 ``b [K, N] * scale_b`` (``[1, N]`` rowwise, ``[K/128, ceil(N/128)]`` blockwise)."""
-    groups = GROUPS[scaling][1]
-    return (b.t().double() * expand_scale(scale.t(), groups, b.shape[1], b.shape[0]).double()).t()
-
 
 def local_weights(state: dict, config, scaling: str, world: int, rank: int, layer: int, dtype) -> dict:
     """float64 of torch's quantization of each checkpoint weight of ``layer`` (as loaded, in ``dtype``),
@@ -260,18 +222,6 @@ def _gemm_reference(call: GemmCall, operands: list, scaling: str, rank: int, wor
     return ref, mag, k
 
 
-def _bounds(call: GemmCall, ref: torch.Tensor, mag: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The elementwise error bounds ``(fp32, mma)`` of a GEMM of float8 operands with an fp32 accumulator:
-    every product is exact in fp32; the K additions, the scales (two products per term or per tile) and
-    the bias or residual add at most ``(K + 8) u`` of the magnitudes (``u``: float32's unit roundoff),
-    the output's rounding its unit of ``|ref|``, and where the ranks' partial sums may be rounded to the
-    output dtype before they are reduced, that unit of the magnitudes too. ``mma`` adds ``MMA_UNIT`` of
-    the magnitudes for tensor cores that keep fewer bits inside one K step."""
-    out = OUT_UNIT[call.out.dtype]
-    fp32 = (k + 8) * U32 * mag + out * (ref.abs() + (mag if call.op in ROW_PARALLEL else 0))
-    return fp32 + 1e-300, fp32 + MMA_UNIT * mag + 1e-300
-
-
 def _attention_reference(call: AttentionCall, config, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B*S, hl*hd], new keys and values [B, 2 kvl, S, hd])`` in float64 from the call's own
     ``qkv`` and cache: interleaved RoPE at positions ``start ..``, causal softmax attention, each query
@@ -303,24 +253,21 @@ def check(cap: Capture, state: dict, config, scaling: str, *, world: int, rank: 
     Returns: ``casts`` and ``weights`` (labels of the calls whose float8 activation / weight operand
     differs from torch's quantization: empty when all are equal bit for bit), ``gemm`` (the worst
     relative Frobenius error of a GEMM output against float64 of its operands), ``gemm_fp32`` and
-    ``gemm_mma`` (the worst ratio of an element's error to its ``_bounds``: at most 1 when every
+    ``gemm_mma`` (the worst ratio of an element's error to its ``fp8_checks.bounds``: at most 1 when every
     element is within), ``worst`` (the call with the worst ``gemm_fp32``), ``norm`` (the fused RMSNorm's
     worst relative error), ``attention`` and ``cache`` (the attention's), ``calls``: ``(phase, layer,
     name, op)`` of every GEMM in order."""
     if config.qk_norm or config.qkv_bias or config.rope_scaling is not None:
         raise ValueError("the captured checks cover layers without q/k norms, biases or RoPE scaling")
-    gemms = [_cpu(c) for c in cap.gemms]
-    # float8 tensors travel as their bytes (torch's pickling of tensors has no float8)
-    mine = [(c.a.view(torch.uint8), c.scale_a, c.b.view(torch.uint8), c.scale_b) for c in gemms]
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    everyone = [[(a.view(E4M3), sa, b.view(E4M3), sb) for a, sa, b, sb in ops] for ops in gathered]
+    gemms = [to_cpu(c) for c in cap.gemms]
+    everyone = exchange([(c.a, c.scale_a, c.b, c.scale_b) for c in gemms])
     if len({len(ops) for ops in everyone}) != 1:
         raise AssertionError(f"the ranks ran different numbers of float8 GEMMs: {[len(o) for o in everyone]}")
     weights = {i: local_weights(state, config, scaling, world, rank, i, dtype) for i in range(config.layers)}
     a_groups = GROUPS[scaling][0]
-    out = {"casts": [], "weights": [], "gemm": 0.0, "gemm_fp32": 0.0, "gemm_mma": 0.0, "worst": "", "norm": 0.0,
-           "attention": 0.0, "cache": 0.0, "calls": [(c.phase, c.layer, c.name, c.op) for c in gemms]}
+    worst = Worst()
+    out = {"casts": [], "weights": [], "norm": 0.0, "attention": 0.0, "cache": 0.0,
+           "calls": [(c.phase, c.layer, c.name, c.op) for c in gemms]}
     for j, call in enumerate(gemms):
         q, scale = quantize32(call.x.float(), a_groups, E4M3, False)
         if not (torch.equal(call.a.view(torch.uint8), q.view(torch.uint8)) and torch.equal(call.scale_a, scale)):
@@ -328,24 +275,18 @@ def check(cap: Capture, state: dict, config, scaling: str, *, world: int, rank: 
         if not torch.equal(dequantize_b(call.b, call.scale_b, scaling).t(), weights[call.layer][call.name]):
             out["weights"].append(call.label())
         ref, mag, k = _gemm_reference(call, [ops[j] for ops in everyone], scaling, rank, world)
-        err = (call.out.double() - ref).abs()
-        fp32, mma = _bounds(call, ref, mag, k)
-        ratio = (err / fp32).max().item() if torch.isfinite(err).all() else math.inf
-        if ratio >= out["gemm_fp32"]:
-            out["worst"] = f"{call.label()}: {_rel(call.out, ref):.2e} relative"
-        out["gemm_fp32"] = max(out["gemm_fp32"], ratio)
-        out["gemm_mma"] = max(out["gemm_mma"], (err / mma).max().item() if math.isfinite(ratio) else math.inf)
-        out["gemm"] = max(out["gemm"], _rel(call.out, ref))
+        worst.add(call.label(), call.out, ref, (call.out.double() - ref).abs(),
+                  *bounds(call.out.dtype, ref, mag, k, reduced=call.op in ROW_PARALLEL))
         if call.normed is not None:
             h = call.out.double()
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + call.eps) * call.norm_weight.double()
-            out["norm"] = max(out["norm"], _rel(call.normed, normed))
-    for call in map(_cpu, cap.attention):
+            out["norm"] = max(out["norm"], rel(call.normed, normed))
+    for call in map(to_cpu, cap.attention):
         ref, new = _attention_reference(call, config, world)
-        out["attention"] = max(out["attention"], _rel(call.out, ref))
+        out["attention"] = max(out["attention"], rel(call.out, ref))
         got = torch.cat([call.k, call.v], dim=1)[:, :, call.start:call.start + call.seq]
-        out["cache"] = max(out["cache"], _rel(got, new))
-    return out
+        out["cache"] = max(out["cache"], rel(got, new))
+    return {**out, **worst.keys()}
 
 
 def expected_calls(phases: list[tuple[str, bool]], layers: int) -> list[tuple[str, int, str, str]]:

@@ -49,3 +49,21 @@ def routing_gap(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> flo
         return float("inf")
     ordered = logits.sort(dim=1, descending=True).values
     return float((ordered[:, top_k - 1] - ordered[:, top_k]).min())
+
+
+def reference_moe_grads(x: torch.Tensor, state: dict[str, torch.Tensor], dout: torch.Tensor, top_k: int, *,
+                        world: int, rank: int, normalize_topk: bool = True) -> dict[str, torch.Tensor]:
+    """float64 of the layer's results for rank ``rank`` of ``world`` (TPMoE's shards), by autograd through
+    ``reference_moe`` of the full ``x [T, H]`` for the output gradient ``dout [T, H]``: ``out`` and ``dx``
+    (its rows), ``d_w0 [E, 2F/W, H]`` (its gate rows, then its up rows), ``d_w1 [E, H, F/W]`` (its
+    columns) and ``d_router [E, H]`` (over all tokens)."""
+    params = {k: v.double().requires_grad_(True) for k, v in state.items()}
+    xr = x.double().requires_grad_(True)
+    out = reference_moe(xr, params, top_k, normalize_topk=normalize_topk)
+    out.backward(dout.double())
+    d = {k: v.grad for k, v in params.items()}
+    t, f = x.shape[0], state["experts.gate"].shape[1]
+    rows, cols = slice(rank * t // world, (rank + 1) * t // world), slice(rank * f // world, (rank + 1) * f // world)
+    return {"out": out.detach()[rows], "dx": xr.grad[rows],
+            "d_w0": torch.cat([d["experts.gate"][:, cols], d["experts.up"][:, cols]], 1),
+            "d_w1": d["experts.down"][:, :, cols], "d_router": d["router.weight"]}

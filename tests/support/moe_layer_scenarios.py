@@ -18,7 +18,7 @@ from tileweave.nn.moe import TPMoE
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, tileweave_ops
 from tileweave.ops import common
 from tileweave.runtime.backend import set_producer_delay
-from support.moe_layer_reference import reference_moe, routing_gap
+from support.moe_layer_reference import reference_moe, reference_moe_grads, routing_gap
 
 ROUTINGS = ("uniform", "skewed", "empty")
 
@@ -93,7 +93,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref.detach().double()).norm() / ref.detach().double().norm().clamp_min(1e-30)).item()
 
 
-def _ops_for(policy: str, group: dist.ProcessGroup, fused_swiglu: bool = True):
+def ops_for(policy: str, group: dist.ProcessGroup, fused_swiglu: bool = True):
     """The layer's ops under ``policy`` (``auto`` is the layer's default: tileweave's functional ops)."""
     ops = TILEWEAVE_OPS if policy == "auto" else tileweave_ops(policy=policy, group=group)
     return ops if fused_swiglu else dataclasses.replace(ops, swiglu=False)
@@ -108,10 +108,10 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
     state = layer_state(case)
     state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}  # the reference sees them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
-                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group, case.fused_swiglu), device=device, dtype=dtype)
+                  save_gathered=case.save_gathered, ops=ops_for(case.policy, group, case.fused_swiglu), device=device,
+                  dtype=dtype)
     layer.load_full_state_dict(state)
     rows = slice(rank * case.tokens // world, (rank + 1) * case.tokens // world)
-    cols = slice(rank * case.ffn // world, (rank + 1) * case.ffn // world)
     set_producer_delay(0.05 if rank == case.straggler else 0.0)
     results: dict = {"steps": []}
     for step in range(case.steps):
@@ -124,17 +124,12 @@ def tp_moe_check(rank: int, world: int, case: LayerCase) -> dict:
         out.backward(dout[rows])
         layer.all_reduce_replicated_grads()
 
-        ref_state = {k: v.double().requires_grad_(True) for k, v in state.items()}
-        xr = x_full.double().requires_grad_(True)
-        ref = reference_moe(xr, ref_state, case.top_k, normalize_topk=case.normalize_topk)
-        ref.backward(dout.double())
-        d = {k: v.grad for k, v in ref_state.items()}
+        ref = reference_moe_grads(x_full, state, dout, case.top_k, world=world, rank=rank,
+                                  normalize_topk=case.normalize_topk)
         results["steps"].append({
-            "out": _rel_err(out, ref[rows]),
-            "dx": _rel_err(x.grad, xr.grad[rows]),
-            "d_w0": _rel_err(layer.w0.grad, torch.cat([d["experts.gate"][:, cols], d["experts.up"][:, cols]], 1)),
-            "d_w1": _rel_err(layer.w1.grad, d["experts.down"][:, :, cols]),
-            "d_router": _rel_err(layer.router.weight.grad, d["router.weight"]),
+            "out": _rel_err(out, ref["out"]), "dx": _rel_err(x.grad, ref["dx"]),
+            "d_w0": _rel_err(layer.w0.grad, ref["d_w0"]), "d_w1": _rel_err(layer.w1.grad, ref["d_w1"]),
+            "d_router": _rel_err(layer.router.weight.grad, ref["d_router"]),
         })
     set_producer_delay(0.0)
     full = layer.full_state_dict()
@@ -180,48 +175,6 @@ def tp_moe_seq_sharded_check(rank: int, world: int, case: LayerCase, batch: int)
     ref.backward(dout.double())
     return {"shape": tuple(out.shape) == tuple(x.shape), "out": _rel_err(out, ref.detach().view(batch, seq, -1)[:, cols]),
             "dx": _rel_err(x.grad, xr.grad.view(batch, seq, -1)[:, cols])}
-
-
-def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase) -> dict:
-    """``TPMoE(fp8=recipe)`` (fp32 parameters) against ``fp8_moe_reference``, per step: output, input
-    gradient, both expert weight gradients (this rank's slices), the router's (summed over ranks); and
-    the gap to the unquantized float64 layer (float8 ran)."""
-    from support.fp8_moe_layer_reference import fp8_moe_reference
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = getattr(torch, case.dtype)
-    group = dist.group.WORLD
-    state = {k: v.to(dtype).float() for k, v in layer_state(case).items()}  # the reference sees them rounded
-    layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
-                  save_gathered=case.save_gathered, ops=_ops_for(case.policy, group), fp8=recipe, device=device,
-                  dtype=dtype)
-    layer.load_full_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()})
-    rows = slice(rank * case.tokens // world, (rank + 1) * case.tokens // world)
-    set_producer_delay(0.05 if rank == case.straggler else 0.0)
-    results: dict = {"steps": [], "dtypes": set()}
-    for step in range(case.steps):
-        x_full, dout = (t.to(dtype).float() for t in layer_tokens(case, step))
-        results.setdefault("gap", routing_gap(x_full, state["router.weight"], case.top_k))
-        layer.zero_grad(set_to_none=True)
-        x = x_full[rows].clone().to(device=device, dtype=dtype).requires_grad_(True)
-        out = layer(x)
-        out.backward(dout[rows].to(device=device, dtype=dtype))
-        layer.all_reduce_replicated_grads()
-        ref = fp8_moe_reference(recipe, x_full, state, dout, case.top_k, world, normalize_topk=case.normalize_topk,
-                                dtype=dtype)[rank]
-        exact = reference_moe(x_full.double(), {k: v.double() for k, v in state.items()}, case.top_k,
-                              normalize_topk=case.normalize_topk)
-        results["dtypes"] |= {str(t.dtype) for t in (out, x.grad, layer.w0.grad, layer.w1.grad)}
-        results["steps"].append({
-            "out": _rel_err(out.cpu(), ref["out"]), "dx": _rel_err(x.grad.cpu(), ref["dx"]),
-            "d_w0": _rel_err(layer.w0.grad.cpu(), ref["d_w0"]), "d_w1": _rel_err(layer.w1.grad.cpu(), ref["d_w1"]),
-            "d_router": _rel_err(layer.router.weight.grad.cpu(), ref["d_router"]),
-            "out_exact": _rel_err(out.cpu(), exact[rows])})
-    set_producer_delay(0.0)
-    results["dtypes"] = sorted(results["dtypes"])
-    results["dtype"] = str(dtype)
-    results["paths"] = (common.last_path("moe_all_gather_gemm"), common.last_path("moe_gemm_reduce_scatter"))
-    return results
 
 
 def tp_moe_fp8_errors_check(rank: int, world: int) -> dict:

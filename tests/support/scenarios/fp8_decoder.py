@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 import tileweave
 from support import fp8_decoder_capture as capture
-from support.fp8_decoder_capture import GROUPS
+from support.fp8_checks import GROUPS, end_to_end
 from support.fp8_reference import E4M3, qdq32
 from tileweave.nn.decoder import DecoderConfig, MoEConfig, TPDecoder
 from tileweave.testing.decoder_reference import random_state_dict, reference_generate, reference_logits
 
 END_TO_END_FACTOR = 1.5
 """The FP8 model's logits may be at most this many times farther from the exact float64 model than the
-float64 reference of the same quantized math is (the quantization's own effect, ``end_to_end``'s
+float64 reference of the same quantized math is (the quantization's own effect, ``fp8_checks.end_to_end``'s
 ``effect``). A float32-level difference before a cast flips some activations by a whole float8 step, so
 a correct model on other hardware is another draw of the same quantization error, not a smaller one:
 on the CPU, relative noise of 1e-5 to 1e-2 on every quantized linear's input moved the reference's
@@ -168,14 +168,6 @@ def fp8_refusals_check(rank: int, world: int) -> dict[str, str]:
     attempt("twice", lambda: model.to_fp8("rowwise"))
     attempt("convert", lambda: TPDecoder(rowwise).to_fp8("blockwise"))
     return out
-
-
-def end_to_end(got: list, ref: list, exact: list) -> dict:
-    """The logits of a run against the float64 references, each over all of the run's logits at once:
-    ``quantized`` (against the same quantized math), ``exact`` (against the exact model) and ``effect``
-    (the quantized reference against the exact one: the quantization's own effect)."""
-    g, r, e = (torch.cat([t.detach().double().cpu().reshape(-1) for t in ts]) for ts in (got, ref, exact))
-    return {"quantized": _rel_err(g, r), "exact": _rel_err(g, e), "effect": _rel_err(r, e)}
 
 
 def fp8_decoder_gemm_check(rank: int, world: int, scaling: str, batch: int, chunks: list[int], steps: int,
