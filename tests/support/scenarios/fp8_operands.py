@@ -55,13 +55,19 @@ class Recording:
         return call
 
 
-def _same(got_q: torch.Tensor, got_s: torch.Tensor, ref: tuple) -> bool:
-    """Whether a float8 operand and its scales are the reference's ``quantize32`` result: every element
-    equal (columns past the reference's, a padded weight gradient's tokens, zero) and every scale."""
+def _difference(got_q: torch.Tensor, got_s: torch.Tensor, ref: tuple) -> str:
+    """Empty where a float8 operand and its scales are the reference's ``quantize32`` result: every element
+    equal (columns past the reference's, a padded weight gradient's tokens, zero) and every scale; else
+    what differs (how many elements and scales, and the first scale that does)."""
     q, s = ref
     cols = q.shape[1]
-    return (torch.equal(got_q[:, :cols].float(), q.float()) and not got_q[:, cols:].float().any()
-            and torch.equal(got_s.reshape(s.shape), s))
+    elements = int((got_q[:, :cols].float() != q.float()).sum()) + int(got_q[:, cols:].float().count_nonzero())
+    got_s = got_s.reshape(s.shape)
+    scales = got_s != s
+    if not elements and not scales.any():
+        return ""
+    first = f", first {got_s[scales][0].item():.9g} for {s[scales][0].item():.9g}" if scales.any() else ""
+    return f"{elements} of {q.numel()} elements, {int(scales.sum())} of {s.numel()} scales{first}"
 
 
 def _expected_column(recipe, x, norm_w, w, dy, world, rank, save_gathered) -> dict:
@@ -107,7 +113,7 @@ def fp8_operands_check(rank: int, world: int, cases: list[tuple], dtype: str = "
     layer called with an RMSNorm, "swiglu" for a row layer taking gate | up, or None), one step in
     ``dtype``: ``"gemms"``, the GEMMs run, and ``"differ"``, the operands (``"wgrad b"``: the weight
     gradient's activation) whose float8 elements or scales are not the reference's cast of the
-    documented values."""
+    documented values, and ``"details"``, how each differs."""
     device, torch_dtype = device_name(), getattr(torch, dtype)
     rows = []
     for case in cases:
@@ -138,14 +144,15 @@ def fp8_operands_check(rank: int, world: int, cases: list[tuple], dtype: str = "
         layer.load_full_state_dict({"weight": w})
         xin = x_in.to(device, torch_dtype).requires_grad_(True)
         layer(xin, **kwargs).backward(dy_in.to(device, torch_dtype))
-        differ, gemms = [], []
+        differ, details, gemms = [], [], []
         for op, qa, sa, qb, sb in rec.calls:
             gemm = ORDER[kind][op]
             gemms.append(gemm)
             ref_a, ref_b = expected[gemm]
-            if not _same(qa.cpu(), sa.cpu(), ref_a):
-                differ.append(f"{gemm} a")
-            if not _same(qb.cpu(), sb.cpu(), ref_b):
-                differ.append(f"{gemm} b")
-        rows.append({"case": case, "gemms": gemms, "differ": differ})
+            for side, got_q, got_s, ref in (("a", qa, sa, ref_a), ("b", qb, sb, ref_b)):
+                how = _difference(got_q.cpu(), got_s.cpu(), ref)
+                if how:
+                    differ.append(f"{gemm} {side}")
+                    details.append(f"{gemm} {side}: {how}")
+        rows.append({"case": case, "gemms": gemms, "differ": differ, "details": details})
     return rows
