@@ -117,7 +117,7 @@ def test_fp8_grouped_wgrad_gathers_rows_and_defaults_to_bfloat16():
     assert _rel(out, _reference(lv, rhs[src[at]], l_at, r_at, counts)) < TOL[torch.bfloat16]
 
 
-def test_fp8_grouped_wgrad_refusals():
+def test_fp8_grouped_wgrad_refusals(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     offsets = _padded(COUNTS)[0]
     (lhs, _), (rhs, _) = _operand(gen, COUNTS, 8), _operand(gen, COUNTS, 16)
@@ -143,6 +143,9 @@ def test_fp8_grouped_wgrad_refusals():
         args = {"lhs": lhs, "rhs": rhs, **kwargs}
         with pytest.raises((ValueError, TypeError), match=text):
             grouped_wgrad(args.pop("lhs"), args.pop("rhs"), offsets, experts=EXPERTS, **args)
+    monkeypatch.setenv("TILEWEAVE_DEBUG", "1")  # the offsets are read on the host: unpadded groups are refused
+    with pytest.raises(ValueError, match="offsets must .* be multiples of 16 \\(float8\\)"):
+        grouped_wgrad(lhs, rhs, _offsets(COUNTS), experts=EXPERTS, lhs_scale=one, rhs_scale=one)
 
 
 # -- quantize_segments --------------------------------------------------------------------------------

@@ -53,10 +53,14 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
     first row (a group's last block holds fewer rows, as if padded with zeros), each block's product
     scaled before it is added (``WgradConfig.block_r`` divides 128). ``use_fast_accum`` as
     ``tileweave.matmul``'s (tensorwise and rowwise; default False: each step's product added in fp32).
-    The operands are read as given: a float8 operand is best stored K-major, ``[N, P]`` with the rows
-    contiguous, and passed as its transpose view (what ``tileweave.ops.compute.quantize.quantize_segments``
-    writes). ``scale`` does not apply to float8 (it scales the contraction: fold it into ``lhs`` before
-    quantizing). In the interpreter a bfloat16 output is computed in float32 and rounded once.
+    Every offset must be a multiple of 16 (each group's rows padded with zero rows, as torch's 2d-2d form
+    wants its groups): the kernel then loads whole 16-byte vectors. The operands are read as given: a
+    float8 operand is best stored K-major, ``[N, P]`` with the rows contiguous, and passed as its
+    transpose view (``tileweave.ops.compute.quantize.quantize_segments`` writes that layout, its padded
+    offsets and its scales). ``scale`` does not apply to float8 (it scales the contraction: fold it into
+    ``lhs`` before quantizing). In the interpreter a bfloat16 output is computed in float32 and rounded
+    once. The offsets are checked (against P, and for float8 their multiples of 16) only under
+    ``TILEWEAVE_DEBUG=1`` (a host sync).
     """
     scaled = _check_float8(lhs, rhs, lhs_scale, rhs_scale)
     if not scaled:
@@ -100,6 +104,8 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
     if scales is not None and scales.kernel_mode == "block" and scaling.BLOCK % config.block_r:
         raise ValueError(f"grouped_wgrad: blockwise scales need WgradConfig.block_r to divide {scaling.BLOCK}, "
                          f"got {config.block_r}")
+    if common.debug_mode():
+        _check_offsets(offsets, rows, 16 if scaled else 1)
     if n == 0 or k == 0:
         return out
     if lhs.device.type == "cpu" and not interp:
@@ -168,3 +174,11 @@ def _rows(lhs: torch.Tensor, rhs: torch.Tensor, lhs_rows, rhs_rows) -> int:
                 raise ValueError(f"{name} without an index must have P = {rows} rows, got {base.shape[0]}")
             rows = base.shape[0] if rows is None else rows
     return rows
+
+
+def _check_offsets(offsets: torch.Tensor, rows: int, multiple: int) -> None:
+    values = offsets.cpu()
+    if values[0] != 0 or values[-1] > rows or bool((values[1:] < values[:-1]).any()) or bool((values % multiple).any()):
+        raise ValueError(f"grouped_wgrad: offsets must start at 0, not decrease, end at most at P = {rows}"
+                         + (f" and be multiples of {multiple} (float8)" if multiple > 1 else "")
+                         + f"; got {values.tolist()}")
