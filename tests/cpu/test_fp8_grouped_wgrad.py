@@ -8,7 +8,7 @@ float8 input requantized; bad arguments refused by name."""
 import pytest
 import torch
 
-from support.fp8_reference import FP8_MAX, quantize32
+from support.fp8_reference import FP8_MAX, quantize_along_rows32
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.quantize import quantize_segments
 from tileweave.tune.grouped import WgradConfig
@@ -150,26 +150,13 @@ def test_fp8_grouped_wgrad_refusals(monkeypatch):
 
 # -- quantize_segments --------------------------------------------------------------------------------
 
-def _segments_reference(values, counts, granularity, dtype, pow2):
-    """torch's cast of ``values [P, C]`` (plan rows, float32) in the groups of ``granularity`` along the
-    tokens: ``(q [P, C], the scale of each (plan row, column))``, from ``quantize32`` of each group's
-    transpose (a row of it runs along the tokens)."""
-    q = torch.empty(values.shape, dtype=dtype)
-    at = torch.empty(values.shape, dtype=torch.float32)
+def _pieces(counts, granularity):
+    """The rows that share scales: all of them, each expert's, or each group's."""
     starts = _offsets(counts)
-    groups = {"tensorwise": [torch.arange(values.shape[0])],
-              "rowwise": [torch.nonzero(_experts(counts) == e)[:, 0] for e in range(EXPERTS)],
-              "blockwise_1x128": [torch.arange(int(starts[g]), int(starts[g + 1]))
-                                  for g in range(len(counts))]}[granularity]
-    kind = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128"}[granularity]
-    for rows in groups:
-        if len(rows):
-            qt, scale = quantize32(values[rows].t(), kind, dtype, pow2)  # [C, n]
-            q[rows] = qt.t()
-            if kind == "1x128":
-                scale = scale.repeat_interleave(128, 1)[:, :len(rows)]
-            at[rows] = scale.expand(values.shape[1], len(rows)).t()
-    return q, at
+    return {"tensorwise": [torch.arange(sum(counts))],
+            "rowwise": [torch.nonzero(_experts(counts) == e)[:, 0] for e in range(EXPERTS)],
+            "blockwise_1x128": [torch.arange(int(starts[g]), int(starts[g + 1])) for g in range(len(counts))]
+            }[granularity]
 
 
 # granularity: (float8 format, powers of two, input): a float32 input gathered by index, a float8 input with
@@ -196,7 +183,8 @@ def test_quantize_segments_equals_torchs_cast_of_each_group(granularity):
         values = tokens[rows]
         seg = quantize_segments(x, _offsets(COUNTS), EXPERTS, granularity, rows=None if source == "plan order" else rows,
                                 dtype=dtype, power_of_two=pow2)
-    q, scale_at = _segments_reference(values, COUNTS, granularity, dtype, pow2)
+    kind = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128"}[granularity]
+    q, scale_at = quantize_along_rows32(values, _pieces(COUNTS, granularity), kind, dtype, pow2)
     assert torch.equal(seg.offsets, offsets)
     data = seg.data[:, :int(offsets[-1])].t()
     assert torch.equal(data[at].view(torch.uint8), q.view(torch.uint8)), "the float8 values"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from support.fp8_reference import E4M3, Recipe, qdq32
+from support.fp8_reference import E4M3, Recipe, quantize_along_rows32
 
 
 def _pairs(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -41,20 +41,18 @@ def _stack(r: Recipe, w: torch.Tensor) -> torch.Tensor:
 
 
 def _along_tokens(r: Recipe, values: torch.Tensor, groups: list[list[torch.Tensor]], grad: bool) -> torch.Tensor:
-    """float64 ``values [T, k, C]`` (float32) quantized along the tokens as a weight gradient's operand:
-    ``groups[e][s]`` are the ``(t, j)`` pairs of expert e from source s, ``[n, 2]``; in ``r``'s groups over
-    the pairs of every expert (tensorwise), of one expert (rowwise), or 128 pairs of one group (blockwise),
-    each along the transpose (a row of it per feature)."""
-    dtype = r.grad_dtype if grad else E4M3
-    out = torch.zeros(values.shape, dtype=torch.float64)
-    pieces = {"tensor": [torch.cat([p for e in groups for p in e])],
-              "row": [torch.cat(e) for e in groups],
-              "1x128": [p for e in groups for p in e]}[r.a_groups]
-    for pairs in pieces:
-        if len(pairs):
-            t, j = pairs[:, 0], pairs[:, 1]
-            out[t, j] = qdq32(values[t, j].t(), r.a_groups, dtype, r.pow2).t().double()
-    return out
+    """float64 ``values [T, k, C]`` (float32) dequantized from its cast as a weight gradient's operand:
+    ``groups[e][s]`` are the ``(t, j)`` pairs of expert e from source s, ``[n, 2]``; quantized along the
+    pairs in ``r``'s groups over those of every expert (tensorwise), of one expert (rowwise), or 128 pairs
+    of one group (blockwise)."""
+    t, k, c = values.shape
+    flat = [p[:, 0] * k + p[:, 1] for e in groups for p in e]
+    pieces = {"tensor": [torch.cat(flat)], "row": [torch.cat(flat[i:i + len(groups[0])])
+                                                   for i in range(0, len(flat), len(groups[0]))],
+              "1x128": flat}[r.a_groups]
+    q, scale = quantize_along_rows32(values.reshape(t * k, c), pieces, r.a_groups,
+                                     r.grad_dtype if grad else E4M3, r.pow2)
+    return (q.double() * scale.double()).view(t, k, c)
 
 
 def _plan_groups(ids: torch.Tensor, experts: int, world: int) -> list[list[torch.Tensor]]:
