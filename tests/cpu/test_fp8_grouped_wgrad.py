@@ -198,3 +198,23 @@ def test_quantize_segments_equals_torchs_cast_of_each_group(granularity):
     if granularity == "rowwise":  # expert 1 has no rows: the scale of zeros, rounded up to a power of two
         empty = torch.tensor(1e-12, dtype=torch.float32) / FP8_MAX[dtype]
         assert torch.equal(seg.scale[1], torch.exp2(torch.ceil(torch.log2(empty.double()))).float().expand(cols))
+
+
+def test_quantize_segments_refusals():
+    offsets, x = _offsets(COUNTS), torch.randn(sum(COUNTS), 8)
+    cases = {
+        "granularity must be one of tensorwise, rowwise, blockwise_1x128": dict(granularity="blockwise_128x128"),
+        "a given scale applies to tensorwise": dict(granularity="rowwise", scale=torch.ones(())),
+        "scale must have one element": dict(scale=torch.ones(2)),
+        "pass its scales as x_scale": dict(x=x.to(E4M3)),
+        "x_scale applies to a float8 x only": dict(x_scale=torch.ones(())),
+        "dtype must be torch.float8_e4m3fn or torch.float8_e5m2": dict(dtype=torch.float16),
+        r"offsets must have S\*E \+ 1 entries for E = 4": dict(experts=4),
+        "offsets must be a 1-D int32 tensor": dict(offsets=offsets.long()),
+        "rows must be a 1-D int32/int64 tensor": dict(rows=torch.zeros(3, 2, dtype=torch.int32)),
+        r"x_scale must have one element, \[R, 1\]": dict(x=x.to(E4M3), x_scale=torch.ones(5, 1)),
+    }
+    for text, kwargs in cases.items():
+        args = {"x": x, "offsets": offsets, "experts": EXPERTS, "granularity": "tensorwise", **kwargs}
+        with pytest.raises((ValueError, TypeError), match=text):
+            quantize_segments(args.pop("x"), args.pop("offsets"), args.pop("experts"), args.pop("granularity"), **args)
