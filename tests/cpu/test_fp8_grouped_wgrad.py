@@ -84,22 +84,25 @@ def _rel(got, ref):
     return ((got - ref).norm() / ref.norm()).item()
 
 
-# (scaling, out dtype, fast accumulation, lhs format, K-major operands)
-CASES = [("tensorwise", torch.float32, False, E5M2, True), ("expertwise", torch.float16, True, E4M3, True),
-         ("rowwise", torch.float32, False, E4M3, True), ("rowwise-flat", torch.bfloat16, False, E5M2, False),
-         ("blockwise", torch.float32, False, E4M3, True), ("blockwise", torch.float16, False, E5M2, False)]
+# Output tiles of 16 x 32, 32 rows a step: several tiles along N and K, partial last ones.
+SMALL_TILES = WgradConfig(block_n=16, block_k=32, block_r=32, num_stages=1, num_warps=4)
+# (scaling, out dtype, fast accumulation, lhs format, K-major operands, config: None for the launcher's)
+CASES = [("tensorwise", torch.float32, False, E5M2, True, None), ("expertwise", torch.float16, True, E4M3, True, None),
+         ("rowwise", torch.float32, False, E4M3, True, SMALL_TILES),
+         ("rowwise-flat", torch.bfloat16, False, E5M2, False, None),
+         ("blockwise", torch.float32, False, E4M3, True, None), ("blockwise", torch.float16, False, E5M2, False, SMALL_TILES)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{str(c[1])[6:]}{'-fast' if c[2] else ''}" for c in CASES])
 def test_fp8_grouped_wgrad_matches_float64_of_the_dequantized_operands(case):
-    scaling, out_dtype, fast, lhs_dtype, k_major = case
+    scaling, out_dtype, fast, lhs_dtype, k_major, config = case
     gen = torch.Generator().manual_seed(len(scaling) + int(fast))
     n, k = 24, 40
     (lhs, lv), (rhs, rv) = _operand(gen, COUNTS, n, lhs_dtype, k_major), _operand(gen, COUNTS, k, E4M3, k_major)
     (ls, l_at), (rs, r_at) = _scales(gen, scaling, COUNTS, n), _scales(gen, scaling, COUNTS, k)
     out = torch.full((EXPERTS, n, k), float("nan"), dtype=out_dtype)
     got = grouped_wgrad(lhs, rhs, _padded(COUNTS)[0], experts=EXPERTS, lhs_scale=ls, rhs_scale=rs, out=out,
-                        out_dtype=out_dtype, use_fast_accum=fast)
+                        out_dtype=out_dtype, use_fast_accum=fast, config=config)
     assert got is out
     assert _rel(out, _reference(lv, rv, l_at, r_at, COUNTS)) < TOL[out_dtype]
     assert torch.equal(out[1], torch.zeros(n, k, dtype=out_dtype)), "an expert without rows gets zeros"

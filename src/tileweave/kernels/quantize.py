@@ -182,6 +182,44 @@ def _group_of_block(padded_ptr, G, b):
     return lo
 
 
+@triton.jit
+def _segment_block(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, q_ptr, scale_ptr, amax_ptr, g, b, lo, end, first,
+                   offs_c, mask_c, E, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc, stride_sg, stride_sc,
+                   GROUP: tl.constexpr, AMAX: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                   MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
+                   IN_GC: tl.constexpr, GATHER: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+    """Block b of ``quantize_segments_kernel``: padded rows ``[lo, end)`` of group g (its first at ``first``)."""
+    offs_p = lo + tl.arange(0, 128)
+    plan = tl.load(offsets_ptr + g) + offs_p - first  # the plan row of each padded row
+    mask_p = plan < tl.load(offsets_ptr + g + 1)
+    if GATHER:
+        src = tl.load(rows_ptr + plan, mask=mask_p, other=0).to(tl.int64)
+    else:
+        src = plan.to(tl.int64)
+    x = _load_rows(x_ptr, in_scale_ptr, src, offs_c, mask_p[:, None] & mask_c[None, :], stride_xr, stride_xc,
+                   stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC)
+    expert = g % E
+    if AMAX:
+        if GROUP == "tensor":
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        else:
+            tl.atomic_max(amax_ptr + expert * C + offs_c, tl.max(tl.abs(x), axis=0), mask=mask_c)
+    else:
+        if GROUP == "block":
+            scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, POW2)
+            tl.store(scale_ptr + b * stride_sg + offs_c * stride_sc, scale, mask=mask_c)
+            scale = scale[None, :]
+        elif GROUP == "expert":
+            amax = tl.load(amax_ptr + expert * C + offs_c, mask=mask_c, other=0.0)
+            scale = _scale_of(amax, FP8_MAX, POW2)[None, :]
+        elif SCALE_GIVEN:
+            scale = tl.load(amax_ptr)
+        else:
+            scale = _scale_of(tl.load(amax_ptr), FP8_MAX, POW2)
+        # Q is [C, rows]: the tile's rows are Q's columns (unit stride), its columns Q's rows.
+        _cast_store(q_ptr, x, scale, offs_p, offs_c, end, C, 1, stride_qc, FP8_MAX, MANT, MIN_EXP)
+
+
 @triton.jit(do_not_specialize=["G", "E", "NB"])
 def quantize_segments_kernel(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, padded_ptr, q_ptr, scale_ptr, amax_ptr,
                              G, E, NB, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc, stride_sg, stride_sc,
@@ -207,35 +245,14 @@ def quantize_segments_kernel(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, padded_
         first = tl.load(padded_ptr + g)
         lo = first + (b - first // 128 - g) * 128
         end = tl.minimum(lo + 128, tl.load(padded_ptr + g + 1))  # padded rows of the block: [lo, end)
-        offs_p = lo + tl.arange(0, 128)
-        plan = tl.load(offsets_ptr + g) + offs_p - first  # the plan row of each padded row
-        mask_p = plan < tl.load(offsets_ptr + g + 1)
-        if GATHER:
-            src = tl.load(rows_ptr + plan, mask=mask_p, other=0).to(tl.int64)
-        else:
-            src = plan.to(tl.int64)
-        x = _load_rows(x_ptr, in_scale_ptr, src, offs_c, mask_p[:, None] & mask_c[None, :], stride_xr, stride_xc,
-                       stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC)
-        expert = g % E
-        if AMAX:
-            if GROUP == "tensor":
-                tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-            else:
-                tl.atomic_max(amax_ptr + expert * C + offs_c, tl.max(tl.abs(x), axis=0), mask=mask_c)
-        else:
-            if GROUP == "block":
-                scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, POW2)
-                tl.store(scale_ptr + b * stride_sg + offs_c * stride_sc, scale, mask=mask_c)
-                scale = scale[None, :]
-            elif GROUP == "expert":
-                amax = tl.load(amax_ptr + expert * C + offs_c, mask=mask_c, other=0.0)
-                scale = _scale_of(amax, FP8_MAX, POW2)[None, :]
-            elif SCALE_GIVEN:
-                scale = tl.load(amax_ptr)
-            else:
-                scale = _scale_of(tl.load(amax_ptr), FP8_MAX, POW2)
-            # Q is [C, rows]: the tile's rows are Q's columns (unit stride), its columns Q's rows.
-            _cast_store(q_ptr, x, scale, offs_p, offs_c, end, C, 1, stride_qc, FP8_MAX, MANT, MIN_EXP)
+        if lo < end:
+            _segment_block(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, q_ptr, scale_ptr, amax_ptr, g, b, lo, end,
+                           first, offs_c, mask_c, E, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc,
+                           stride_sg, stride_sc, GROUP, AMAX, FP8_MAX, MANT, MIN_EXP, POW2, DEQUANT, IN_GR, IN_GC,
+                           GATHER, SCALE_GIVEN)
+        elif GROUP == "block" and not AMAX:  # a block past its group's rows: the scale of zeros
+            tl.store(scale_ptr + b * stride_sg + offs_c * stride_sc, _scale_of(tl.zeros((BC,), tl.float32), FP8_MAX,
+                     POW2), mask=mask_c)
     elif GROUP == "expert":
         e = b - NB
         amax = tl.load(amax_ptr + e * C + offs_c, mask=mask_c, other=0.0)

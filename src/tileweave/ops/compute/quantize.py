@@ -59,7 +59,7 @@ amax, then the cast: the second read finds the row in cache); a row read across 
 launches of a transformer block's training step; ``"segments"`` (``quantize_segments``, whose BR is its block
 of 128 rows) is not measured yet."""
 INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": (128, 256, 4), "1x128": (128, 128, 4),
-                     "128x128": (128, 128, 4), "segments": (128, 128, 4)}
+                     "128x128": (128, 128, 4), "segments": (128, 256, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
 transposed kinds take their group's)."""
 SEGMENT_ALIGN = 16
