@@ -17,6 +17,11 @@ block of ``b`` (of the weight); K must be a multiple of 128. Any strides are rea
 wants the blockwise ``scale_b`` as the transpose of the weight's contiguous ``[N/128, K/128]``).
 In ``grouped_gemm`` the rows of ``scale_a`` are the rows of ``a``: with ``a_rows`` an output row p
 takes the scales of its source row ``a_rows[p]``, so a token is quantised once, not once per expert.
+
+The grouped weight gradient (``grouped_wgrad``, torch's 2d-2d ``_scaled_grouped_mm``) contracts over each
+expert's rows, so its scales vary along those rows, in groups a product can be scaled by
+(``wgrad_scales``): per tensor or expert, per expert and column (rowwise), per 128 rows of a group and
+column (blockwise).
 """
 
 from __future__ import annotations
