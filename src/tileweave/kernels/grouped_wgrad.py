@@ -11,7 +11,9 @@ with no rows gets zeros.
 
 Each operand is read through a stride per row and one per column, so it may be stored either way; a
 float8 operand is best stored K-major, ``[N, P]`` with the plan rows contiguous (its transpose view
-here), the layout Hopper's FP8 tensor cores read.
+here), the layout Hopper's FP8 tensor cores read. ``ALIGNED``: every offset is a multiple of 16 (groups
+padded with zero rows), which lets the compiler load such an operand in 16-byte vectors straight into
+shared memory, pipelined (unaligned group ends keep its byte loads in registers, unpipelined).
 
 ``SCALING`` (float8 operands; the scales vary along the rows, the sum's contraction, in groups that a
 step never straddles, so each step's product or the finished tile can be scaled):
