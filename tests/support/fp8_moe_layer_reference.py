@@ -5,9 +5,13 @@ Each rank quantizes what it holds (``fp8_reference.qdq32``, from float32 values)
 tokens and of the output gradient (along H), its slice of each expert weight in both orientations
 (the stack flattened to ``[E * N, K]``: one tensorwise scale per stack, a scale per row, or 128 x 128
 blocks within each expert), its activations ``h`` and SwiGLU gradients ``dy`` of every (token, slot)
-pair. Every product is then float64 of the dequantized values, pair by pair; the weight gradients
-take the dequantized gathered ``x`` and ``dO`` and the unquantized ``dy`` and ``wt * h``. The routing
-is the unquantized layer's (softmax, top-k, renormalized), differentiated by autograd.
+pair. Every product is then float64 of the dequantized values, pair by pair. The weight gradients sum
+over each expert's (token, slot) pairs, grouped as the routing plan groups them (by source rank, the
+rank whose shard holds the token, then in token and slot order): both operands quantized along those
+pairs (``_along_tokens``), the gathered ``x`` and ``dO`` from their dequantized float8 values, ``dy`` and
+``wt * h`` from the model's dtype: tensorwise over all pairs, rowwise per expert and feature, blockwise
+per 128 pairs of a (source, expert) group and feature. The routing is the unquantized layer's (softmax,
+top-k, renormalized), differentiated by autograd.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from support.fp8_reference import Recipe
+from support.fp8_reference import E4M3, Recipe, quantize_along_rows32
 
 
 def _pairs(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -34,6 +38,35 @@ def _stack(r: Recipe, w: torch.Tensor) -> torch.Tensor:
     """float64 dequantized ``[E, N, K]`` stack, quantized along K as ``[E * N, K]``."""
     e, n, k = w.shape
     return r.b(w.reshape(e * n, k).float()).view(e, n, k).double()
+
+
+def _along_tokens(r: Recipe, values: torch.Tensor, groups: list[list[torch.Tensor]], grad: bool) -> torch.Tensor:
+    """float64 ``values [T, k, C]`` (float32) dequantized from its cast as a weight gradient's operand:
+    ``groups[e][s]`` are the ``(t, j)`` pairs of expert e from source s, ``[n, 2]``; quantized along the
+    pairs in ``r``'s groups over those of every expert (tensorwise), of one expert (rowwise), or 128 pairs
+    of one group (blockwise)."""
+    t, k, c = values.shape
+    flat = [p[:, 0] * k + p[:, 1] for e in groups for p in e]
+    pieces = {"tensor": [torch.cat(flat)], "row": [torch.cat(flat[i:i + len(groups[0])])
+                                                   for i in range(0, len(flat), len(groups[0]))],
+              "1x128": flat}[r.a_groups]
+    q, scale = quantize_along_rows32(values.reshape(t * k, c), pieces, r.a_groups,
+                                     r.grad_dtype if grad else E4M3, r.pow2)
+    return (q.double() * scale.double()).view(t, k, c)
+
+
+def _plan_groups(ids: torch.Tensor, experts: int, world: int) -> list[list[torch.Tensor]]:
+    """``[e][s]``: the ``(t, j)`` pairs of expert e whose token is in source s's shard, in plan order."""
+    tc = ids.shape[0] // world
+    groups = []
+    for e in range(experts):
+        per_source = []
+        for s in range(world):
+            chosen = torch.zeros_like(ids, dtype=torch.bool)
+            chosen[s * tc:(s + 1) * tc] = ids[s * tc:(s + 1) * tc] == e
+            per_source.append(chosen.nonzero())  # row-major: token order, then slot order
+        groups.append(per_source)
+    return groups
 
 
 def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Tensor, top_k: int, world: int,
@@ -57,6 +90,7 @@ def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Ten
     shards = [slice(p * tc, (p + 1) * tc) for p in range(world)]
     xq = torch.cat([r.a(x[s].float()) for s in shards]).double()               # gathered float8 x
     doq = torch.cat([r.a(dout[s].float(), grad=True) for s in shards]).double()  # gathered float8 dO
+    groups = _plan_groups(ids, e, world)
     out = torch.zeros(t, hid, dtype=torch.float64)
     dx_experts = torch.zeros(t, hid, dtype=torch.float64)
     dwt = torch.zeros(t, top_k, dtype=torch.float64)
@@ -80,13 +114,18 @@ def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Ten
         dyq = r.a(dy.to(dtype).float().reshape(t * top_k, 2 * fl), grad=True).view(t, top_k, 2 * fl).double()
         dx_experts += _pairs(dyq, w0tq, ids).sum(1)
         dwt += (gg * h).sum(2)
+        # The weight gradients' operands, each quantized along its expert's pairs (the plan's groups).
+        expand = lambda rows: rows[:, None, :].expand(t, top_k, rows.shape[1]).float()
+        dy_t = _along_tokens(r, dy.to(dtype).float(), groups, grad=True)
+        x_t = _along_tokens(r, expand(xq), groups, grad=False)
+        do_t = _along_tokens(r, expand(doq), groups, grad=True)
+        wh_t = _along_tokens(r, (wd[:, :, None] * h).to(dtype).float(), groups, grad=False)
         d_w0 = torch.zeros(e, 2 * fl, hid, dtype=torch.float64)
         d_w1 = torch.zeros(e, hid, fl, dtype=torch.float64)
-        tokens = torch.arange(t)[:, None].expand(t, top_k)
         for ex in range(e):
             chosen = ids == ex
-            d_w0[ex] = dy[chosen].t() @ xq[tokens[chosen]]
-            d_w1[ex] = doq[tokens[chosen]].t() @ (wd[:, :, None] * h)[chosen]
+            d_w0[ex] = dy_t[chosen].t() @ x_t[chosen]
+            d_w1[ex] = do_t[chosen].t() @ wh_t[chosen]
         grads.append((d_w0, d_w1))
     dx_route, d_router = torch.autograd.grad(wt, (xr, router), dwt)
     dx = dx_experts + dx_route

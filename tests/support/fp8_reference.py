@@ -67,6 +67,22 @@ def qdq32(x: torch.Tensor, groups: str, dtype, pow2: bool) -> torch.Tensor:
     return q.float() * expand_scale(scale, groups, *x.shape)
 
 
+def quantize_along_rows32(values: torch.Tensor, pieces: list[torch.Tensor], groups: str, dtype,
+                          pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE weight gradient's operand: float32 ``values [P, C]`` quantized along its rows (the tokens),
+    each of ``pieces`` (row indices: all rows, an expert's, or a group's) on its own, its transpose in
+    ``groups`` ("tensor", "row", "1x128": per 128 rows from the piece's first, padded with zeros).
+    ``(q [P, C] in dtype, the scale of each element [P, C])``; rows in no piece are zeros."""
+    q = torch.zeros(values.shape, dtype=dtype)
+    at = torch.zeros(values.shape, dtype=torch.float32)
+    for rows in pieces:
+        if len(rows):
+            qt, scale = quantize32(values[rows].t(), groups, dtype, pow2)  # [C, n]
+            q[rows] = qt.t()
+            at[rows] = expand_scale(scale, groups, values.shape[1], len(rows)).t()
+    return q, at
+
+
 class Recipe:
     """One recipe's quantizers: ``a`` (first operand, along K; ``grad``: the gradients' format) and
     ``b`` (second operand as ``[N, K]``, along K), each giving float32 dequantized values."""

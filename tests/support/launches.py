@@ -23,14 +23,15 @@ from triton.runtime.jit import KernelInterface
 
 import tileweave
 import tileweave.kernels
+from support import fp8_launches
 from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, MoEAllGatherGemm,
                        MoEGemmReduceScatter, build_plan, grouped_gemm, moe_plan)
 from tileweave.nn import TPMoE
 from tileweave.ops.all_reduce.transports import tiles as all_reduce_tiles
 from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
-from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES, rms_norm_quantize, swiglu_quantize
-from tileweave.ops.compute.quantize import quantize, tiles_of as quantize_tiles
+from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES
+from tileweave.ops.compute.quantize import TILES as QUANTIZE_TILES, tiles_of as quantize_tiles
 from tileweave.ops.compute.swiglu import TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
 from tileweave.tune.autotune import CANDIDATES
@@ -163,6 +164,8 @@ def h200_variant(launch: Launch) -> Launch | None:
         strides = (launch.args[fn.arg_names.index("stride_xr")], launch.args[fn.arg_names.index("stride_xc")])
         group = kwargs.get("GROUP", "row_amax" if kwargs.get("PER_ROW") else "tensor")
         kwargs.update(zip(("BR", "BC", "num_warps"), quantize_tiles(group, *strides, interpreter=False)))
+    elif kernel == "quantize_segments_kernel":
+        kwargs.update(zip(("BC", "num_warps"), QUANTIZE_TILES["segments"][1:]))
     elif kernel == "rms_norm_quantize_kernel":
         kwargs.update(zip(("BR", "BC", "num_warps"), FUSED_QUANTIZE_TILES["norm"]))
     elif kernel == "swiglu_quantize_kernel":
@@ -275,37 +278,6 @@ def _dense_calls() -> dict[str, Callable[[], object]]:
         "matmul, fp8 rowwise, e5m2 b, row-major b, fp16 out": lambda: tileweave.matmul(
             _fp8(40, 128), _fp8(128, 48, dtype=E5M2), **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 40, 48, 128))),
             out_dtype=torch.float16),
-    }
-
-
-def _quantize_calls() -> dict[str, Callable[[], object]]:
-    # Every group kind and format, the transposed read (a stride of 1 along the rows), padding, a float8
-    # input requantized with its scales, a given scale, power-of-two scales; fp16 inputs, which the H200
-    # variants of these launches (h200_variant: the GPU's tiles) compile in bf16.
-    x = lambda *shape: _randn(*shape, dtype=torch.float32)
-    return {
-        "quantize, tensorwise, e5m2, fp16 in": lambda: quantize(_randn(40, 136), "tensorwise", dtype=E5M2),
-        "quantize, tensorwise, transposed, given scale": lambda: quantize(
-            x(40, 136), "tensorwise", transpose=True, scale=torch.ones(())),
-        "quantize, rowwise, power of two": lambda: quantize(x(40, 300), "rowwise", power_of_two=True),
-        "quantize, rowwise, transposed": lambda: quantize(x(300, 40), "rowwise", transpose=True),
-        "quantize, 1x128, transposed, padded": lambda: quantize(x(200, 64), "blockwise_1x128", transpose=True,
-                                                                pad=True),
-        "quantize, 128x128, fp16 in": lambda: quantize(_randn(200, 256), "blockwise_128x128"),
-        **{f"quantize, requantized float8 {form}": lambda scale=scale: quantize(
-            _fp8(128, 256), "blockwise_128x128", transpose=True, x_scale=scale)
-           for form, scale in (("[R, 1]", torch.ones(128, 1)), ("[R, C/128]", torch.ones(128, 2)))},
-        # The RMSNorm and SwiGLU with their cast fused: each group kind (tensorwise: two launches), with and
-        # without the values, a norm without a weight, a values-only norm, gate and up as strided halves.
-        "rms_norm_quantize, rowwise, power of two, fp32 weight, values": lambda: rms_norm_quantize(
-            _randn(40, 300), x(300), 1e-5, "rowwise", power_of_two=True, return_values=True),
-        "rms_norm_quantize, 1x128, no weight": lambda: rms_norm_quantize(_randn(40, 256), None, 1e-5, "blockwise_1x128"),
-        "rms_norm_quantize, tensorwise, e5m2, values": lambda: rms_norm_quantize(
-            _randn(40, 136), _randn(136), 1e-6, "tensorwise", dtype=E5M2, return_values=True),
-        "rms_norm_quantize, values only": lambda: rms_norm_quantize(x(9, 64), x(64), 1e-5, None, return_values=True),
-        **{f"swiglu_quantize, {granularity}, strided halves": lambda granularity=granularity: swiglu_quantize(
-            *_randn(40, 512).chunk(2, dim=1), granularity, power_of_two=granularity == "rowwise",
-            return_values=granularity == "tensorwise") for granularity in ("rowwise", "blockwise_1x128", "tensorwise")},
     }
 
 
@@ -501,7 +473,8 @@ def op_launches(rank: int, world: int) -> list[Launch]:
     launches = record(_collective_calls(rank, world)) + record(_collective_h200_calls(rank, world), h200=True)
     if rank == 0:
         launches += record(_dense_calls()) + record(_dense_h200_calls(), h200=True) + hopper_fp8_launches()
-        launches += record(_quantize_calls())
+        launches += record(fp8_launches.cast_calls())
     if rank == world - 1:
         launches += record(_moe_local_calls()) + record(_moe_local_h200_calls(), h200=True)
+        launches += record(fp8_launches.wgrad_h200_calls(), h200=True)
     return launches

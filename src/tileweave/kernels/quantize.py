@@ -65,7 +65,16 @@ def _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, strid
           DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr):
     """The tile ``X[offs_r, offs_c]`` as float32 (zeros outside ``[R, C]``), times its scales if ``DEQUANT``."""
     mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
-    r64 = offs_r.to(tl.int64)[:, None]
+    return _load_rows(x_ptr, in_scale_ptr, offs_r.to(tl.int64), offs_c, mask, stride_xr, stride_xc, stride_ir,
+                      stride_ic, DEQUANT, IN_GR, IN_GC)
+
+
+@triton.jit
+def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, stride_ir, stride_ic,
+               DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr):
+    """The tile ``X[rows, offs_c]`` (int64 row indices) as float32, zeros outside ``mask``, times its scales
+    if ``DEQUANT``."""
+    r64 = rows[:, None]
     c64 = offs_c.to(tl.int64)[None, :]
     x = tl.load(x_ptr + r64 * stride_xr + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if DEQUANT:
@@ -157,3 +166,97 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
             scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FP8_MAX, POW2)
             _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
             tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
+
+
+@triton.jit
+def _group_of_block(padded_ptr, G, b):
+    """The group g whose blocks hold block b: the last g with ``padded[g] // 128 + g <= b`` (the first
+    block of each group), by bisection over ``[0, G)``."""
+    lo = 0
+    hi = G
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        at_or_before = tl.load(padded_ptr + mid) // 128 + mid <= b
+        lo = tl.where(at_or_before, mid, lo)
+        hi = tl.where(at_or_before, hi, mid)
+    return lo
+
+
+@triton.jit
+def _segment_block(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, q_ptr, scale_ptr, amax_ptr, g, b, lo, end, first,
+                   offs_c, mask_c, E, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc, stride_sg, stride_sc,
+                   GROUP: tl.constexpr, AMAX: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                   MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
+                   IN_GC: tl.constexpr, GATHER: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+    """Block b of ``quantize_segments_kernel``: padded rows ``[lo, end)`` of group g (its first at ``first``)."""
+    offs_p = lo + tl.arange(0, 128)
+    plan = tl.load(offsets_ptr + g) + offs_p - first  # the plan row of each padded row
+    mask_p = plan < tl.load(offsets_ptr + g + 1)
+    if GATHER:
+        src = tl.load(rows_ptr + plan, mask=mask_p, other=0).to(tl.int64)
+    else:
+        src = plan.to(tl.int64)
+    x = _load_rows(x_ptr, in_scale_ptr, src, offs_c, mask_p[:, None] & mask_c[None, :], stride_xr, stride_xc,
+                   stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC)
+    expert = g % E
+    if AMAX:
+        if GROUP == "tensor":
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        else:
+            tl.atomic_max(amax_ptr + expert * C + offs_c, tl.max(tl.abs(x), axis=0), mask=mask_c)
+    else:
+        if GROUP == "block":
+            scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, POW2)
+            tl.store(scale_ptr + b * stride_sg + offs_c * stride_sc, scale, mask=mask_c)
+            scale = scale[None, :]
+        elif GROUP == "expert":
+            amax = tl.load(amax_ptr + expert * C + offs_c, mask=mask_c, other=0.0)
+            scale = _scale_of(amax, FP8_MAX, POW2)[None, :]
+        elif SCALE_GIVEN:
+            scale = tl.load(amax_ptr)
+        else:
+            scale = _scale_of(tl.load(amax_ptr), FP8_MAX, POW2)
+        # Q is [C, rows]: the tile's rows are Q's columns (unit stride), its columns Q's rows.
+        _cast_store(q_ptr, x, scale, offs_p, offs_c, end, C, 1, stride_qc, FP8_MAX, MANT, MIN_EXP)
+
+
+@triton.jit(do_not_specialize=["G", "E", "NB"])
+def quantize_segments_kernel(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, padded_ptr, q_ptr, scale_ptr, amax_ptr,
+                             G, E, NB, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc, stride_sg, stride_sc,
+                             GROUP: tl.constexpr, AMAX: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr,
+                             MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr,
+                             IN_GR: tl.constexpr, IN_GC: tl.constexpr, GATHER: tl.constexpr,
+                             SCALE_GIVEN: tl.constexpr):
+    """The operand of a grouped weight gradient: the plan rows of group g (``offsets[g] + i``, reading
+    ``X[rows[offsets[g] + i]]`` with ``GATHER``) quantized and written K-major, ``Q[c, padded[g] + i]``,
+    zeros up to ``padded[g + 1]``. Program ``(b, c block)`` with ``b < NB`` takes block b of 128 padded
+    rows, block j of group g being ``b = padded[g] // 128 + g + j`` (``tileweave.kernels.grouped_wgrad``;
+    a b past its group's rows has none). ``GROUP``: ``"tensor"`` (one scale), ``"expert"`` (per expert
+    ``g % E`` and column), ``"block"`` (per block and column: 128 x 1 tiles, stored at row b of the
+    table). ``AMAX``: the first pass of ``"tensor"`` and ``"expert"``, an atomic max into ``amax_ptr``
+    (one float32, or ``[E, C]``, zero at first); the cast pass then reads it, and its programs past NB
+    write the scales (expert ``b - NB``'s row, or the tensor's: an expert without rows gets the scale of
+    zeros). With ``SCALE_GIVEN``, ``amax_ptr`` holds the tensor's scale."""
+    b = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    if b < NB:
+        g = _group_of_block(padded_ptr, G, b)
+        first = tl.load(padded_ptr + g)
+        lo = first + (b - first // 128 - g) * 128
+        end = tl.minimum(lo + 128, tl.load(padded_ptr + g + 1))  # padded rows of the block: [lo, end)
+        if lo < end:
+            _segment_block(x_ptr, rows_ptr, in_scale_ptr, offsets_ptr, q_ptr, scale_ptr, amax_ptr, g, b, lo, end,
+                           first, offs_c, mask_c, E, C, stride_xr, stride_xc, stride_ir, stride_ic, stride_qc,
+                           stride_sg, stride_sc, GROUP, AMAX, FP8_MAX, MANT, MIN_EXP, POW2, DEQUANT, IN_GR, IN_GC,
+                           GATHER, SCALE_GIVEN)
+        elif GROUP == "block" and not AMAX:  # a block past its group's rows: the scale of zeros
+            tl.store(scale_ptr + b * stride_sg + offs_c * stride_sc, _scale_of(tl.zeros((BC,), tl.float32), FP8_MAX,
+                     POW2), mask=mask_c)
+    elif GROUP == "expert":
+        e = b - NB
+        amax = tl.load(amax_ptr + e * C + offs_c, mask=mask_c, other=0.0)
+        tl.store(scale_ptr + e * stride_sg + offs_c * stride_sc, _scale_of(amax, FP8_MAX, POW2), mask=mask_c)
+    elif GROUP == "tensor":
+        if tl.program_id(1) == 0:
+            tl.store(scale_ptr, _scale_of(tl.load(amax_ptr), FP8_MAX, POW2))

@@ -71,6 +71,12 @@ Every other cast is a pass of its own (``tileweave.ops.compute.quantize``): the 
 linear called without a producer, the weights (twice per step), the output gradients and the weight
 gradient's requantized operands.
 
+``TPMoE(fp8=...)`` takes the same recipes for its experts' six grouped GEMMs: the forward pair and the
+input gradients as above, per expert, and both weight gradients with their operands quantized along
+each expert's tokens (``expert_tokens``): one scale per operand, one per expert and feature (torchao's
+MoE recipe), or one per 128 tokens of a group and feature (DeepSeek-V3's 128 x 1 tiles);
+``tileweave.nn.moe_fp8`` has its table.
+
 The GEMMs take ``use_fast_accum`` from the recipe: the presets let the tensor cores accumulate across
 K steps in the forward GEMM (torchao's choice) and add each K step in fp32 in the backward ones;
 blockwise scaling always adds each K step in fp32.
@@ -83,7 +89,7 @@ import dataclasses
 import torch
 
 from tileweave.ops.compute.fused_quantize import NormQuantized, rms_norm_quantize, swiglu_quantize
-from tileweave.ops.compute.quantize import Quantized, quantize
+from tileweave.ops.compute.quantize import Quantized, Segments, quantize, quantize_segments
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
 _A = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
@@ -154,6 +160,17 @@ class Float8Recipe:
         as ``lhs``'s."""
         return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
                         power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def expert_tokens(self, x: torch.Tensor, offsets: torch.Tensor, experts: int, *, grad: bool = False,
+                      rows: torch.Tensor | None = None, scale=None, x_scale=None) -> Segments:
+        """An operand of an MoE layer's weight gradient (``grouped_wgrad``), whose sum runs over each
+        expert's tokens: the plan rows of ``x`` (``x[rows[p]]`` with ``rows``) quantized along the tokens
+        (``quantize_segments``): tensorwise one scale, rowwise one per expert and feature, blockwise one per
+        128 tokens of a group and feature (DeepSeek-V3's 128 x 1 tiles); e4m3 (``grad``: in ``grad_dtype``).
+        ``scale``, ``x_scale``: ``quantize``'s."""
+        return quantize_segments(x, offsets, experts, _A[self.scaling],
+                                 rows=rows, dtype=self.grad_dtype if grad else torch.float8_e4m3fn,
+                                 power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
 
     def normed_lhs(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> NormQuantized:
         """The forward GEMM's first operand ``q(rms_norm(x))`` of ``x [M, K]``, as ``lhs`` casts it, from the

@@ -101,9 +101,9 @@ class TPMoE(nn.Module):
     whatever the dtype.
 
     ``fp8``: None, a ``tileweave.nn.fp8.Float8Recipe`` or ``"tensorwise"``, ``"rowwise"``,
-    ``"blockwise"``: both expert GEMMs and their input gradients in float8 with that recipe, the weight
-    gradients in the parameters' dtype (``tileweave.nn.moe_fp8`` has the table of which tensor is cast
-    to which format). Master weights and their gradients stay in the parameters' dtype. Blockwise needs
+    ``"blockwise"``: both expert GEMMs, their input gradients and their weight gradients in float8 with
+    that recipe (``tileweave.nn.moe_fp8`` has the table of which tensor is cast to which format with which
+    scaling). Master weights and their gradients stay in the parameters' dtype. Blockwise needs
     ``hidden`` and ``ffn / W`` to be multiples of 128; the ops must take float8 (``MoEOps.fp8``).
     Training only: ``replicated`` and ``torch.compile`` run unquantized.
     """

@@ -1,10 +1,12 @@
-"""The TP MoE layer's expert MLP in float8 (``TPMoE(fp8=...)``): the forward grouped GEMMs and both
-input-gradient GEMMs on the MoE pair's FP8 forms, with operands cast by a ``Float8Recipe``
-(``tileweave.nn.fp8``); the weight gradients in the model's dtype.
+"""The TP MoE layer's expert MLP in float8 (``TPMoE(fp8=...)``): all six grouped GEMMs, the forward
+pair, both input gradients and both weight gradients, on float8 operands cast by a ``Float8Recipe``
+(``tileweave.nn.fp8``): the first four on the MoE pair's FP8 forms, the weight gradients on
+``grouped_wgrad``'s.
 
 Shapes per rank as in ``tileweave.nn.moe_autograd`` (W ranks, T tokens, E experts, top-k k, P = T*k
 plan rows, F_loc = F/W, ``w0 [E, 2*F_loc, H]``, ``w1 [E, H, F_loc]``). ``q(.)``: float8 with its
-scales, quantized along its GEMM's contraction; ``deq(.)``: a float8 tensor times its scales.
+scales, quantized along its GEMM's contraction; ``qt(.)``: the plan rows of a tensor quantized along
+each expert's tokens (``Float8Recipe.expert_tokens``), the contraction of a weight gradient.
 
 ==============  ===================================================  =====================================
 GEMM            computation                                          operands (format, scaling)
@@ -15,29 +17,45 @@ layer 1         ``out = RS(sum_j wt * q(h)[p] @ q(w1[e]).T)``        h e4m3 alon
 dgrad layer 1   ``G = AG(q(dO))[tok] @ q(w1[e])``                    dO grad format along H; w1 e4m3 along H
 dgrad layer 0   ``dx_shard = RS(sum_j q(dy)[p] @ q(w0[e]))``         dy grad format along 2*F_loc; w0 e4m3
                                                                      along 2*F_loc
-wgrad w1        ``dw1[e] = sum_p deq(AG(q(dO)))[tok].T (wt * h)``    model dtype (the gathered float8 dO
-                                                                     dequantized)
-wgrad w0        ``dw0[e] = sum_p dy[p].T deq(AG(q(x)))[tok]``        model dtype (the forward's gathered
-                                                                     float8 x dequantized)
+wgrad w1        ``dw1[e] = sum_p qt(AG(q(dO))[tok]).T qt(wt*h)[p]``  dO grad format, ``wt * h`` e4m3, each
+                                                                     along e's tokens
+wgrad w0        ``dw0[e] = sum_p qt(dy)[p].T qt(AG(q(x))[tok])``     dy grad format, x e4m3, each along
+                                                                     e's tokens
 ==============  ===================================================  =====================================
 
-Scalings per recipe (``Float8Recipe.scaling``): tensorwise, one scale per activation or gradient
-tensor and one per stacked weight (shared by its experts), gradients in ``grad_dtype`` (e5m2 in the
-preset); rowwise, one scale per row along the contraction (per token or plan row, per expert's output
-feature), powers of two in the preset; blockwise (DeepSeek-V3), 1 x 128 blocks of activations and
-gradients, 128 x 128 blocks of each expert's weight, so H and F_loc must be multiples of 128. The
-weights are quantized from the master weights at each forward and backward (in both orientations: the
-input gradients contract over the other dimension), each expert's 128 x 128 blocks on its own.
+Scalings per recipe (``Float8Recipe.scaling``):
 
-The weight gradients stay in the model's dtype: they contract over the plan rows of each expert
-(tokens), which the grouped weight-gradient kernel gathers by index, and a float8 operand there would
-need scales along the tokens of each expert's rows; their operands are the float8 tensors that the
-forward and the input gradient already moved (``x`` and ``dO`` gathered in float8, half the bytes),
-dequantized, and the SwiGLU's gradient. ``h`` is quantized in a pass after layer 0's epilogue (not in
-it). Master weights, their gradients and the optimizer state stay in the parameters' dtype; routing
-and the routing weights' gradient (``<G[p], h[p]>``) in float32 as in the unquantized layer. Kept for
-the backward: the gathered float8 ``x [T, H]`` and its scales (or this rank's shard, gathered again in
-float8 with ``save_gathered=False``) and the pre-activations ``[P, 2*F_loc]``.
+=========================  ===========================================  ====================================
+recipe                     forward and input gradients                  weight gradients (both operands)
+=========================  ===========================================  ====================================
+tensorwise (torchao)       one scale per activation or gradient         one scale per operand (``dy``'s
+                           tensor, one per stacked weight (shared by    reused from its input-gradient
+                           its experts); gradients in ``grad_dtype``    cast); gradients in ``grad_dtype``
+                           (e5m2 in the preset)
+rowwise (torchao)          one per row along the contraction (per       one per expert and feature, over
+                           token or plan row, per expert's output       the expert's tokens from every rank
+                           feature), powers of two in the preset        (torchao's MoE recipe: torch's
+                                                                        ``_scaled_grouped_mm`` 2d-2d scales)
+blockwise (DeepSeek-V3)    1 x 128 blocks of activations and            one per 128 tokens of a (source
+                           gradients, 128 x 128 blocks of each          rank, expert) group and feature: 128
+                           expert's weight; H and F_loc multiples of    x 1 tiles, a group's last one padded
+                           128                                          with zeros
+=========================  ===========================================  ====================================
+
+The weights are quantized from the master weights at each forward and backward (in both orientations: the
+input gradients contract over the other dimension), each expert's 128 x 128 blocks on its own. A weight
+gradient's operands are the plan rows of each expert, the rows of ``x`` and ``dO`` gathered by token:
+``x`` and ``dO`` are the float8 rows that the forward and the input gradient moved (half the bytes of
+bf16), dequantized and quantized again along the tokens (DeepSeek-V3's requantization), ``dy`` and
+``wt * h`` (the SwiGLU pass's outputs, in the model's dtype) are quantized once. Each is written K-major
+in plan order, every group of rows padded with zero rows to a multiple of 16 (``quantize_segments``):
+``[features, P + 15 G]`` bytes, made just before its GEMM and dropped after it (a token's row once per
+expert it is routed to, k times the gathered ``[T, H]``). ``h`` is quantized in a pass after layer 0's
+epilogue (not in it). Master weights, their gradients (the weight-gradient GEMMs write the parameters'
+dtype) and the optimizer state stay in the parameters' dtype; routing and the routing weights' gradient
+(``<G[p], h[p]>``) in float32 as in the unquantized layer. Kept for the backward: the gathered float8
+``x [T, H]`` and its scales (or this rank's shard, gathered again in float8 with ``save_gathered=False``)
+and the pre-activations ``[P, 2*F_loc]``.
 """
 
 from __future__ import annotations
@@ -45,10 +63,10 @@ from __future__ import annotations
 import torch
 
 from tileweave.nn.fp8 import Float8Recipe
-from tileweave.nn.fp8_linear import dequantize_rows
 from tileweave.nn.moe_autograd import gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
+from tileweave.ops.compute.quantize import Segments
 from tileweave.ops.compute.swiglu import swiglu_grad
 from tileweave.ops.moe import MoEPlan
 
@@ -127,9 +145,11 @@ class FusedExpertsFP8(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             dweights = reduce_scatter_rows(row_dot[plan.pair_row.long()], group).to(weights_shard.dtype)
         dw1 = None
-        if ctx.needs_input_grad[2]:
-            dout = dequantize_rows(dout8, dout_scales).to(dtype)
-            dw1 = grouped_wgrad(dout, h_scaled, plan.offsets, experts=e, lhs_rows=plan.row_token).to(w1.dtype)
+        if ctx.needs_input_grad[2]:  # the gathered float8 dO requantized along the tokens, and wt * h
+            lhs = recipe.expert_tokens(dout8, plan.offsets, e, grad=True, rows=plan.row_token, x_scale=dout_scales)
+            dw1 = expert_wgrad(recipe, lhs, recipe.expert_tokens(h_scaled, plan.offsets, e), e, w1.dtype)
+        del h_scaled
+        qdy = None
         dx_shard = None
         if ctx.needs_input_grad[0]:
             qdy = recipe.lhs(dy, grad=True)
@@ -138,8 +158,21 @@ class FusedExpertsFP8(torch.autograd.Function):
                                   use_fast_accum=fast)
         dw0 = None
         if ctx.needs_input_grad[1]:
+            # dy along the tokens (tensorwise: its input-gradient cast's scale), the gathered float8 x requantized
+            reuse = qdy.scale if qdy is not None and recipe.scaling == "tensorwise" else None
+            lhs = recipe.expert_tokens(dy, plan.offsets, e, grad=True, scale=reuse)
+            del dy
             if not ctx.keep:
                 x8, x_scales = _gather_fp8(x8, x_scales, group)
-            gathered = dequantize_rows(x8, x_scales).to(dtype)
-            dw0 = grouped_wgrad(dy, gathered, plan.offsets, experts=e, rhs_rows=plan.row_token).to(w0.dtype)
+            rhs = recipe.expert_tokens(x8, plan.offsets, e, rows=plan.row_token, x_scale=x_scales)
+            dw0 = expert_wgrad(recipe, lhs, rhs, e, w0.dtype)
         return dx_shard, dw0, dw1, dweights, None, None, None, None, None, None
+
+
+def expert_wgrad(recipe: Float8Recipe, lhs: Segments, rhs: Segments, experts: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``dw [E, N, K]``, ``dw[e] = sum over the plan rows p of expert e of lhs[p].T rhs[p]``, of two float8
+    operands quantized along the tokens (``Float8Recipe.expert_tokens``: ``lhs.data [N, P16]``, ``rhs.data
+    [K, P16]``): one ``grouped_wgrad`` launch, fp32 accumulation, written in ``dtype`` (the weight's)."""
+    return grouped_wgrad(lhs.data.t(), rhs.data.t(), lhs.offsets, experts=experts, lhs_scale=lhs.scale,
+                         rhs_scale=rhs.scale, out_dtype=dtype, use_fast_accum=recipe.backward_fast_accum)

@@ -20,6 +20,11 @@ granularity           ``scale`` of [R, C]  as ``a`` (``[M, K]``)  as ``b`` (``.t
 ``blockwise_128x128`` ``[ceil(R/128),      (not a form of ``a``)  ``[K/128, ceil(N/128)]``
                       C/128]``
 ====================  ===================  =====================  ===================================
+
+``quantize_segments`` casts an operand of an MoE layer's weight gradient (``grouped_wgrad``), whose sum
+runs over each expert's tokens: the rows of a routing plan's groups, quantized along the tokens per
+tensor, per expert and column, or per 128 tokens of a group and column, written K-major with each group
+padded to 16 rows.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-from tileweave.kernels.quantize import amax_kernel, quantize_kernel
+from tileweave.kernels.quantize import amax_kernel, quantize_kernel, quantize_segments_kernel
 from tileweave.ops import common
-from tileweave.ops.compute.scaling import BLOCK, FP8_DTYPES
+from tileweave.ops.compute.scaling import BLOCK, FP8_DTYPES, wgrad_blocks
 
 GRANULARITIES = ("tensorwise", "rowwise", "blockwise_1x128", "blockwise_128x128")
 """Which elements share a scale: all, a row, 128 consecutive elements of a row, a 128 x 128 block."""
@@ -45,16 +50,21 @@ EPS = 1e-12
 """The floor of an amax (torchao's): an all-zero group gets a finite scale."""
 
 TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax_t": (32, 256, 8),
-         "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16), "128x128_t": (128, 128, 8)}
+         "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16), "128x128_t": (128, 128, 8),
+         "segments": (128, 64, 8)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
 (its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
 amax, then the cast: the second read finds the row in cache); a row read across a transposed view takes
 ``"row_amax"``: an amax pass over tiles (an atomic max per row), then the cast over tiles. Chosen on one H200 over the quantize
-launches of a transformer block's training step."""
+launches of a transformer block's training step; ``"segments"`` (``quantize_segments``, whose BR is its block
+of 128 rows) is not measured yet."""
 INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": (128, 256, 4), "1x128": (128, 128, 4),
-                     "128x128": (128, 128, 4)}
+                     "128x128": (128, 128, 4), "segments": (128, 256, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
 transposed kinds take their group's)."""
+SEGMENT_ALIGN = 16
+"""``quantize_segments`` pads each group's rows to a multiple of this many: torch's 2d-2d scaled grouped GEMM
+wants its groups so (16 bytes of float8), and ``grouped_wgrad`` loads whole 16-byte vectors of them."""
 
 
 class Quantized(NamedTuple):
@@ -211,3 +221,130 @@ def _input_scales(x: torch.Tensor, x_scale: torch.Tensor | None, transpose: bool
         raise ValueError(f"quantize: x_scale must have one element, [R, 1] = {[rows, 1]} or [R, C/128] = "
                          f"{[rows, cols // BLOCK]} for x {list(x.shape)}, got {list(x_scale.shape)}")
     return x_scale, strides[::-1] if transpose else strides, groups[::-1] if transpose else groups
+
+
+class Segments(NamedTuple):
+    """A float8 operand of a grouped weight gradient (``quantize_segments``): ``data [C, P16]`` K-major, the
+    rows of group g at columns ``[offsets[g], offsets[g + 1])`` (``grouped_wgrad`` takes ``data.t()``), its
+    float32 ``scale`` table, and those padded ``offsets`` (int32 ``[G + 1]``, multiples of 16)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    offsets: torch.Tensor
+
+
+def pad_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    """The offsets of groups padded to multiples of ``SEGMENT_ALIGN`` rows: int32 ``[G + 1]``, on the
+    device (no host sync)."""
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    padded = torch.zeros_like(offsets)
+    padded[1:] = torch.cumsum((counts + SEGMENT_ALIGN - 1) // SEGMENT_ALIGN * SEGMENT_ALIGN, 0)
+    return padded
+
+
+def quantize_segments(x: torch.Tensor, offsets: torch.Tensor, experts: int, granularity: str, *,
+                      rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
+                      power_of_two: bool = False, scale: torch.Tensor | None = None,
+                      x_scale: torch.Tensor | None = None) -> Segments:
+    """An operand of ``grouped_wgrad`` (an MoE layer's weight gradient), quantized along its sum's rows,
+    the tokens of each expert: the plan rows ``p`` of every group ``g = s*E + e`` (``[offsets[g],
+    offsets[g + 1])``), each ``x[p]``, or ``x[rows[p]]`` with ``rows``, cast to ``dtype`` and written
+    K-major, each group padded with zero rows to a multiple of 16 (``Segments``). Groups of scales
+    (``granularity``, named as ``quantize``'s for the written ``[C, P16]``: a row of it runs along the
+    tokens):
+
+    * ``"tensorwise"``: one scale (0-d) over every row; or ``scale``, a given one-element float32 tensor;
+    * ``"rowwise"``: one per expert and column, over the expert's rows of every source (torchao's MoE
+      recipe): ``scale [E, C]``, torch's ``[E * C]`` when flattened;
+    * ``"blockwise_1x128"``: one per 128 rows of a group and column (DeepSeek-V3's 128 x 1 tiles along the
+      tokens; a group's last block holds fewer rows, as if padded with zeros): ``scale [P16 // 128 + G, C]``,
+      block j of group g at row ``offsets16[g] // 128 + g + j`` (of the padded offsets).
+
+    ``x [R, C]``: float16, bfloat16 or float32, or float8 with ``x_scale`` (``quantize``'s forms: one
+    element, ``[R, 1]``, ``[R, C/128]``), dequantized first. ``offsets`` int32 ``[S*E + 1]`` on the device
+    (a plan's); ``rows`` int32/int64 ``[P]``. ``P16 = P + 15 G`` rounded up to 16 columns are allocated:
+    past ``offsets16[G]`` they are not written, and nothing reads them. An expert without rows gets the
+    scale of zeros (``1e-12 / fp8_max``). Scales as ``quantize``'s (``power_of_two`` too). No host
+    synchronisation: one launch for blockwise, two (an amax, then the cast) for the others.
+    """
+    group = _check_segments(x, offsets, experts, granularity, rows, dtype, scale, x_scale)
+    device = x.device
+    groups = offsets.numel() - 1
+    plan_rows = rows.numel() if rows is not None else x.shape[0]
+    cols = x.shape[1]
+    capacity = -(-(plan_rows + (SEGMENT_ALIGN - 1) * groups) // SEGMENT_ALIGN) * SEGMENT_ALIGN
+    blocks = wgrad_blocks(capacity, groups)
+    padded = pad_offsets(offsets)
+    data = torch.empty((cols, capacity), dtype=dtype, device=device)
+    out_scale = scale
+    if scale is None:
+        shape = {"tensor": (), "expert": (experts, cols), "block": (blocks, cols)}[group]
+        out_scale = torch.empty(shape, dtype=torch.float32, device=device)
+    if plan_rows == 0 or cols == 0:
+        data.zero_()
+        if scale is None:
+            out_scale.fill_(_host_scale(0.0, dtype, power_of_two))
+        return Segments(data, out_scale, padded)
+    interp = common.interpreting()
+    if x.device.type == "cpu" and not interp:
+        raise RuntimeError("quantize_segments on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    if interp and x.dtype == torch.bfloat16:
+        x = x.float()  # the interpreter's bfloat16 loads are wrong
+    in_scale, in_strides, in_groups = _input_scales(x, x_scale, False)
+    br, bc, warps = INTERPRETER_TILES["segments"] if interp else TILES["segments"]
+    assert br == BLOCK, "a program of quantize_segments takes one block of 128 rows"
+    mant, min_exp = _GRID[dtype]
+    common_args = dict(GROUP=group, BC=bc, FP8_MAX=FP8_MAX[dtype], MANT=mant, MIN_EXP=min_exp,
+                       POW2=bool(power_of_two), DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1],
+                       GATHER=rows is not None, SCALE_GIVEN=scale is not None, num_warps=warps)
+    amax = scale
+    if group != "block" and scale is None:
+        amax = torch.zeros(() if group == "tensor" else (experts, cols), dtype=torch.float32, device=device)
+    writers = {"tensor": 0 if scale is not None else 1, "expert": experts, "block": 0}[group]
+    scale_strides = (0, 0) if out_scale.dim() < 2 else out_scale.stride()
+    args = [x, offsets if rows is None else rows, in_scale, offsets, padded, data, out_scale,
+            out_scale if amax is None else amax, groups, experts, blocks, cols, *x.stride(), *in_strides,
+            data.stride(0), *scale_strides]
+    col_blocks = triton.cdiv(cols, bc)
+    with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
+        if group != "block" and scale is None:
+            quantize_segments_kernel[(blocks, col_blocks)](*args, AMAX=True, **common_args)
+        quantize_segments_kernel[(blocks + writers, col_blocks)](*args, AMAX=False, **common_args)
+    return Segments(data, out_scale, padded)
+
+
+_SEGMENT_GROUP = {"tensorwise": "tensor", "rowwise": "expert", "blockwise_1x128": "block"}
+
+
+def _check_segments(x, offsets, experts, granularity, rows, dtype, scale, x_scale) -> str:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"quantize_segments: x must be a 2-D tensor, got {common.describe(x)}")
+    if granularity not in _SEGMENT_GROUP:
+        raise ValueError(f"quantize_segments: granularity must be one of {', '.join(_SEGMENT_GROUP)}, got "
+                         f"{granularity!r}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"quantize_segments: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    fp8_in = x.dtype in FP8_DTYPES
+    if fp8_in != (x_scale is not None):
+        raise TypeError(f"quantize_segments: x is {x.dtype}: " + (
+            "pass its scales as x_scale to quantize it again" if fp8_in else "x_scale applies to a float8 x only"))
+    if not fp8_in and x.dtype not in common.SUPPORTED_DTYPES:
+        raise TypeError(f"quantize_segments: x has dtype {x.dtype}; supported: float16, bfloat16, float32, or "
+                        "float8 with x_scale")
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"quantize_segments: experts must be a positive int, got {experts!r}")
+    common.check_index("quantize_segments: offsets", offsets, x.device, (torch.int32,))
+    groups = offsets.numel() - 1
+    if groups < experts or groups % experts:
+        raise ValueError(f"quantize_segments: offsets must have S*E + 1 entries for E = {experts} experts, got "
+                         f"{offsets.numel()}")
+    if rows is not None:
+        common.check_index("quantize_segments: rows", rows, x.device)
+    if scale is not None:
+        if granularity != "tensorwise":
+            raise ValueError(f"quantize_segments: a given scale applies to tensorwise, got granularity "
+                             f"{granularity!r}")
+        _check_scale("scale", scale, x.device, lambda t: t.numel() == 1, "one element")
+    if x_scale is not None:
+        _check_scale("x_scale", x_scale, x.device, lambda t: True, "")
+    return _SEGMENT_GROUP[granularity]

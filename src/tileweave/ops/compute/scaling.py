@@ -17,6 +17,11 @@ block of ``b`` (of the weight); K must be a multiple of 128. Any strides are rea
 wants the blockwise ``scale_b`` as the transpose of the weight's contiguous ``[N/128, K/128]``).
 In ``grouped_gemm`` the rows of ``scale_a`` are the rows of ``a``: with ``a_rows`` an output row p
 takes the scales of its source row ``a_rows[p]``, so a token is quantised once, not once per expert.
+
+The grouped weight gradient (``grouped_wgrad``, torch's 2d-2d ``_scaled_grouped_mm``) contracts over each
+expert's rows, so its scales vary along those rows, in groups a product can be scaled by
+(``wgrad_scales``): per tensor or expert, per expert and column (rowwise), per 128 rows of a group and
+column (blockwise).
 """
 
 from __future__ import annotations
@@ -172,3 +177,69 @@ def _grouped_scales(op: str, rows_a: int, experts: int, n: int, k: int, scale_a:
                      f"and b [{experts}, {k}, {n}]: tensorwise takes one element and [E] = {[experts]}, rowwise "
                      f"[Ma, 1] = {[rows_a, 1]} and [E, 1, N] = {[experts, 1, n]}, blockwise [Ma, K/128] and "
                      f"[E, K/128, ceil(N/128)] = {[experts, k // BLOCK, nb]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradScales:
+    """The scales of a grouped weight gradient (``grouped_wgrad``) as its kernel reads them: for each
+    operand, its stride per row of its table (an expert, or a block of 128 plan rows) and per column,
+    zero along a dimension the scaling does not vary in."""
+
+    scaling: str
+    """``"tensorwise"``, ``"rowwise"`` or ``"blockwise"``."""
+    lhs: torch.Tensor
+    rhs: torch.Tensor
+    lhs_strides: tuple[int, int]
+    rhs_strides: tuple[int, int]
+    fast_accum: bool = False
+
+    @property
+    def kernel_mode(self) -> str:
+        """The kernel's ``SCALING`` switch, as ``Scales.kernel_mode``."""
+        if self.scaling == "blockwise":
+            return "block"
+        return "outer_fast" if self.fast_accum else "outer"
+
+
+def wgrad_blocks(rows: int, groups: int) -> int:
+    """Rows of a blockwise weight-gradient scale table for ``rows`` plan rows in ``groups`` groups: block j
+    of group g is row ``offsets[g] // 128 + g + j`` (``tileweave.kernels.grouped_wgrad``), so at most
+    ``rows // 128 + groups`` rows, whatever the split of the rows between the groups."""
+    return rows // BLOCK + groups
+
+
+def _wgrad_forms(scale: torch.Tensor, experts: int, blocks: int, cols: int) -> dict[str, tuple[int, int]]:
+    """The scalings whose shape ``scale`` has, each with its strides (per table row, per column)."""
+    shape, forms = tuple(scale.shape), {}
+    if scale.numel() == 1 and scale.dim() <= 2:
+        forms["tensorwise"] = (0, 0)
+    elif shape == (experts,):
+        forms["tensorwise"] = (scale.stride(0), 0)
+    if shape == (experts, cols):
+        forms["rowwise"] = _strides(scale, 2)
+    elif shape == (experts * cols,):  # torch._scaled_grouped_mm's 2d-2d form: [E * N], expert-major
+        forms["rowwise"] = (cols * scale.stride(0), scale.stride(0))
+    if shape == (blocks, cols):
+        forms["blockwise"] = _strides(scale, 2)
+    return forms
+
+
+def wgrad_scales(op: str, rows: int, groups: int, experts: int, n: int, k: int, lhs_scale: torch.Tensor,
+                 rhs_scale: torch.Tensor, *, fast_accum: bool = False) -> WgradScales:
+    """The scaling of ``grouped_wgrad``'s float8 ``lhs [P, n]`` and ``rhs [P, k]`` (P = ``rows`` plan rows in
+    ``groups`` groups of ``experts`` experts) from its scales' shapes: tensorwise one element (or ``[E]``,
+    one per expert) each; rowwise ``[E, n]`` and ``[E, k]`` (or torch's flat ``[E * n]`` and ``[E * k]``);
+    blockwise ``[P // 128 + G, n]`` and ``[P // 128 + G, k]``. Where one shape fits two scalings (a single
+    expert, group or column), they scale every element alike."""
+    blocks = wgrad_blocks(rows, groups)
+    lhs_forms = _wgrad_forms(lhs_scale, experts, blocks, n)
+    rhs_forms = _wgrad_forms(rhs_scale, experts, blocks, k)
+    for scaling in ("tensorwise", "rowwise", "blockwise"):
+        if scaling in lhs_forms and scaling in rhs_forms:
+            return WgradScales(scaling, lhs_scale, rhs_scale, lhs_forms[scaling], rhs_forms[scaling],
+                               fast_accum=bool(fast_accum))
+    raise ValueError(f"{op}: lhs_scale {list(lhs_scale.shape)} and rhs_scale {list(rhs_scale.shape)} match no "
+                     f"scaling of lhs [P, N] = [{rows}, {n}] and rhs [P, K] = [{rows}, {k}] over {experts} experts in "
+                     f"{groups} groups: tensorwise takes one element or [E] = {[experts]} each, rowwise [E, N] = "
+                     f"{[experts, n]} and [E, K] = {[experts, k]} (or [E * N] and [E * K]), blockwise "
+                     f"[P // 128 + G, N] = {[blocks, n]} and [P // 128 + G, K] = {[blocks, k]}")
