@@ -45,7 +45,8 @@ of a column-parallel linear called with ``norm=`` (the RMSNorm before it, as ``T
 its QKV and gate/up projections) is written by the RMSNorm's own kernel, and that of a row-parallel
 linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
 blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
-cast). The normalized or gated activation is then never written in high precision (but by a column
+cast). The MoE layer's down projection (``TPMoE(fp8=...)``) gets its operand from layer 0's grouped
+GEMM, whose SwiGLU epilogue casts it (``swiglu_epilogue``; tensorwise with a cast launch after it). The normalized or gated activation is then never written in high precision (but by a column
 layer with ``save_gathered=False``, which keeps it to gather it again), its values are cast from
 float32 (not rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from
 the norm's input and each row's ``rstd`` or from ``gate | up``. Every other cast is a pass of its own
@@ -64,6 +65,7 @@ import dataclasses
 import torch
 
 from tileweave.ops.compute.fused_quantize import NormQuantized, rms_norm_quantize, swiglu_quantize
+from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.quantize import Quantized, quantize
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
@@ -148,6 +150,11 @@ class Float8Recipe:
         """The forward GEMM's first operand ``q(silu(gate) * up)`` (``[M, K]`` each), as ``lhs`` casts it,
         from the kernel that computes the SwiGLU (``swiglu_quantize``)."""
         return swiglu_quantize(gate, up, _A[self.scaling], power_of_two=self.power_of_two_scales)[0]
+
+    def swiglu_epilogue(self, pre: torch.Tensor | None = None) -> SwiGLU:
+        """The SwiGLU epilogue of a grouped GEMM (MoE layer 0) that writes the next GEMM's first operand
+        ``q(h)`` as ``lhs`` casts it, from the epilogue's float32 values; ``pre``: ``SwiGLU``'s."""
+        return SwiGLU(pre=pre, cast=_A[self.scaling], power_of_two=self.power_of_two_scales)
 
     def check_features(self, owner: str, contractions: dict[str, int]) -> None:
         """Refuse blockwise scaling where a GEMM's contraction over features is not a multiple of 128

@@ -10,7 +10,7 @@ scales, quantized along its GEMM's contraction; ``deq(.)``: a float8 tensor time
 GEMM            computation                                          operands (format, scaling)
 ==============  ===================================================  =====================================
 layer 0         ``gate | up = AG(q(x_shard))[tok] @ q(w0[e]).T``,    x e4m3 along H; w0 e4m3 along H
-                ``h = silu(gate) * up`` (epilogue)
+                ``q(h) = q(silu(gate) * up)`` (epilogue)
 layer 1         ``out = RS(sum_j wt * q(h)[p] @ q(w1[e]).T)``        h e4m3 along F_loc; w1 e4m3 along F_loc
 dgrad layer 1   ``G = AG(q(dO))[tok] @ q(w1[e])``                    dO grad format along H; w1 e4m3 along H
 dgrad layer 0   ``dx_shard = RS(sum_j q(dy)[p] @ q(w0[e]))``         dy grad format along 2*F_loc; w0 e4m3
@@ -33,8 +33,10 @@ The weight gradients stay in the model's dtype: they contract over the plan rows
 (tokens), which the grouped weight-gradient kernel gathers by index, and a float8 operand there would
 need scales along the tokens of each expert's rows; their operands are the float8 tensors that the
 forward and the input gradient already moved (``x`` and ``dO`` gathered in float8, half the bytes),
-dequantized, and the SwiGLU's gradient. ``h`` is quantized in a pass after layer 0's epilogue (not in
-it). Master weights, their gradients and the optimizer state stay in the parameters' dtype; routing
+dequantized, and the SwiGLU's gradient. ``h`` is cast by layer 0's SwiGLU epilogue
+(``Float8Recipe.swiglu_epilogue``) from the float32 values it computes, never written in the model's
+dtype (the backward recomputes ``h`` from the pre-activations); tensorwise takes a cast launch after
+the GEMM. Master weights, their gradients and the optimizer state stay in the parameters' dtype; routing
 and the routing weights' gradient (``<G[p], h[p]>``) in float32 as in the unquantized layer. Kept for
 the backward: the gathered float8 ``x [T, H]`` and its scales (or this rank's shard, gathered again in
 float8 with ``save_gathered=False``) and the pre-activations ``[P, 2*F_loc]``.
@@ -47,7 +49,6 @@ import torch
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.fp8_linear import dequantize_rows
 from tileweave.nn.moe_autograd import gather_rows, reduce_scatter_rows, row_weights
-from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.swiglu import swiglu_grad
 from tileweave.ops.moe import MoEPlan
@@ -95,11 +96,10 @@ class FusedExpertsFP8(torch.autograd.Function):
         b0, s0 = quantize_experts(recipe, w0)
         pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
         keep = grads and save_gathered and ctx.needs_input_grad[1]
-        result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=SwiGLU(pre=pre), scale_a=qx.scale, scale_b=s0,
-                            out_dtype=dtype, use_fast_accum=fast)
-        h, gathered, gathered_scales = result if keep else (result, None, None)
-        qh = recipe.lhs(h)
-        del h
+        # Layer 0's epilogue writes q(h) from its float32 values: h is never written in the model's dtype.
+        result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=recipe.swiglu_epilogue(pre), scale_a=qx.scale,
+                            scale_b=s0, out_dtype=dtype, use_fast_accum=fast)
+        qh, gathered, gathered_scales = result if keep else (result, None, None)
         b1, s1 = quantize_experts(recipe, w1)
         out = ops.layer1(qh.data, b1, plan, topk_weights_shard, group, scale_a=qh.scale, scale_b=s1, out_dtype=dtype,
                          use_fast_accum=fast)
