@@ -80,11 +80,10 @@ def test_the_cast_is_quantize_of_the_epilogues_float32_values(cast):
                     + 0.5) if fp8 else {}
         a, b = (a.to(E4M3), b.to(E4M3)) if fp8 else (a / 16, b / 16)
         a_rows = torch.randint(0, 30, (sum(COUNTS),), generator=g)
-        run = lambda epilogue: grouped_gemm(a, b.transpose(1, 2), _offsets(COUNTS), a_rows=a_rows, experts=EXPERTS,  # noqa: E731
-                                            config=config, epilogue=epilogue,
-                                            **(dict(args, out_dtype=torch.float32) if fp8 else {}))
-        h = run(SwiGLU())
-        got = run(SwiGLU(cast=cast))
+        options = dict(a_rows=a_rows, experts=EXPERTS, config=config,
+                       **(dict(args, out_dtype=torch.float32) if fp8 else {}))
+        h = grouped_gemm(a, b.transpose(1, 2), _offsets(COUNTS), epilogue=SwiGLU(), **options)
+        got = grouped_gemm(a, b.transpose(1, 2), _offsets(COUNTS), epilogue=SwiGLU(cast=cast), **options)
         ref = quantize(h, cast, pad=cast == "blockwise_1x128")
         assert moe_cast.same_bits(got, ref.data[:, :f], ref.scale), (cast, fp8)
 
@@ -102,11 +101,11 @@ def test_layer0_writes_the_cast_on_every_path():
 def test_no_rows_and_no_groups():
     b = exact_fp8(gen("empty"), 2, 256, 128).transpose(1, 2)
     for cast, shape in (("tensorwise", ()), ("rowwise", (0, 1)), ("blockwise_1x128", (0, 1))):
-        got = grouped_gemm(exact_fp8(gen("empty"), 4, 128), b, _offsets([0, 0]), a_rows=torch.zeros(0, dtype=torch.int64),
+        got = grouped_gemm(exact_fp8(gen("empty"), 4, 128), b, _offsets([0, 0]), a_rows=torch.zeros(0).long(),
                            scale_a=torch.ones(4, 1), scale_b=torch.ones(2, 1, 256), out_dtype=torch.float32,
                            epilogue=SwiGLU(cast=cast))
         assert tuple(got.data.shape) == (0, 128) and tuple(got.scale.shape) == shape, cast
-    got = grouped_gemm(exact_fp8(gen("empty"), 4, 128), b, _offsets([0, 0]), a_rows=torch.zeros(0, dtype=torch.int64),
+    got = grouped_gemm(exact_fp8(gen("empty"), 4, 128), b, _offsets([0, 0]), a_rows=torch.zeros(0).long(),
                        scale_a=torch.ones(()), scale_b=torch.ones(2), out_dtype=torch.float32,
                        epilogue=SwiGLU(cast="tensorwise"))
     assert float(got.scale) == float(torch.tensor(1e-12) / 448)  # an all-zero tensor's scale, as quantize's

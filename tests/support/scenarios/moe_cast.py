@@ -2,8 +2,9 @@
 reference written here with torch and numpy, independently of the library.
 
 Exact operands: float8 values that are small integers and power-of-two scales, so every product and
-every partial sum of the grouped GEMM is exact in float32 whatever the order (at most 18 significant
-bits), and the pre-activations equal their float64 products. The SwiGLU is then the epilogue's formula,
+every partial sum of the grouped GEMM is exact in float32 whatever the order (at K = 256 and values up
+to 4, or K = 2048 and values up to 2, at most 19 significant bits), and the pre-activations equal their
+float64 products. The SwiGLU is then the epilogue's formula,
 ``gate / (1 + exp(-gate)) * up`` step by step in float32 numpy (what Triton's interpreter computes; a
 GPU's ``exp`` may differ in its last bit), and the cast is ``fp8_reference.quantize32`` of those values.
 """
@@ -29,9 +30,9 @@ def gen(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
 
-def exact_fp8(g: torch.Generator, *shape) -> torch.Tensor:
-    """Float8 integers in [-4, 4] (exact in e4m3)."""
-    return torch.randint(-4, 5, shape, generator=g).float().to(E4M3)
+def exact_fp8(g: torch.Generator, *shape, high: int = 4) -> torch.Tensor:
+    """Float8 integers in [-high, high] (exact in e4m3)."""
+    return torch.randint(-high, high + 1, shape, generator=g).float().to(E4M3)
 
 
 def pow2(g: torch.Generator, *shape) -> torch.Tensor:
