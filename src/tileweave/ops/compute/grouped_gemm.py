@@ -6,14 +6,15 @@ import contextlib
 import dataclasses
 import functools
 import math
+
 import torch
 import triton
 
 from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
 from tileweave.ops import common
 from tileweave.ops.compute import scaling
-from tileweave.ops.compute.grouped_checks import check_gate, check_offsets, check_range, check_signal
 from tileweave.ops.compute.gemm_launch import layout, wrap_int32
+from tileweave.ops.compute.grouped_checks import check_gate, check_offsets, check_range, check_signal
 from tileweave.ops.compute.quantize import _GRID, FP8_MAX, Quantized, _host_scale, quantize
 from tileweave.runtime import triton_launch
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
@@ -239,7 +240,8 @@ class _Plan:
     """The kernel's ``CAST`` group (``"tensor"``, ``"row"``, ``"1x128"``) under ``SwiGLU(cast=...)``."""
     upcast: bool = False
     stage_out: bool = False
-    """Float8 inputs, bfloat16 output, in the interpreter: the kernel writes float32, rounded after."""
+    """Float8 inputs, bfloat16 output, in the interpreter: the kernel writes float32, rounded after (``pre``
+    only, under ``SwiGLU(cast=...)``, whose values are float32)."""
     out_dtype: torch.dtype | None = None
     scaled: bool = False
     copy_a: bool = False
@@ -380,7 +382,7 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     if scales is not None and scales.kernel_mode == "block" and scaling.BLOCK % config.block_k:
         raise ValueError(f"grouped_gemm: blockwise scales need GroupedConfig.block_k to divide {scaling.BLOCK}, "
                          f"got {config.block_k}")
-    stage_out = scaled and c_dtype == torch.bfloat16 and common.interpreting() and cast is None
+    stage_out = scaled and c_dtype == torch.bfloat16 and common.interpreting()
     upcast = a.dtype == torch.bfloat16 and common.interpreting()
     if upcast:
         a, b = a.float(), b.float()
