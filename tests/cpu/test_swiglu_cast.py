@@ -15,7 +15,7 @@ from support.scenarios.moe_cast import E4M3, E5M2, dequantized_a, dequantized_b,
 from tileweave.ops.compute.grouped_gemm import SwiGLU, grouped_gemm
 from tileweave.ops.compute.quantize import quantize
 from tileweave.testing.emulated import run_ranks
-from tileweave.tune.grouped import INTERPRETER_CONFIG
+from tileweave.tune.grouped import INTERPRETER_CONFIG, choose_grouped_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of a large negative gate: 0
 COUNTS = [9, 0, 31, 12, 0, 3, 40, 1]
@@ -127,3 +127,10 @@ def test_refusals_name_the_argument():
             grouped_gemm(a, b, offsets, **fp8, **kwargs)
     with pytest.raises(ValueError, match="a given amax applies to tensorwise"):
         quantize(torch.ones(2, 128), "rowwise", amax=torch.ones(1))
+
+
+def test_a_blockwise_cast_takes_tiles_of_whole_blocks():
+    for dtype, interpreter in ((E4M3, False), (torch.bfloat16, False), (E4M3, True)):
+        config = choose_grouped_config(16384, 2 * 704, 2048, 64, dtype, num_sms=132, interpreter=interpreter,
+                                       swiglu=True, block_cast=True)
+        assert config.block_n % 128 == 0, (dtype, interpreter, config)
