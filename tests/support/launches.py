@@ -245,15 +245,16 @@ def _moe_local_h200_calls() -> dict[str, Callable[[], object]]:
     calls: dict[str, Callable[[], object]] = {}
     for config, swiglu, dtype in h200_grouped_configs():
         dtype = _on_cpu(dtype)
-        if swiglu:  # an nn.Linear stack [E, 2N, K] read as its transpose, as the MoE layer passes it
-            call = lambda config=config, dtype=dtype: grouped_gemm(
-                _randn(40, 64, dtype=dtype), _randn(4, 96, 64, dtype=dtype).transpose(1, 2), offsets, config=config,
-                epilogue=SwiGLU(pre=torch.empty(40, 96, dtype=dtype)))
+        if swiglu:  # an nn.Linear stack [E, 2N, K] read as its transpose, as the MoE layer passes it; each cast
+            for cast in (None, *CAST_OF.values()):
+                calls[f"grouped_gemm, H200 config {config}, SwiGLU, cast {cast}"] = \
+                    lambda config=config, dtype=dtype, cast=cast: grouped_gemm(
+                        _randn(40, 64, dtype=dtype), _randn(4, 96, 64, dtype=dtype).transpose(1, 2), offsets,
+                        config=config, epilogue=SwiGLU(pre=torch.empty(40, 96, dtype=dtype), cast=cast))
         else:
-            call = lambda config=config, dtype=dtype: grouped_gemm(
+            calls[f"grouped_gemm, H200 config {config}"] = lambda config=config, dtype=dtype: grouped_gemm(
                 _randn(24, 64, dtype=dtype), _randn(4, 80, 64, dtype=dtype).transpose(1, 2), offsets,
                 a_rows=_index(24, 40), config=config)
-        calls[f"grouped_gemm, H200 config {config}{', SwiGLU' if swiglu else ''}"] = call
     for config, swiglu, block_cast in h200_fp8_grouped_configs():
         # Each scaling plain; under the SwiGLU also casting h as its recipe's layer 1 takes it (1 x 128 blocks
         # in their own config).
