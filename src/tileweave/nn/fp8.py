@@ -46,10 +46,11 @@ its QKV and gate/up projections) is written by the RMSNorm's own kernel, and tha
 linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
 blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
 cast). The MoE layer's down projection (``TPMoE(fp8=...)``) gets its operand from layer 0's grouped
-GEMM, whose SwiGLU epilogue casts it (``swiglu_epilogue``; tensorwise with a cast launch after it). The normalized or gated activation is then never written in high precision (but by a column
-layer with ``save_gathered=False``, which keeps it to gather it again), its values are cast from
-float32 (not rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from
-the norm's input and each row's ``rstd`` or from ``gate | up``. Every other cast is a pass of its own
+GEMM, whose SwiGLU epilogue casts it (``swiglu_epilogue``; tensorwise with a cast launch after it).
+The normalized or gated activation is then never written in high precision (but by a column layer
+with ``save_gathered=False``, which keeps it to gather it again), its values are cast from float32 (not
+rounded to the model's dtype first), and the norm's and SwiGLU's backward run in torch, from the norm's
+input and each row's ``rstd`` or from ``gate | up`` (the MoE layer's from its pre-activations). Every other cast is a pass of its own
 (``tileweave.ops.compute.quantize``): the forward's input of a linear called without a producer, the
 weights (twice per step), the output gradients and the weight gradient's requantized operands.
 
