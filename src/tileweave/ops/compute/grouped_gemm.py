@@ -169,7 +169,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     cast = None
     if plan.cast is not None:
         cast = _cast_outputs(plan, epilogue, a.device)
-        out = cast[0] if plan.cast == "1x128" else cast[4]  # 1x128: c is never written
+        out = cast[4]  # the float32 values (blockwise: never written)
     elif out is None:
         out = torch.empty((plan.rows, plan.out_n), dtype=plan.out_dtype, device=a.device)
     if common.debug_mode():
@@ -205,13 +205,19 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
 def _cast_outputs(plan: "_Plan", epilogue: SwiGLU, device: torch.device) -> tuple:
     """``(data, scale, amax, count, values)`` of a call with ``SwiGLU(cast=...)``: the float8 ``h`` and
     its scales, the zeroed amax words (one per row, or one) and row-block counts, and the float32
-    values that the rowwise and tensorwise casts read back (None for blockwise)."""
+    values that the rowwise and tensorwise casts read back (blockwise uses none of the last three:
+    ``data`` stands in for them)."""
     rows, n = plan.rows, plan.out_n
     data = torch.empty((rows, n), dtype=epilogue.cast_dtype, device=device)
     shape = {"tensor": (), "row": (rows, 1), "1x128": (rows, -(-n // scaling.BLOCK))}[plan.cast]
     scale = torch.empty(shape, dtype=torch.float32, device=device)
+    if plan.cast == "1x128":
+        return data, scale, data, data, data
+    values = torch.empty((rows, n), dtype=torch.float32, device=device)
+    if plan.cast == "tensor":
+        amax = torch.zeros(1, dtype=torch.float32, device=device)
+        return data, scale, amax, amax, values
     words = torch.zeros(2 * max(rows, 1), dtype=torch.int32, device=device)  # float32 zeros, then int32 zeros
-    values = None if plan.cast == "1x128" else torch.empty((rows, n), dtype=torch.float32, device=device)
     return data, scale, words[:max(rows, 1)].view(torch.float32), words[max(rows, 1):], values
 
 
