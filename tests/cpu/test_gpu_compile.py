@@ -33,11 +33,13 @@ def compiled(tmp_path_factory) -> dict:
     """``{"recorded": kernels launched, "results": one dict per distinct compiled kernel}``."""
     recorded = [launch for per_rank in run_ranks(2, launches.op_launches) for launch in per_rank]
     # What a GPU launches: a launch whose launcher picks other tiles off the interpreter is compiled with
-    # the H200's tiles only (the interpreter's are never compiled on a GPU), and the H200's launches in the
-    # dtype the GPU runs them in (the interpreter ran them in fp16).
+    # the H200's tiles only (the interpreter's are never compiled on a GPU; also where a call given the
+    # H200's configs launches such a kernel too), and the H200's launches in the dtype the GPU runs them in
+    # (the interpreter ran them in fp16).
     chosen = []
     for launch in recorded:
-        on_gpu = launch if launch.h200 else launches.h200_variant(launch)
+        variant = launches.h200_variant(launch)
+        on_gpu = variant if variant is not None else launch if launch.h200 else None
         chosen.append(launch if on_gpu is None else on_gpu.retyped("float16", "bfloat16"))
     folder = tmp_path_factory.mktemp("gpu_compile")
     path = folder / "launches.json"

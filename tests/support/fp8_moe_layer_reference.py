@@ -73,8 +73,9 @@ def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Ten
                       *, normalize_topk: bool = True, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Per rank r: ``out`` (its rows), ``dx`` (its rows), ``d_w0 [E, 2F/W, H]`` and ``d_w1 [E, H, F/W]``
     (its slices), and ``d_router`` (over all tokens), float64; from full ``x [T, H]``, ``dout [T, H]``
-    and ``state`` already in the model's ``dtype``, in which the layer also holds ``h`` and ``dy``
-    before quantizing them (rounded to it here too)."""
+    and ``state`` already in the model's ``dtype``, in which the layer also holds ``dy`` before
+    quantizing it (rounded to it here too); ``h`` is cast from float32 (layer 0's epilogue casts the
+    values it computes)."""
     r = Recipe(recipe)
     t, hid = x.shape
     gate, up, down = (state[n].double() for n in ("experts.gate", "experts.up", "experts.down"))
@@ -104,7 +105,7 @@ def fp8_moe_reference(recipe: str, x: torch.Tensor, state: dict, dout: torch.Ten
         pre = _pairs(xq, w0q, ids)                                             # [T, k, 2fl]
         g, u = pre[..., :fl], pre[..., fl:]
         h = F.silu(g) * u
-        hq = r.a(h.to(dtype).float().reshape(t * top_k, fl)).view(t, top_k, fl).double()
+        hq = r.a(h.float().reshape(t * top_k, fl)).view(t, top_k, fl).double()
         z = _pairs(hq, w1q, ids)
         out += (wd[:, :, None] * z).sum(1)
         gg = _pairs(doq, w1tq, ids)                                            # G = dO @ w1[e]

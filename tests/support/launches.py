@@ -1,29 +1,18 @@
-"""The kernel launches that tileweave's ops make, recorded in Triton's interpreter as plain data, so
-that another process can compile exactly those launches for a GPU (``support.gpu_compile``).
-
-A launch is recorded as the kernel's name and its arguments as the launcher passed them: a tensor as
-its dtype and whether its address is 16-byte aligned (what Triton specialises a pointer on), every
-other value (ints, floats, bools, strings, None) as itself, the launch options (``num_warps``,
-``num_stages``) among the keyword arguments.
+"""The kernel launches that tileweave's ops make, recorded in Triton's interpreter as plain data
+(``support.recording``), so that another process can compile exactly those launches for a GPU
+(``support.gpu_compile``): the calls that make them, and the launches an H200 makes in their place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
-import pkgutil
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import triton
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import KernelInterface
 
 import tileweave
-import tileweave.kernels
-from support import fp8_launches
 from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, MoEAllGatherGemm,
                        MoEGemmReduceScatter, build_plan, grouped_gemm, moe_plan)
 from tileweave.nn import TPMoE
@@ -39,114 +28,9 @@ from tileweave.tune.configs import choose_fp8_config, choose_gemm_config
 from tileweave.tune.grouped import INTERPRETER_CONFIG as GROUPED_INTERPRETER_CONFIG
 from tileweave.tune.grouped import choose_grouped_config, choose_wgrad_config
 
-TRITON_VERSIONS = ("3.6",)
-"""Triton versions (major.minor) whose internals this module (``InterpretedFunction.run``) and
-``support.gpu_compile`` (the JIT's binder and ``_pack_args``) were written for."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """A tensor argument: what a kernel's compilation depends on."""
-
-    dtype: str
-    """``torch.float16`` as ``"float16"``."""
-    aligned: bool
-    """Its address is a multiple of 16 bytes."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One launch: ``kernel`` is ``module:name``; ``args`` the positional arguments, ``kwargs`` the
-    keyword ones (constexprs and launch options) as ``(name, value)`` pairs; ``origin`` the call that
-    made it."""
-
-    kernel: str
-    args: tuple
-    kwargs: tuple
-    origin: str = ""
-    h200: bool = False
-    """Its tiles and launch options are those the launcher picks on an H200 (not the interpreter's), and
-    its fp16 tensors stand for the bf16 of the GPU call (the interpreter refuses bf16)."""
-
-    def dtypes(self) -> set[str]:
-        """The dtypes of its tensors."""
-        return {v.dtype for v in self.args + tuple(v for _, v in self.kwargs) if isinstance(v, Tensor)}
-
-    def retyped(self, old: str, new: str) -> "Launch":
-        """The same launch with every ``old`` tensor (a dtype name) of dtype ``new``."""
-        if old not in self.dtypes():
-            return self
-        swap = lambda v: Tensor(new, v.aligned) if isinstance(v, Tensor) and v.dtype == old else v
-        return dataclasses.replace(self, args=tuple(map(swap, self.args)),
-                                   kwargs=tuple((k, swap(v)) for k, v in self.kwargs), origin=f"{self.origin}, {new}")
-
-    def to_json(self) -> dict:
-        encode = lambda v: {"tensor": v.dtype, "aligned": v.aligned} if isinstance(v, Tensor) else v
-        return {"kernel": self.kernel, "origin": self.origin, "h200": self.h200,
-                "args": [encode(v) for v in self.args], "kwargs": {name: encode(v) for name, v in self.kwargs}}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Launch":
-        decode = lambda v: Tensor(v["tensor"], v["aligned"]) if isinstance(v, dict) else v
-        return cls(data["kernel"], tuple(decode(v) for v in data["args"]),
-                   tuple((name, decode(v)) for name, v in data["kwargs"].items()), data["origin"], data["h200"])
-
-
-def _value(value):
-    if isinstance(value, torch.Tensor):
-        return Tensor(str(value.dtype).removeprefix("torch."), value.data_ptr() % 16 == 0)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"a kernel argument of type {type(value).__name__} cannot be recorded: teach "
-                    f"support.launches._value (and support.gpu_compile) about it")
-
-
-@contextlib.contextmanager
-def recording():
-    """Record every kernel launch of the block (in Triton's interpreter) into the list it yields.
-
-    Wraps ``InterpretedFunction.run``, the entry of ``kernel[grid](...)`` in the interpreter (Triton
-    3.6); calls of one ``@triton.jit`` function from another do not go through it."""
-    if ".".join(triton.__version__.split(".")[:2]) not in TRITON_VERSIONS:
-        raise RuntimeError(f"support.launches records launches at InterpretedFunction.run of Triton "
-                           f"{TRITON_VERSIONS}, this is {triton.__version__}: check that it still does")
-    launches: list[Launch] = []
-    original = InterpretedFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if not warmup:
-            launches.append(Launch(f"{self.fn.__module__}:{self.fn.__name__}", tuple(map(_value, args)),
-                                   tuple((name, _value(v)) for name, v in kwargs.items())))
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-
-    InterpretedFunction.run = run
-    try:
-        yield launches
-    finally:
-        InterpretedFunction.run = original
-
-
-def library_kernels() -> list[str]:
-    """Every kernel of ``tileweave.kernels`` (``module:name``): the module-level ``@triton.jit``
-    functions whose names end in ``_kernel``."""
-    found = []
-    for info in pkgutil.iter_modules(tileweave.kernels.__path__, "tileweave.kernels."):
-        module = importlib.import_module(info.name)
-        found += [f"{info.name}:{name}" for name, obj in vars(module).items()
-                  if name.endswith("_kernel") and isinstance(obj, KernelInterface)
-                  and getattr(obj, "fn", None) is not None and obj.fn.__module__ == info.name]
-    return sorted(found)
-
-
-def record(calls: dict[str, Callable[[], object]], *, h200: bool = False) -> list[Launch]:
-    """The launches of each call, in order, each with the call's name as its ``origin``; ``h200``: the
-    calls pass the configs that the library picks on an H200."""
-    launches = []
-    for origin, call in calls.items():
-        with recording() as found:
-            call()
-        launches += [dataclasses.replace(launch, origin=origin, h200=h200) for launch in found]
-    return launches
+from support import fp8_launches
+from support.recording import (  # noqa: F401 - support.gpu_compile and the tests import them from here
+    TRITON_VERSIONS, Launch, Tensor, _value, library_kernels, record, recording)
 
 
 def h200_variant(launch: Launch) -> Launch | None:
@@ -243,6 +127,8 @@ def _fp8_scales(scaling: str, m: int, n: int, k: int, experts: int = 0) -> tuple
 
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
+CAST_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
+"""Each recipe's form of layer 1's operand, which layer 0's SwiGLU epilogue writes."""
 
 
 def h200_fp8_configs() -> list[tuple[GemmConfig, torch.dtype, str]]:
@@ -253,12 +139,15 @@ def h200_fp8_configs() -> list[tuple[GemmConfig, torch.dtype, str]]:
                               for m, n, k in shapes for out in (torch.bfloat16, torch.float32) for scaling in SCALINGS))
 
 
-def h200_fp8_grouped_configs() -> list[tuple[GroupedConfig, bool]]:
-    """``(config, swiglu)``: the FP8 grouped GEMM's configs on an H200 (large and small groups)."""
-    shapes = [(16384, 7168, 4096, 8, False), (2048, 7168, 4096, 64, False), (16384, 14336, 4096, 8, True),
-              (2048, 14336, 4096, 64, True)]
-    return list(dict.fromkeys((choose_grouped_config(rows, n, k, groups, E4M3, num_sms=H200_SMS, swiglu=swiglu),
-                               swiglu) for rows, n, k, groups, swiglu in shapes))
+def h200_fp8_grouped_configs() -> list[tuple[GroupedConfig, bool, bool]]:
+    """``(config, swiglu, block_cast)``: the FP8 grouped GEMM's configs on an H200 (large and small groups;
+    the SwiGLU's also casting h in 1 x 128 blocks)."""
+    shapes = [(16384, 7168, 4096, 8, False, False), (2048, 7168, 4096, 64, False, False),
+              (16384, 14336, 4096, 8, True, False), (2048, 14336, 4096, 64, True, False),
+              (16384, 14336, 4096, 8, True, True)]
+    return list(dict.fromkeys((choose_grouped_config(rows, n, k, groups, E4M3, num_sms=H200_SMS, swiglu=swiglu,
+                                                     block_cast=cast), swiglu, cast)
+                              for rows, n, k, groups, swiglu, cast in shapes))
 
 
 def _on_cpu(dtype: torch.dtype) -> torch.dtype:
@@ -328,21 +217,26 @@ def _moe_local_h200_calls() -> dict[str, Callable[[], object]]:
     calls: dict[str, Callable[[], object]] = {}
     for config, swiglu, dtype in h200_grouped_configs():
         dtype = _on_cpu(dtype)
-        if swiglu:  # an nn.Linear stack [E, 2N, K] read as its transpose, as the MoE layer passes it
-            call = lambda config=config, dtype=dtype: grouped_gemm(
-                _randn(40, 64, dtype=dtype), _randn(4, 96, 64, dtype=dtype).transpose(1, 2), offsets, config=config,
-                epilogue=SwiGLU(pre=torch.empty(40, 96, dtype=dtype)))
+        if swiglu:  # an nn.Linear stack [E, 2N, K] read as its transpose, as the MoE layer passes it; each cast
+            for cast in (None, *CAST_OF.values()):
+                calls[f"grouped_gemm, H200 config {config}, SwiGLU, cast {cast}"] = \
+                    lambda config=config, dtype=dtype, cast=cast: grouped_gemm(
+                        _randn(40, 64, dtype=dtype), _randn(4, 96, 64, dtype=dtype).transpose(1, 2), offsets,
+                        config=config, epilogue=SwiGLU(pre=torch.empty(40, 96, dtype=dtype), cast=cast))
         else:
-            call = lambda config=config, dtype=dtype: grouped_gemm(
+            calls[f"grouped_gemm, H200 config {config}"] = lambda config=config, dtype=dtype: grouped_gemm(
                 _randn(24, 64, dtype=dtype), _randn(4, 80, 64, dtype=dtype).transpose(1, 2), offsets,
                 a_rows=_index(24, 40), config=config)
-        calls[f"grouped_gemm, H200 config {config}{', SwiGLU' if swiglu else ''}"] = call
-    for config, swiglu in h200_fp8_grouped_configs():
-        for scaling in SCALINGS:
+    for config, swiglu, block_cast in h200_fp8_grouped_configs():
+        # Each scaling plain; under the SwiGLU also casting h as its recipe's layer 1 takes it (1 x 128 blocks
+        # in their own config).
+        for scaling, cast in [(sc, c) for sc in SCALINGS for c in (None, CAST_OF[sc]) if c is None or swiglu]:
+            if block_cast != (cast == "blockwise_1x128"):
+                continue
             n = 256 if swiglu else 80
             scale_a, scale_b = _fp8_scales(scaling, 24, n, 256, experts=4)
-            epilogue = SwiGLU(pre=torch.empty(40, n, dtype=torch.float16)) if swiglu else None
-            calls[f"grouped_gemm, fp8 {scaling}, H200 config {config}{', SwiGLU' if swiglu else ''}"] = \
+            epilogue = SwiGLU(pre=torch.empty(40, n, dtype=torch.float16), cast=cast) if swiglu else None
+            calls[f"grouped_gemm, fp8 {scaling}, H200 config {config}{', SwiGLU' if swiglu else ''}, cast {cast}"] = \
                 lambda config=config, scale_a=scale_a, scale_b=scale_b, n=n, epilogue=epilogue: grouped_gemm(
                     _fp8(24, 256), _fp8(4, n, 256).transpose(1, 2), offsets, a_rows=_index(24, 40), config=config,
                     scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float16, epilogue=epilogue)
@@ -394,12 +288,13 @@ def _moe_fp8_pair(scaling: str, rank: int, world: int) -> None:
     tc, hidden, f_loc, experts = 8, 128, 128, 2
     plan = moe_plan(_index(experts, tc * 2, seed=rank).view(tc, 2), num_experts=experts, group=group)
     sa, sb = _fp8_scales(scaling, tc, 2 * f_loc, hidden, experts=experts)
-    h = MoEAllGatherGemm(group, policy="fused")(
+    h = MoEAllGatherGemm(group, policy="fused")(  # h cast in the epilogue, as TPMoE's FP8 forward takes it
         _fp8(tc, hidden), _fp8(experts, 2 * f_loc, hidden).transpose(1, 2), plan, scale_a=sa, scale_b=sb,
-        out_dtype=torch.float16, epilogue=SwiGLU(pre=torch.empty(plan.rows, 2 * f_loc, dtype=torch.float16)))
-    sa, sb = _fp8_scales(scaling, plan.rows, hidden, f_loc, experts=experts)
+        out_dtype=torch.float16, epilogue=SwiGLU(pre=torch.empty(plan.rows, 2 * f_loc, dtype=torch.float16),
+                                                 cast=CAST_OF[scaling]))
+    sb = _fp8_scales(scaling, plan.rows, hidden, f_loc, experts=experts)[1]
     MoEGemmReduceScatter(group, policy="fused")(
-        h.to(E4M3), _fp8(experts, hidden, f_loc).transpose(1, 2), plan, None, scale_a=sa, scale_b=sb,
+        h.data, _fp8(experts, hidden, f_loc).transpose(1, 2), plan, None, scale_a=h.scale, scale_b=sb,
         out_dtype=torch.float16)
 
 

@@ -32,7 +32,8 @@ def _cast_blocks(q_ptr, scale_ptr, y, offs_r, c0, R, C, stride_qr, stride_sr, st
                  BR: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                  MIN_EXP: tl.constexpr, POW2: tl.constexpr):
     """Cast the tile ``y [BR, BC]`` of columns ``c0 ..`` (``c0`` a multiple of 128) with a scale per
-    1 x 128 block, and store the ``BC / 128`` scales of each row."""
+    1 x 128 block, and store the scales of each row's blocks that hold a column of ``[0, C)`` (the last
+    one partly, when 128 does not divide ``C``: ``y`` is zero past ``C``, which changes no amax)."""
     NB: tl.constexpr = BC // 128
     offs_c = c0 + tl.arange(0, BC)
     amax = tl.max(tl.reshape(tl.abs(y), (BR, NB, 128)), axis=2)
@@ -40,7 +41,7 @@ def _cast_blocks(q_ptr, scale_ptr, y, offs_r, c0, R, C, stride_qr, stride_sr, st
     each = tl.reshape(tl.broadcast_to(scale[:, :, None], (BR, NB, 128)), (BR, BC))
     _cast_store(q_ptr, y, each, offs_r, offs_c, R, C, stride_qr, 1, FP8_MAX, MANT, MIN_EXP)
     blocks = c0 // 128 + tl.arange(0, NB)
-    mask = (offs_r < R)[:, None] & (blocks < C // 128)[None, :]
+    mask = (offs_r < R)[:, None] & (blocks < tl.cdiv(C, 128))[None, :]
     tl.store(scale_ptr + offs_r.to(tl.int64)[:, None] * stride_sr + blocks[None, :] * stride_sc, scale, mask=mask)
 
 

@@ -65,11 +65,14 @@ of a column-parallel linear called with ``norm=`` (the RMSNorm before it, as ``T
 its QKV and gate/up projections) is written by the RMSNorm's own kernel, and that of a row-parallel
 linear called with ``swiglu=True`` (the down projection) by the SwiGLU's: every recipe, rowwise and
 blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic amax, then again with the
-cast). The normalized or gated activation is never written in high precision, and the norm's and
-SwiGLU's backward run in torch, from the norm's input and each row's ``rstd`` or from ``gate | up``.
-Every other cast is a pass of its own (``tileweave.ops.compute.quantize``): the forward's input of a
-linear called without a producer, the weights (twice per step), the output gradients and the weight
-gradient's requantized operands.
+cast). The MoE layer's down projection (``TPMoE(fp8=...)``) gets its operand from layer 0's grouped
+GEMM, whose SwiGLU epilogue casts it (``swiglu_epilogue``; tensorwise writes its float32 values and an
+atomic amax, then a launch casts them). The normalized or gated activation is never written in the
+model's dtype: its values are cast from float32, and the norm's and SwiGLU's backward run in torch, from
+the norm's input and each row's ``rstd`` or from ``gate | up`` (the MoE layer's from its
+pre-activations). Every other cast is a pass of its own (``tileweave.ops.compute.quantize``): the
+forward's input of a linear called without a producer, the weights (twice per step), the output
+gradients and the weight gradient's requantized operands.
 
 ``TPMoE(fp8=...)`` takes the same recipes for its experts' six grouped GEMMs: the forward pair and the
 input gradients as above, per expert, and both weight gradients with their operands quantized along
@@ -89,6 +92,7 @@ import dataclasses
 import torch
 
 from tileweave.ops.compute.fused_quantize import NormQuantized, rms_norm_quantize, swiglu_quantize
+from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.quantize import Quantized, Segments, quantize, quantize_segments
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
@@ -182,6 +186,11 @@ class Float8Recipe:
         """The forward GEMM's first operand ``q(silu(gate) * up)`` (``[M, K]`` each), as ``lhs`` casts it,
         from the kernel that computes the SwiGLU (``swiglu_quantize``)."""
         return swiglu_quantize(gate, up, _A[self.scaling], power_of_two=self.power_of_two_scales)[0]
+
+    def swiglu_epilogue(self, pre: torch.Tensor | None = None) -> SwiGLU:
+        """The SwiGLU epilogue of a grouped GEMM (MoE layer 0) that writes the next GEMM's first operand
+        ``q(h)`` as ``lhs`` casts it, from the epilogue's float32 values; ``pre``: ``SwiGLU``'s."""
+        return SwiGLU(pre=pre, cast=_A[self.scaling], power_of_two=self.power_of_two_scales)
 
     def check_features(self, owner: str, contractions: dict[str, int]) -> None:
         """Refuse blockwise scaling where a GEMM's contraction over features is not a multiple of 128

@@ -86,7 +86,8 @@ class MoEOps:
     ``tileweave.ops.moe.MoEAllGatherGemm`` (the SwiGLU fused into its epilogue), and the layer runs
     ``FusedExperts`` on them. ``fp8``: both layers also take the ops' float8 keywords (``scale_a``,
     ``scale_b``, ``out_dtype``, ``use_fast_accum``; ``layer0`` then returns ``(y, x, x_scales)`` with
-    ``return_gathered``), which ``TPMoE(fp8=...)`` needs (``tileweave.nn.moe_fp8``).
+    ``return_gathered``) and, with ``swiglu``, ``layer0`` takes ``SwiGLU(cast=...)`` (``y`` is then the
+    float8 ``h`` and its scales), which ``TPMoE(fp8=...)`` needs (``tileweave.nn.moe_fp8``).
     """
 
     plan: Callable[..., MoEPlan]

@@ -12,7 +12,7 @@ each expert's tokens (``Float8Recipe.expert_tokens``), the contraction of a weig
 GEMM            computation                                          operands (format, scaling)
 ==============  ===================================================  =====================================
 layer 0         ``gate | up = AG(q(x_shard))[tok] @ q(w0[e]).T``,    x e4m3 along H; w0 e4m3 along H
-                ``h = silu(gate) * up`` (epilogue)
+                ``q(h) = q(silu(gate) * up)`` (epilogue)
 layer 1         ``out = RS(sum_j wt * q(h)[p] @ q(w1[e]).T)``        h e4m3 along F_loc; w1 e4m3 along F_loc
 dgrad layer 1   ``G = AG(q(dO))[tok] @ q(w1[e])``                    dO grad format along H; w1 e4m3 along H
 dgrad layer 0   ``dx_shard = RS(sum_j q(dy)[p] @ q(w0[e]))``         dy grad format along 2*F_loc; w0 e4m3
@@ -50,9 +50,10 @@ bf16), dequantized and quantized again along the tokens (DeepSeek-V3's requantiz
 ``wt * h`` (the SwiGLU pass's outputs, in the model's dtype) are quantized once. Each is written K-major
 in plan order, every group of rows padded with zero rows to a multiple of 16 (``quantize_segments``):
 ``[features, P + 15 G]`` bytes, made just before its GEMM and dropped after it (a token's row once per
-expert it is routed to, k times the gathered ``[T, H]``). ``h`` is quantized in a pass after layer 0's
-epilogue (not in it). Master weights, their gradients (the weight-gradient GEMMs write the parameters'
-dtype) and the optimizer state stay in the parameters' dtype; routing and the routing weights' gradient
+expert it is routed to, k times the gathered ``[T, H]``). ``h`` is cast by layer 0's SwiGLU epilogue
+(``Float8Recipe.swiglu_epilogue``) from the float32 values it computes, never written in the model's
+dtype (the backward recomputes ``h`` from the pre-activations); tensorwise takes a cast launch after the
+GEMM. Master weights, their gradients (the weight-gradient GEMMs write the parameters' dtype) and the optimizer state stay in the parameters' dtype; routing and the routing weights' gradient
 (``<G[p], h[p]>``) in float32 as in the unquantized layer. Kept for the backward: the gathered float8
 ``x [T, H]`` and its scales (or this rank's shard, gathered again in float8 with ``save_gathered=False``)
 and the pre-activations ``[P, 2*F_loc]``.
@@ -64,7 +65,6 @@ import torch
 
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.moe_autograd import gather_rows, reduce_scatter_rows, row_weights
-from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.quantize import Segments
 from tileweave.ops.compute.swiglu import swiglu_grad
@@ -113,11 +113,10 @@ class FusedExpertsFP8(torch.autograd.Function):
         b0, s0 = quantize_experts(recipe, w0)
         pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
         keep = grads and save_gathered and ctx.needs_input_grad[1]
-        result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=SwiGLU(pre=pre), scale_a=qx.scale, scale_b=s0,
-                            out_dtype=dtype, use_fast_accum=fast)
-        h, gathered, gathered_scales = result if keep else (result, None, None)
-        qh = recipe.lhs(h)
-        del h
+        # Layer 0's epilogue writes q(h) from its float32 values: h is never written in the model's dtype.
+        result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=recipe.swiglu_epilogue(pre), scale_a=qx.scale,
+                            scale_b=s0, out_dtype=dtype, use_fast_accum=fast)
+        qh, gathered, gathered_scales = result if keep else (result, None, None)
         b1, s1 = quantize_experts(recipe, w1)
         out = ops.layer1(qh.data, b1, plan, topk_weights_shard, group, scale_a=qh.scale, scale_b=s1, out_dtype=dtype,
                          use_fast_accum=fast)

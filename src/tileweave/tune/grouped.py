@@ -35,6 +35,13 @@ tiles ptxas spilled (128 x 256: 255 registers, 1188 bytes of spills under blockw
 SwiGLU over 256 columns of B: 956 bytes even tensorwise), where these compile without spills (128 x
 64 SwiGLU blockwise: 180 bytes).
 
+The SwiGLU epilogue that casts its output in 1 x 128 blocks (``block_cast``, MoE layer 0 writing layer
+1's blockwise operand) needs each block in one tile: 128 output columns, 256 columns of B. In float8
+that takes 64-row tiles, 8 warps, 4 stages (4 x 40 KB of shared memory), so that the accumulator and the
+blockwise step's product stay 64 registers each per thread (compiled for sm_90: 236 registers, no
+spills; not timed). bf16 and
+fp32 SwiGLU tiles are 128 columns already.
+
 Worked example: Mixtral-8x7B layer 0 at TP=2, T = 8192, k = 2: P = 16384 rows over G = 8 experts
 (2048 rows each), N = F/2 = 7168, K = 4096. 2048 >= 128 rows gives BM = 128; 7168 is 28 x 256 columns
 exactly, and 8 * 16 * 28 = 3584 tiles are 27 waves on 132 SMs: 128 x 256 x 64, 3 stages, 8 warps,
@@ -92,13 +99,18 @@ def column_waste(n: int, block_n: int) -> float:
 
 
 def choose_grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype, *, num_sms: int,
-                          interpreter: bool = False, swiglu: bool = False) -> GroupedConfig:
+                          interpreter: bool = False, swiglu: bool = False,
+                          block_cast: bool = False) -> GroupedConfig:
     """The config for ``rows`` output rows over ``groups`` groups, ``[rows, k] x [k, n]`` per group
-    (``swiglu``: with a SwiGLU epilogue); see the module docstring for the rule and a worked example."""
+    (``swiglu``: with a SwiGLU epilogue; ``block_cast``: which casts its output in 1 x 128 blocks, so a
+    tile spans a multiple of 128 output columns); see the module docstring for the rule and a worked
+    example."""
     if interpreter:
-        return INTERPRETER_CONFIG
+        return dataclasses.replace(INTERPRETER_CONFIG, block_n=128) if block_cast else INTERPRETER_CONFIG
     per_group = rows / max(groups, 1)
     block_m = 128 if per_group >= 128 else 64
+    if dtype.itemsize == 1 and swiglu and block_cast:
+        return GroupedConfig(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=8)
     if dtype.itemsize == 1:  # float8: see the module docstring
         return GroupedConfig(block_m=block_m, block_n=64 if swiglu else 128, block_k=128, num_stages=4,
                              num_warps=8 if block_m == 128 else 4)

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -15,6 +14,8 @@ from tileweave.kernels.grouped_gemm import grouped_gemm_kernel
 from tileweave.ops import common
 from tileweave.ops.compute import scaling
 from tileweave.ops.compute.gemm_launch import layout, wrap_int32
+from tileweave.ops.compute.grouped_checks import check_gate, check_offsets, check_range, check_signal
+from tileweave.ops.compute.quantize import _GRID, FP8_MAX, Quantized, _host_scale, quantize
 from tileweave.runtime import triton_launch
 from tileweave.tune.grouped import GroupedConfig, choose_grouped_config
 
@@ -27,19 +28,26 @@ program walks the groups in memory."""
 class SwiGLU:
     """Epilogue of an expert MLP's up projection: ``b [E, K, 2N]`` holds the gate columns ``[0, N)``
     and the up columns ``[N, 2N)`` (for a stacked ``nn.Linear`` weight ``[E, 2N, K]``: its transpose
-    view); the result is ``out [P, N] = silu(a @ gate) * up`` from the fp32 accumulators.
+    view); the result is ``out [P, N] = silu(a @ gate) * up`` from the fp32 accumulators, computed in
+    float32 as ``gate / (1 + exp(-gate)) * up``.
     ``pre``: an optional ``[P, 2N]`` tensor of ``a``'s dtype that receives ``gate | up`` (the
-    backward's input)."""
+    backward's input).
+
+    ``cast``: the epilogue writes ``h``'s float8 cast instead of ``h``, as the next GEMM's first operand
+    (``"tensorwise"``, ``"rowwise"`` or ``"blockwise_1x128"``, ``tileweave.ops.compute.quantize``'s
+    forms, in ``cast_dtype``, scales rounded up to powers of two with ``power_of_two``), and
+    ``grouped_gemm`` returns it as a ``Quantized``: ``data [P, N]`` and ``scale`` (one element,
+    ``[P, 1]`` or ``[P, ceil(N/128)]``; where 128 does not divide N, a row's last block holds the
+    columns left, as ``quantize(..., pad=True)`` has them). The values cast are the float32 ``h`` the
+    epilogue computed, never rounded to the output dtype, and the result equals ``quantize`` of those
+    values bit for bit. Blockwise and rowwise take one launch (rowwise: the last tile of each row block
+    to finish casts the block's values, which the tiles store in float32); tensorwise two (the values
+    and their amax, then the cast). ``h`` itself is not returned."""
 
     pre: torch.Tensor | None = None
-
-
-class Gate(NamedTuple):
-    ready_flags: torch.Tensor
-    epoch: int
-    rank: int
-    err: torch.Tensor
-    max_spin: int
+    cast: str | None = None
+    cast_dtype: torch.dtype = torch.float8_e4m3fn
+    power_of_two: bool = False
 
 
 @functools.cache
@@ -59,11 +67,12 @@ def _capability(index: int | None) -> int:
 
 
 def grouped_config(rows: int, n: int, k: int, groups: int, dtype: torch.dtype,
-                   device: torch.device, *, swiglu: bool = False) -> GroupedConfig:
+                   device: torch.device, *, swiglu: bool = False, block_cast: bool = False) -> GroupedConfig:
     """The config ``grouped_gemm`` picks when given none (``tileweave.tune.grouped`` has the rule);
-    ``swiglu``: with the SwiGLU epilogue (``n`` counts gate and up columns)."""
+    ``swiglu``: with the SwiGLU epilogue (``n`` counts gate and up columns); ``block_cast``: the
+    epilogue casts 1 x 128 blocks (tiles of a multiple of 128 columns)."""
     return choose_grouped_config(rows, n, k, groups, dtype, num_sms=_sm_count(device.type, device.index),
-                                 interpreter=common.interpreting(), swiglu=swiglu)
+                                 interpreter=common.interpreting(), swiglu=swiglu, block_cast=block_cast)
 
 
 def check_fp8(op: str, a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out_dtype, use_fast_accum: bool = False
@@ -96,7 +105,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
                  group_range: tuple[int, int] | None = None, gate: tuple | None = None,
                  signal: tuple | None = None, epilogue: SwiGLU | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, use_fast_accum: bool = False) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, use_fast_accum: bool = False
+                 ) -> torch.Tensor | Quantized:
     """``out[p] = a[a_rows[p]] @ b[g % E] (* row_scale[p])`` for every row p of every group g.
 
     Shapes: ``a [Ma, K]`` (unit column stride, any row stride); ``a_rows`` int32/int64 ``[P]`` (row p
@@ -139,7 +149,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     release adds 1 to ``counters[g // E]`` (int32). ``expected_tiles`` gives the counts per call.
 
     ``epilogue``: :class:`SwiGLU` (``out`` is ``[P, N/2]``), the SwiGLU of an expert MLP fused into
-    the tile's epilogue; rows of ``pre`` follow ``out``'s.
+    the tile's epilogue; rows of ``pre`` follow ``out``'s. With ``SwiGLU(cast=...)`` the result is the
+    float8 cast of ``h`` and its scales (a ``Quantized``); ``out`` and ``group_range`` are refused.
 
     Concurrency: ``out`` rows of the computed groups are written, nothing else; the call is ordered on
     the current stream like any kernel.
@@ -155,13 +166,17 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
-    if out is None:
+    cast = None
+    if plan.cast is not None:
+        cast = _cast_outputs(plan, epilogue, a.device)
+        out = cast[4]  # the float32 values (blockwise: never written)
+    elif out is None:
         out = torch.empty((plan.rows, plan.out_n), dtype=plan.out_dtype, device=a.device)
     if common.debug_mode():
-        _check_offsets(offsets, plan.rows)
+        check_offsets(offsets, plan.rows)
     pre = None if epilogue is None else epilogue.pre
     if plan.empty:
-        return out
+        return out if cast is None else _cast_result(plan, epilogue, cast)
     epoch = max_spin = 0
     ready = err = counters = None
     if gate is not None:
@@ -172,17 +187,49 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     if plan.upcast or plan.stage_out:
         # The interpreter's bfloat16 loads, dots and stores are wrong: compute in float32 and round once at
         # the end (float8 inputs stay as they are).
-        staged, staged_pre = out.float(), None if pre is None else pre.float()
+        staged = out if cast is not None else out.float()
+        staged_pre = None if pre is None else pre.float()
         if plan.upcast:
             a, b = a.float(), b.float()
         _run(plan, a, b, offsets, a_rows, row_scale, staged, ready, err, counters, epoch, max_spin, staged_pre,
-             scales)
-        out.copy_(staged)
+             scales, cast)
+        if staged is not out:
+            out.copy_(staged)
         if pre is not None:
             pre.copy_(staged_pre)
     else:
-        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin, pre, scales)
-    return out
+        _run(plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin, pre, scales, cast)
+    return out if cast is None else _cast_result(plan, epilogue, cast)
+
+
+def _cast_outputs(plan: "_Plan", epilogue: SwiGLU, device: torch.device) -> tuple:
+    """``(data, scale, amax, count, values)`` of a call with ``SwiGLU(cast=...)``: the float8 ``h`` and
+    its scales, the zeroed amax words (one per row, or one) and row-block counts, and the float32
+    values that the rowwise and tensorwise casts read back (blockwise uses none of the last three:
+    ``data`` stands in for them)."""
+    rows, n = plan.rows, plan.out_n
+    data = torch.empty((rows, n), dtype=epilogue.cast_dtype, device=device)
+    shape = {"tensor": (), "row": (rows, 1), "1x128": (rows, -(-n // scaling.BLOCK))}[plan.cast]
+    scale = torch.empty(shape, dtype=torch.float32, device=device)
+    if plan.cast == "1x128":
+        return data, scale, data, data, data
+    values = torch.empty((rows, n), dtype=torch.float32, device=device)
+    if plan.cast == "tensor":
+        amax = torch.zeros(1, dtype=torch.float32, device=device)
+        return data, scale, amax, amax, values
+    words = torch.zeros(2 * max(rows, 1), dtype=torch.int32, device=device)  # float32 zeros, then int32 zeros
+    return data, scale, words[:max(rows, 1)].view(torch.float32), words[max(rows, 1):], values
+
+
+def _cast_result(plan: "_Plan", epilogue: SwiGLU, cast: tuple) -> Quantized:
+    data, scale, amax, _, values = cast
+    if plan.empty:  # no element: the scales of all-zero groups, as quantize gives them
+        data.zero_()
+        scale.fill_(_host_scale(0.0, epilogue.cast_dtype, epilogue.power_of_two))
+    elif plan.cast == "tensor":  # the second launch: the cast with the amax the tiles raised
+        return quantize(values, "tensorwise", dtype=epilogue.cast_dtype, power_of_two=epilogue.power_of_two,
+                        amax=amax[:1])
+    return Quantized(data, scale)
 
 
 @dataclasses.dataclass
@@ -195,9 +242,12 @@ class _Plan:
     empty: bool
     out_n: int = 0
     """Columns of ``out``: ``n``, or ``n / 2`` under ``SwiGLU``."""
+    cast: str | None = None
+    """The kernel's ``CAST`` group (``"tensor"``, ``"row"``, ``"1x128"``) under ``SwiGLU(cast=...)``."""
     upcast: bool = False
     stage_out: bool = False
-    """Float8 inputs, bfloat16 output, in the interpreter: the kernel writes float32, rounded after."""
+    """Float8 inputs, bfloat16 output, in the interpreter: the kernel writes float32, rounded after (``pre``
+    only, under ``SwiGLU(cast=...)``, whose values are float32)."""
     out_dtype: torch.dtype | None = None
     scaled: bool = False
     copy_a: bool = False
@@ -223,7 +273,7 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
     if epilogue is not None:
         if type(epilogue) is not SwiGLU or epilogue.pre is not None and type(epilogue.pre) is not torch.Tensor:
             return None
-        epilogue_key = ("swiglu", layout(epilogue.pre))
+        epilogue_key = ("swiglu", layout(epilogue.pre), epilogue.cast, epilogue.cast_dtype, epilogue.power_of_two)
     for t in (a, b, offsets, a_rows, row_scale, out, scale_a, scale_b):
         if t is not None and type(t) is not torch.Tensor:
             return None
@@ -248,8 +298,12 @@ def _plan_key(a, b, offsets, a_rows, row_scale, experts, out, config, group_rang
             a.dtype == torch.float32 and a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
 
 
+CASTS = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128"}
+"""``SwiGLU.cast``'s forms and the kernel's ``CAST`` group of each."""
+
+
 def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: torch.device,
-                    row_scale) -> int:
+                    row_scale, out, group_range) -> int:
     """The width of ``out`` under ``epilogue`` after checking its tensors."""
     if epilogue is None:
         return n
@@ -261,6 +315,17 @@ def _check_epilogue(epilogue, rows: int, n: int, dtype: torch.dtype, device: tor
         raise ValueError("SwiGLU: row_scale does not apply to the up projection's epilogue; pass None")
     if epilogue.pre is not None:
         common.check_out(epilogue.pre, (rows, n), dtype, device, name="SwiGLU pre")
+    if epilogue.cast is not None:
+        if epilogue.cast not in CASTS:
+            raise ValueError(f"SwiGLU: cast must be None or one of {', '.join(CASTS)}, got {epilogue.cast!r}")
+        if epilogue.cast_dtype not in scaling.FP8_DTYPES:
+            raise TypeError(f"SwiGLU: cast_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
+                            f"{epilogue.cast_dtype}")
+        if not isinstance(epilogue.power_of_two, bool):
+            raise TypeError(f"SwiGLU: power_of_two must be a bool, got {epilogue.power_of_two!r}")
+        if out is not None or group_range is not None:
+            raise ValueError("SwiGLU(cast=...): the result is the float8 h and its scales, written whole; pass "
+                             "neither out nor group_range")
     return n // 2
 
 
@@ -300,21 +365,26 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
                              f"got {common.describe(row_scale)}")
     scales = (scaling.grouped_scales("grouped_gemm", a.shape[0], num_b, n, k, scale_a, scale_b,
                                      fast_accum=fast_accum) if scaled else None)
-    out_n = _check_epilogue(epilogue, rows, n, c_dtype, a.device, row_scale)
+    out_n = _check_epilogue(epilogue, rows, n, c_dtype, a.device, row_scale, out, group_range)
     common.check_out(out, (rows, out_n), c_dtype, a.device)
-    g_lo, g_hi = _check_range(group_range, groups)
+    cast = None if epilogue is None or epilogue.cast is None else CASTS[epilogue.cast]
+    g_lo, g_hi = check_range(group_range, groups)
     sources = math.ceil(groups / experts)
-    gate = _check_gate(gate, sources, a.device)
-    _check_signal(signal, sources, a.device)
+    gate = check_gate(gate, sources, a.device)
+    check_signal(signal, sources, a.device)
     swiglu = isinstance(epilogue, SwiGLU)
     n_tile = n // 2 if swiglu else n
     if rows == 0 or n == 0 or g_hi == g_lo:
-        return _Plan(rows=rows, n=n, empty=True, out_n=out_n, out_dtype=c_dtype)
+        return _Plan(rows=rows, n=n, empty=True, out_n=out_n, out_dtype=c_dtype, cast=cast)
     if a.device.type == "cpu" and not common.interpreting():
         raise RuntimeError("grouped_gemm on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
-    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device, swiglu=swiglu)
+    config = config or grouped_config(rows, n, k, groups, a.dtype, a.device, swiglu=swiglu,
+                                      block_cast=cast == "1x128")
     if not isinstance(config, GroupedConfig):
         raise TypeError(f"config must be a GroupedConfig, got {type(config).__name__}")
+    if cast == "1x128" and config.block_n % scaling.BLOCK:
+        raise ValueError(f"SwiGLU(cast='blockwise_1x128') needs GroupedConfig.block_n to be a multiple of "
+                         f"{scaling.BLOCK} (each 1 x 128 block in one tile), got {config.block_n}")
     if scales is not None and scales.kernel_mode == "block" and scaling.BLOCK % config.block_k:
         raise ValueError(f"grouped_gemm: blockwise scales need GroupedConfig.block_k to divide {scaling.BLOCK}, "
                          f"got {config.block_k}")
@@ -351,32 +421,40 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     if gate is not None:
         rank = gate.rank
         rotate = (rank * experts - g_lo) % n_groups
-    out_strides = (out_n, 1) if out is None else out.stride()
+    # With a cast, c is the float32 values (or unused) and the float8 h and its scales are contiguous
+    # (_cast_outputs); the format's constants are quantize's.
+    out_strides = (out_n, 1) if out is None or cast is not None else out.stride()
     pre_stride = 0 if epilogue is None or epilogue.pre is None else epilogue.pre.stride(0)
+    fmt = epilogue.cast_dtype if cast is not None else torch.float8_e4m3fn
+    blocks = -(-out_n // scaling.BLOCK)
+    cast_strides = {None: (0, 0, 0), "tensor": (out_n, 0, 0), "row": (out_n, 1, 0), "1x128": (out_n, blocks, 1)}[cast]
     constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
                       G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
                       HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
-                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None,
+                      PRECISION=precision,
+                      # The rowwise cast's loop over a row block, in the flattened loop, fails to compile.
+                      FLATTEN=config.flatten and g_block > 0 and gate is None and cast != "row",
                       SWIGLU=swiglu, SAVE_PRE=swiglu and epilogue.pre is not None,
-                      SCALING=None if scales is None else scales.kernel_mode)
+                      SCALING=None if scales is None else scales.kernel_mode, CAST=cast, FP8_MAX=FP8_MAX[fmt],
+                      MANT=_GRID[fmt][0], MIN_EXP=_GRID[fmt][1], POW2=cast is not None and epilogue.power_of_two)
     scalars = (rank, g_lo, n_groups, rotate, experts, n_tile, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                b.stride(2), *out_strides, pre_stride,
-               *((0,) * 5 if scales is None else (*scales.a_strides, *scales.b_strides)))
+               *((0,) * 5 if scales is None else (*scales.a_strides, *scales.b_strides)), *cast_strides)
     return _Plan(rows=rows, n=n, empty=False, upcast=upcast, stage_out=stage_out, out_dtype=c_dtype, scaled=scaled,
                  copy_a=copy_a, copy_b=copy_b, scalars=scalars,
                  constexprs=constexprs, programs=programs, num_warps=config.num_warps, num_stages=config.num_stages,
-                 out_n=out_n)
+                 out_n=out_n, cast=cast)
 
 
 def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counters, epoch, max_spin,
-         pre=None, scales=None) -> None:
+         pre=None, scales=None, cast=None) -> None:
     if plan.copy_a:
         a = a.contiguous()
     if plan.copy_b:
         b = b.contiguous()
     tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
                out if ready is None else ready, out if err is None else err, out if counters is None else counters,
-               out if pre is None else pre, *(scales or (out, out)))
+               out if pre is None else pre, *(scales or (out, out)), *(cast[:4] if cast else (out,) * 4))
     scalars = (wrap_int32(epoch), max_spin, *plan.scalars)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         triton_launch.launch_compiled(plan.compiled[0], a.device.index, plan.programs,
@@ -403,57 +481,3 @@ def expected_tiles(offsets: torch.Tensor, *, experts: int, n: int, config: Group
     padded = torch.zeros(sources * experts, dtype=torch.int64, device=offsets.device)
     padded[:groups] = tiles
     return padded.view(sources, experts).sum(1).to(torch.int32)
-
-
-
-
-def _check_range(group_range, groups: int) -> tuple[int, int]:
-    if group_range is None:
-        return 0, groups
-    if (not isinstance(group_range, tuple) or len(group_range) != 2
-            or not all(isinstance(v, int) for v in group_range)):
-        raise ValueError(f"group_range must be a tuple (g_lo, g_hi) of ints, got {group_range!r}")
-    g_lo, g_hi = group_range
-    if not 0 <= g_lo <= g_hi <= groups:
-        raise ValueError(f"group_range must satisfy 0 <= g_lo <= g_hi <= G = {groups}, got {group_range}")
-    return g_lo, g_hi
-
-
-def _check_gate(gate, sources: int, device: torch.device) -> Gate | None:
-    if gate is None:
-        return None
-    if not isinstance(gate, tuple) or len(gate) != 5:
-        raise ValueError("gate must be a tuple (ready_flags, epoch, rank, err, max_spin)")
-    ready, epoch, rank, err, max_spin = gate
-    common.check_index("gate ready_flags", ready, device, (torch.int32,))
-    if ready.numel() < sources:
-        raise ValueError(f"gate ready_flags needs one word per source rank ({sources}), got {ready.numel()}")
-    if not isinstance(rank, int) or not 0 <= rank < sources:
-        raise ValueError(f"gate rank must be an int in [0, {sources}), got {rank!r}")
-    common.check_index("gate err", err, device, (torch.int32,))
-    if err.numel() != 1:
-        raise ValueError(f"gate err must have one element, got {err.numel()}")
-    for name, value in (("epoch", epoch), ("max_spin", max_spin)):
-        if not isinstance(value, int):
-            raise ValueError(f"gate {name} must be an int, got {value!r}")
-    if not 0 < max_spin < 1 << 31:
-        raise ValueError(f"gate max_spin must be in [1, 2**31), got {max_spin}")
-    return Gate(ready, epoch, rank, err, max_spin)
-
-
-def _check_signal(signal, sources: int, device: torch.device) -> torch.Tensor | None:
-    if signal is None:
-        return None
-    if not isinstance(signal, tuple) or len(signal) != 1:
-        raise ValueError("signal must be a tuple (counters,)")
-    counters = signal[0]
-    common.check_index("signal counters", counters, device, (torch.int32,))
-    if counters.numel() < sources:
-        raise ValueError(f"signal counters needs one word per source rank ({sources}), got {counters.numel()}")
-    return counters
-
-
-def _check_offsets(offsets: torch.Tensor, rows: int) -> None:
-    values = offsets.cpu()
-    if values[0] != 0 or values[-1] != rows or bool((values[1:] < values[:-1]).any()):
-        raise ValueError(f"offsets must start at 0, not decrease and end at P = {rows}; got {values.tolist()}")

@@ -77,7 +77,8 @@ class Quantized(NamedTuple):
 
 def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.float8_e4m3fn,
              transpose: bool = False, pad: bool = False, power_of_two: bool = False,
-             scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None) -> Quantized:
+             scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+             amax: torch.Tensor | None = None) -> Quantized:
     """``x [R, C]`` (or ``x.T`` with ``transpose``: read through its strides, written contiguous, no
     transpose pass) cast to ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) with one scale
     per group of ``granularity`` (module docstring). ``x``: float16, bfloat16 or float32, any strides.
@@ -89,6 +90,8 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
       scaling loses no bits.
     * ``scale`` (tensorwise only): the scale to use, a one-element float32 tensor (say, the one
       computed for the same tensor in another orientation): no amax pass; it is returned as is.
+    * ``amax`` (tensorwise only): ``max |x|`` already found on the device, a one-element float32 tensor
+      (say, raised by the kernel that wrote ``x``): no amax pass, the scale is computed from it.
     * ``x_scale``: ``x`` is float8 with these scales (``matmul``'s ``scale_a`` forms for ``x`` as
       given: one element, ``[R, 1]`` or ``[R, C/128]``), and ``x * x_scale`` is quantized again.
 
@@ -100,7 +103,7 @@ cast), the others one.
     granularity that takes neither, blockwise columns not a multiple of 128 without ``pad``, a float8
     ``x`` without ``x_scale`` (or ``x_scale`` with another ``x``), scales of a wrong dtype, device or shape.
     """
-    group = _check(x, granularity, dtype, transpose, pad, scale, x_scale)
+    group = _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax)
     rows, cols = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
     cols_out = -(-cols // BLOCK) * BLOCK if pad else cols
     device = x.device
@@ -125,8 +128,8 @@ cast), the others one.
     br, bc, warps = tiles_of(group, *strides, interpreter=interp)
     switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
-        tensor = scale
-        if group in ("tensor", "row_amax") and scale is None:
+        tensor = scale if amax is None else amax
+        if group in ("tensor", "row_amax") and tensor is None:
             tensor = torch.zeros(rows if group == "row_amax" else 1, dtype=torch.float32, device=device)
             amax_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
                 x, in_scale, tensor, rows, cols, *strides, *in_strides, BR=br, BC=bc, num_warps=warps,
@@ -153,7 +156,7 @@ def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -
     return TILES[f"{group}_t" if _across(stride_xr, stride_xc) else group]
 
 
-def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
+def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None) -> str:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
@@ -177,6 +180,11 @@ def _check(x, granularity, dtype, transpose, pad, scale, x_scale) -> str:
         if granularity != "tensorwise":
             raise ValueError(f"quantize: a given scale applies to tensorwise, got granularity {granularity!r}")
         _check_scale("scale", scale, x.device, lambda s: s.numel() == 1, "one element")
+    if amax is not None:
+        if granularity != "tensorwise" or scale is not None:
+            raise ValueError(f"quantize: a given amax applies to tensorwise without a given scale, got granularity "
+                             f"{granularity!r}{' and a scale' if scale is not None else ''}")
+        _check_scale("amax", amax, x.device, lambda s: s.numel() == 1, "one element")
     if x_scale is not None:
         _check_scale("x_scale", x_scale, x.device, lambda s: True, "")
     cols = x.shape[0] if transpose else x.shape[1]

@@ -25,6 +25,8 @@ fp16, bf16 or fp32 in (one dtype for ``x_shard`` and ``w0``), fp32 accumulation,
 ``epilogue=SwiGLU(pre=...)`` (``tileweave.ops.compute.grouped_gemm.SwiGLU``) fuses an expert MLP's SwiGLU
 into the grouped GEMM on every path: ``w0 [E, H, 2*F_loc]`` holds the gate columns, then the up
 columns, and the result is ``silu(gate) * up [T * k, F_loc]`` (``pre`` receives the pre-activations).
+With ``SwiGLU(cast=...)`` the result is layer 1's float8 ``h`` and ``scale_a`` instead (a ``Quantized``, cast
+from the epilogue's float32 values), and ``out`` does not apply.
 
 Paths. ``"fused"``: each rank pushes its shard into every peer's symmetric gather buffer on the copy
 engines (``tileweave.ops.all_gather.push.PendingGather``) while ONE persistent grouped GEMM runs over the
@@ -202,31 +204,35 @@ class MoEAllGatherGemm(MoEOp):
             if epilogue is not None and (not isinstance(epilogue, SwiGLU) or w0.shape[2] % 2):
                 raise ValueError(f"epilogue must be None or SwiGLU over w0 [E, H, 2*F_loc] (gate columns, then "
                                  f"up columns), got {type(epilogue).__name__} with w0 {list(w0.shape)}")
+            if _casts(epilogue) and out is not None:
+                raise ValueError("out does not apply with SwiGLU(cast=...) (the result is the float8 h); pass None")
             common.check_out(out, (plan.rows, _width(w0, epilogue)), fp8[1], x_shard.device)
             return dict(tokens=plan.tokens, topk=plan.topk, hidden=h, f_loc=w0.shape[2], dtype=x_shard.dtype)
 
         describe = common.signature_of
         signature = {"x_shard": describe(x_shard), "w0": describe(w0), "plan (W, T, k, E)": plan_signature(plan),
-                     "epilogue": type(epilogue).__name__, **_fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum)}
+                     "epilogue": _casts(epilogue) or type(epilogue).__name__,
+                     **_fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum)}
         backend, path = self._path(x_shard.device, signature, check)
         scales, dtype = fp8
-        out = common.out_or_new(out, (plan.rows, _width(w0, epilogue)), dtype, x_shard.device)
+        if not _casts(epilogue):
+            out = common.out_or_new(out, (plan.rows, _width(w0, epilogue)), dtype, x_shard.device)
         self._mark_ids(plan, x_shard.device)
         if path == "fused" and x_shard.shape[0] == 0:
             path = "fallback"
         shard_scales = None if scales is None else _scale_rows(scales, x_shard.shape[0])
         with self._first_call(backend, (path, *signature.items())):
             if path == "fused":
-                gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered, epilogue,
-                                        scales, shard_scales, dtype)
+                out, gathered = _gather_gemm(self._call(backend, path), x_shard, w0, plan, out, return_gathered,
+                                             epilogue, scales, shard_scales, dtype)
             else:
                 local = path == "local"
                 gathered = x_shard if local else common.all_gather_rows(x_shard, backend)
                 if scales is not None:
                     gathered = (gathered, shard_scales if local else common.all_gather_rows(shard_scales, backend))
-                grouped_gemm(gathered[0] if scales is not None else gathered, w0, plan.offsets,
-                             a_rows=plan.row_token, experts=w0.shape[0], out=out, epilogue=epilogue,
-                             **_fp8_args(scales, gathered, w0, dtype))
+                out = grouped_gemm(gathered[0] if scales is not None else gathered, w0, plan.offsets,
+                                   a_rows=plan.row_token, experts=w0.shape[0], out=out, epilogue=epilogue,
+                                   **_fp8_args(scales, gathered, w0, dtype))
         self._finish(backend, plan, path)
         if not return_gathered:
             return out
@@ -238,14 +244,15 @@ def _gather_gemm(call: Call, x_shard, w0, plan: MoEPlan, out, return_gathered: b
     """Layer 0's fused path: the pushes, one gated grouped GEMM, the release (module docstring). The
     grouped GEMM reads its own rows from the gather buffer too, so they are copied there first, on the
     caller's stream (no flag guards them); float8 rows' a-scales travel beside them under the same flag.
-    Returns a copy of the gathered input (and its scales) for ``return_gathered``."""
+    Returns the grouped GEMM's result and a copy of the gathered input (and its scales) for
+    ``return_gathered``."""
     backend = call.backend
     gather = PendingGather.start(backend, call.memory, x_shard, own_rows="main", shard_scales=shard_scales)
     err = gather.ws.err
     rows = gather.gathered if scales is None else (gather.gathered, gather.gathered_scales)
-    grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
-                 gate=(gather.ready_flags, gather.epoch, backend.rank, err, call.spin), epilogue=epilogue,
-                 **_fp8_args(scales, rows, w0, dtype))
+    out = grouped_gemm(gather.gathered, w0, plan.offsets, a_rows=plan.row_token, experts=plan.num_experts, out=out,
+                       gate=(gather.ready_flags, gather.epoch, backend.rank, err, call.spin), epilogue=epilogue,
+                       **_fp8_args(scales, rows, w0, dtype))
     # A copy for the caller before the release lets the peers refill the buffer (the kernel has waited
     # for every shard, so the copy reads them all).
     gathered = None
@@ -253,7 +260,7 @@ def _gather_gemm(call: Call, x_shard, w0, plan: MoEPlan, out, return_gathered: b
         gathered = gather.gathered.clone() if scales is None else tuple(t.clone() for t in rows)
     gather.release()
     call.errors.watch("kernel", err, backend)
-    return gathered
+    return out, gathered
 
 
 def _scale_rows(scales, rows: int) -> torch.Tensor:
@@ -283,6 +290,12 @@ def _fp8_signature(scale_a, scale_b, out_dtype, use_fast_accum) -> dict:
     describe = common.signature_of
     return {"scale_a": describe(scale_a), "scale_b": describe(scale_b), "out_dtype": describe(str(out_dtype)),
             "use_fast_accum": describe(use_fast_accum)}
+
+
+def _casts(epilogue) -> str | None:
+    """``SwiGLU(cast=...)``'s form as the ranks compare it (layer 0 then writes h's float8 cast), or None."""
+    return f"SwiGLU(cast={epilogue.cast!r}, {epilogue.cast_dtype}, power_of_two={epilogue.power_of_two})" \
+        if getattr(epilogue, "cast", None) else None
 
 
 def _width(w0: torch.Tensor, epilogue: SwiGLU | None) -> int:
