@@ -25,15 +25,20 @@ GEMM at a time, each against its own inputs, nothing compounds:
   in the group of its source rank and expert;
 * SwiGLU backward: its inputs bit for bit layer 0's gradient output, the forward's pre-activations and
   the routing weights; ``dy``, the scaled ``h`` and the row dots against float64 of those inputs;
-* weight gradients: their operands bit for bit the gathered float8 ``x`` or ``dO`` dequantized in the
-  model's dtype, the SwiGLU backward's outputs and the plan's rows; each output against float64 of its
-  own operands, within float32's bound.
+* weight gradients (``support.fp8_moe_wgrad``, from the layout ``tileweave.nn.moe_fp8`` documents): the
+  arguments (no row indices, no row scale, the plan's offsets with each group padded to 16 rows, K-major
+  operands, the output in the weights' dtype); each float8 operand and its scales equal, bit for bit
+  with zero padding rows, torch's cast along the tokens (``fp8_reference.quantize_along_rows32``: one
+  scale, one per expert and feature, or one per 128 rows of a group and feature) of the values the recipe
+  names: the gathered float8 ``dO`` or ``x`` (every rank's cast, above) dequantized in float32 and taken
+  by the plan's tokens, in the gradient format or e4m3; the SwiGLU backward's ``dy`` or scaled ``h`` as it
+  returned them; each output against float64 of its own dequantized operands summed over each expert's
+  rows, within ``support.fp8_checks.bounds``.
 
 ``Capture`` wraps, while its context is open in one rank's process (the library is unchanged): the
 layer's ops (``TPMoE.ops``: ``plan``, ``layer0``, ``layer1``), its recipe's activation casts
-(``TPMoE.fp8.lhs``), and ``tileweave.nn.moe_fp8``'s ``swiglu_grad`` and ``grouped_wgrad`` (the weight
-gradients, captured at the call whatever their operands' dtype; ``check`` raises, naming the call, on
-float8 operands, whose dequantization is not written yet).
+(``TPMoE.fp8.lhs``), and ``tileweave.nn.moe_fp8``'s ``swiglu_grad`` and ``grouped_wgrad`` (the one launch
+of each weight gradient, which ``moe_fp8.expert_wgrad`` makes: its arguments as the kernel takes them).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ import inspect
 
 import torch
 
+from support import fp8_moe_wgrad as wgrad
 from support.fp8_checks import (FLOAT8, GROUPS, OUT_UNIT, U32, Worst, bounds, dequantize_a, dequantize_b,
-                                exchange, ratio, rel, same_scale, snapshot, to_cpu)
+                                exchange, ratio, same_scale, snapshot, to_cpu)
 from support.fp8_reference import E4M3, FORMS, expand_scale, quantize32
 from tileweave.nn import moe_fp8
 
@@ -113,12 +119,14 @@ class SwiGLUGradCall:
 
 @dataclasses.dataclass
 class WgradCall:
-    """One weight-gradient GEMM: its arguments by name (``grouped_wgrad``'s) and its output."""
+    """One weight-gradient GEMM: its arguments by name (``grouped_wgrad``'s), its output, and whether both
+    operands were K-major (``[P16, C]`` views of ``[C, P16]``: the plan rows contiguous)."""
 
     phase: str
     name: str
     args: dict
     out: torch.Tensor
+    k_major: bool
 
     def label(self) -> str:
         return f"{self.phase} {self.name}"
@@ -243,7 +251,8 @@ class Capture:
                 raise AssertionError(f"{self.phase}: a weight gradient of shape {tuple(out.shape)}, not the layer's")
             name = names[tuple(out.shape[1:])]
             args_ = {k: snapshot(v) for k, v in bound.arguments.items() if k not in ("out", "config")}
-            self.wgrads.append(WgradCall(self.phase, name, args_, snapshot(out)))
+            k_major = all(bound.arguments[side].stride(0) == 1 for side in ("lhs", "rhs"))
+            self.wgrads.append(WgradCall(self.phase, name, args_, snapshot(out), k_major))
             self.calls.append((self.phase, name))
             return out
         return wrapped
@@ -327,34 +336,10 @@ def _swiglu_grad_ratio(c: SwiGLUGradCall) -> float:
     return max(worst, ratio((c.row_dot.double() - (g * h).sum(1)).abs(), bound))
 
 
-def _wgrad_reference(c: WgradCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(ref, magnitude, rows) [E, N, K]`` in float64 of ``grouped_wgrad``'s definition from the call's
-    own arguments (``rows``: each expert's rows, the length of its contraction)."""
-    a = c.args
-    for side in ("lhs", "rhs"):
-        if a[side].dtype in FLOAT8:
-            raise AssertionError(f"{c.label()}: a float8 {side}; its dequantization is not written here yet "
-                                 f"(the call's arguments: {sorted(a)})")
-    offsets, experts = a["offsets"].long(), a["experts"]
-    rows = int(offsets[-1])
-    lhs = a["lhs"][a["lhs_rows"].long()] if a["lhs_rows"] is not None else a["lhs"][:rows]
-    rhs = a["rhs"][a["rhs_rows"].long()] if a["rhs_rows"] is not None else a["rhs"][:rows]
-    if a.get("scale") is not None:  # a scaled copy of lhs, rounded to its dtype
-        lhs = (lhs.float() * a["scale"][:, None]).to(lhs.dtype)
-    lhs, rhs = lhs.double(), rhs.double()
-    expert = torch.searchsorted(offsets[1:], torch.arange(rows), right=True) % experts
-    ref = torch.zeros(experts, lhs.shape[1], rhs.shape[1], dtype=torch.float64)
-    mag, count = torch.zeros_like(ref), torch.zeros(experts, 1, 1, dtype=torch.float64)
-    for e in range(experts):
-        mine = expert == e
-        ref[e], mag[e], count[e] = lhs[mine].t() @ rhs[mine], lhs[mine].abs().t() @ rhs[mine].abs(), mine.sum()
-    return ref, mag, count
-
-
 def _layer0(call: GemmCall, every: list, ids: torch.Tensor, pair_row: torch.Tensor, scaling: str, worst: Worst
-            ) -> torch.Tensor:
+            ) -> None:
     """Layer 0's output (and the forward's pre-activations and SwiGLU) against float64 of every rank's
-    cast rows and this rank's experts, added to ``worst``; returns the gathered rows in float64."""
+    cast rows and this rank's experts, added to ``worst``."""
     a_all = torch.cat([dequantize_a(a, sa, scaling) for a, sa, *_ in every])
     t, k = ids.shape
     ref, mag = _routed(a_all[:, None, :].expand(t, k, -1), _stack(call.b, call.scale_b, scaling), ids)
@@ -365,7 +350,7 @@ def _layer0(call: GemmCall, every: list, ids: torch.Tensor, pair_row: torch.Tens
         got = call.out[pair_row]
         worst.add(call.label(), got, ref, (got.double() - ref).abs(),
                   *bounds(call.out.dtype, ref, mag, kk, fast_k=fast))
-        return a_all
+        return
     pre_ref = torch.stack([ref[..., :fl], ref[..., fl:]], -1).reshape(t, k, 2 * fl)  # gate j, up j side by side
     pre_mag = torch.stack([mag[..., :fl], mag[..., fl:]], -1).reshape(t, k, 2 * fl)
     pre_bounds = bounds(call.out.dtype if call.pre is None else call.pre.dtype, pre_ref, pre_mag, kk, fast_k=fast)
@@ -379,7 +364,6 @@ def _layer0(call: GemmCall, every: list, ids: torch.Tensor, pair_row: torch.Tens
     h_bounds = [SILU_SLOPE * (u.abs() + du) * dg + torch.nn.functional.silu(g).abs() * du + room
                 for dg, du in ((b[..., 0::2], b[..., 1::2]) for b in pre_bounds)]
     worst.add(call.label() + " SwiGLU", got, h_ref, (got.double() - h_ref).abs(), *h_bounds)
-    return a_all
 
 
 def _layer1(call: GemmCall, every: list, ids: torch.Tensor, pair_rows: list, weights, scaling: str, rank: int,
@@ -407,14 +391,16 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
     """Every captured call checked (module docstring); ``state``: the unsharded float32 weights as the
     layer holds them (rounded to ``dtype``), ``inputs``: per phase the rank's ``(x_shard, dout_shard)``.
     Collective (the ranks exchange their operands). Returns lists of labels (empty when all hold):
-    ``casts`` (a cast unequal to torch's bit for bit), ``weights`` (a weight operand unequal to torch's
-    quantization of the checkpoint), ``operands`` (a cast's input, a gathered result, the SwiGLU
-    backward's or a weight gradient's operand not the tensor it must be; a plan that routes wrongly or
-    differs between ranks); ``gemm``, ``gemm_fp32``, ``gemm_mma``, ``worst`` (``fp8_checks.Worst``, over
-    the four float8 GEMMs and layer 0's pre-activations and SwiGLU output); ``swiglu_grad`` (the SwiGLU
-    backward's worst ratio to its bound); ``wgrad`` (the weight gradients' worst relative error) and
-    ``wgrad_fp32`` (their worst ratio to float32's bound); ``calls`` (``(phase, name)`` in order) and
-    ``expected`` (each phase ran each of ``NAMES`` once)."""
+    ``casts`` (a cast, the weight gradients' too, unequal to torch's bit for bit), ``weights`` (a weight
+    operand unequal to torch's quantization of the checkpoint), ``operands`` (a cast's input, a gathered
+    result or the SwiGLU backward's operand not the tensor it must be, a weight gradient's arguments or
+    layout not the documented ones; a plan that routes wrongly or differs between ranks); ``gemm``,
+    ``gemm_fp32``, ``gemm_mma``, ``worst`` (``fp8_checks.Worst``, over the four float8 GEMMs and layer 0's
+    pre-activations and SwiGLU output); ``swiglu_grad`` (the SwiGLU backward's worst ratio to its bound);
+    ``wgrad``, ``wgrad_fp32``, ``wgrad_mma``, ``wgrad_worst`` (``Worst``'s keys over the two weight
+    gradients); ``details`` (how each weight-gradient cast, or a scale table outside the documented
+    layout, differs); ``calls`` (``(phase, name)`` in order) and ``expected`` (each phase ran each of
+    ``NAMES`` once)."""
     a_groups, (grad_dtype, pow2) = GROUPS[scaling][0], FORMS[scaling][2:]
     gemms, routing = [to_cpu(c) for c in cap.gemms], [to_cpu(r) for r in cap.routing]
     swiglu = {c.phase: to_cpu(c) for c in cap.swiglu}
@@ -429,15 +415,14 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
     by = {(c.phase, c.name): c for c in gemms}
     weights = local_weights(state, scaling, world, rank)
     phases = sorted({p for p, _ in cap.calls})
-    out = {"casts": [], "weights": [], "operands": [], "swiglu_grad": 0.0, "wgrad": 0.0, "wgrad_fp32": 0.0,
-           "calls": list(cap.calls),
+    out = {"casts": [], "weights": [], "operands": [], "details": [], "swiglu_grad": 0.0, "calls": list(cap.calls),
            "expected": all(sorted(n for p, n in cap.calls if p == phase) == sorted(NAMES) for phase in phases)}
 
     def same(label: str, got, want) -> None:
         if got is None or want is None or got.dtype != want.dtype or not torch.equal(got, want):
             out["operands"].append(label)
 
-    ids, routed, gathered = {}, {}, {}
+    ids, routed = {}, {}
     for phase, plan in plans.items():
         ids[phase] = torch.cat([p[0] for p in plan]).long()
         if not (all(torch.equal(a, b) for p in plan for a, b in zip(p[1:], plan[rank][1:]))
@@ -461,7 +446,7 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
         same(f"{label} cast input", call.x, source)
         everyone, pair_rows = every[phase, call.name], [p[1].long() for p in plans[phase]]
         if call.name in LAYER0:
-            gathered[phase, call.name] = _layer0(call, everyone, ids[phase], pair_rows[rank], scaling, worst)
+            _layer0(call, everyone, ids[phase], pair_rows[rank], scaling, worst)
             if call.gathered is not None:
                 same(f"{label} gathered", call.gathered.view(torch.uint8),
                      torch.cat([a for a, *_ in everyone]).view(torch.uint8))
@@ -475,20 +460,8 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
         same(f"{phase} swiglu grad pre", c.pre, getattr(by.get((phase, "x @ w0")), "pre", None))
         same(f"{phase} swiglu grad routing weights", c.row_scale[plans[phase][rank][1].long()], routed.get(phase))
         out["swiglu_grad"] = max(out["swiglu_grad"], _swiglu_grad_ratio(c))
+    wg = Worst()
     for c in wgrads:
-        a, plan, swig = c.args, plans[c.phase][rank], swiglu.get(c.phase)
-        # w0's: dy.T @ the gathered x; w1's: the gathered dO.T @ (wt * h); the gathered rows by the plan
-        side, other, rows = ("rhs", "lhs", gathered.get((c.phase, "x @ w0"))) if c.name == "w0 grad" else \
-            ("lhs", "rhs", gathered.get((c.phase, "dO @ w1")))
-        same(f"{c.label()} gathered {side}", a[side], None if rows is None else rows.float().to(dtype))
-        same(f"{c.label()} {other}", a[other], getattr(swig, "dy" if c.name == "w0 grad" else "h_scaled", None))
-        same(f"{c.label()} {side}_rows", a[f"{side}_rows"], plan[2])
-        same(f"{c.label()} offsets", a["offsets"], plan[4])
-        if a[f"{other}_rows"] is not None or a.get("scale") is not None:
-            out["operands"].append(f"{c.label()} arguments")
-        ref, mag, count = _wgrad_reference(c)
-        # each expert's rows added in fp32 (float32 operands' products round once more: within the 8 spare)
-        b32, _ = bounds(c.out.dtype, ref, mag, count)
-        out["wgrad_fp32"] = max(out["wgrad_fp32"], ratio((c.out.double() - ref).abs(), b32))
-        out["wgrad"] = max(out["wgrad"], rel(c.out, ref))
+        wgrad.check_call(c, every, plans[c.phase][rank], swiglu.get(c.phase), scaling, world, dtype, out, wg)
+    out.update(wgrad=wg.gemm, wgrad_fp32=wg.gemm_fp32, wgrad_mma=wg.gemm_mma, wgrad_worst=wg.worst)
     return {**out, **worst.keys()}

@@ -42,7 +42,8 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken: tuple | None = None) -> dict:
+def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken: tuple | None = None,
+                     broken_cast: float | None = None) -> dict:
     """``TPMoE(fp8=recipe)`` for ``case.steps`` steps (fresh tokens and routing each), every call captured.
     Returns: ``steps`` (per step, the relative errors of ``KEYS`` against ``fp8_moe_reference``, and
     ``out_exact`` against the exact layer); ``end_to_end`` (per key of ``KEYS``, over the steps:
@@ -50,7 +51,8 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
     keys; ``links`` (labels where the layer's output or a weight's gradient is not the captured GEMM's
     output: empty when all are); ``gap`` (``routing_gap``), ``dtypes`` (of the output and gradients),
     ``dtype``, ``paths``. ``broken = (expert, factor)``: that expert's scales of the forward's ``w0``
-    operand multiplied by ``factor`` on every rank, a deliberate bug."""
+    operand multiplied by ``factor`` on every rank, a deliberate bug; ``broken_cast``: a factor on the
+    scales of the ``w1`` weight gradient's ``dO`` operand (as cast along the tokens), another."""
     device, dtype = _device(), getattr(torch, case.dtype)
     state = {k: v.to(dtype).float() for k, v in layer_state(case).items()}  # the references see them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
@@ -69,6 +71,13 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
                 scale[expert] *= factor
             return b, scale
         moe_fp8.quantize_experts = quantize_broken
+    expert_wgrad = moe_fp8.expert_wgrad
+    if broken_cast is not None:
+        def expert_wgrad_broken(r, lhs, rhs, experts, out_dtype):
+            if (lhs.data.shape[0], rhs.data.shape[0]) == (case.hidden, layer.ffn_local):  # w1's: dO.T @ (wt * h)
+                lhs = lhs._replace(scale=lhs.scale * broken_cast)
+            return expert_wgrad(r, lhs, rhs, experts, out_dtype)
+        moe_fp8.expert_wgrad = expert_wgrad_broken
     results: dict = {"steps": [], "dtypes": set(), "links": []}
     got, refs, exacts = ({k: [] for k in KEYS} for _ in range(3))
     inputs = {}
@@ -106,6 +115,7 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
     finally:
         set_producer_delay(0.0)
         moe_fp8.quantize_experts = quantize_experts
+        moe_fp8.expert_wgrad = expert_wgrad
     results.update(capture.check(cap, state, scaling=layer.fp8.scaling, world=world, rank=rank, dtype=dtype,
                                  inputs=inputs))
     results["end_to_end"] = {k: end_to_end(got[k], refs[k], exacts[k]) for k in KEYS}
