@@ -6,8 +6,8 @@ same runs every cast and GEMM of the forward and backward checked on its own
 (``support.fp8_moe_capture``: casts, the weight gradients' along the tokens too, and weights bit for
 bit torch's, each GEMM and weight gradient within float32's bound of float64 of its own operands) and the
 results against the exact layer within ``END_TO_END_FACTOR`` times the quantization's own effect, the
-checks the GPU tests rely on; a doubled expert weight scale, and a doubled scale of a weight gradient's
-cast, each fail their own. The layer's refusals by name."""
+checks the GPU tests rely on; a doubled expert weight scale, a doubled scale of h's cast and of a weight
+gradient's cast, each fail their own. The layer's refusals by name."""
 
 import pytest
 
@@ -50,18 +50,23 @@ def test_tp_moe_fp8_matches_float64_of_the_same_quantized_math(name):
             assert e["effect"] < S.EFFECT_MAX and e["exact"] <= S.END_TO_END_FACTOR * e["effect"], (key, e)
 
 
-def test_a_doubled_weight_scale_and_a_doubled_wgrad_cast_scale_each_fail_their_check():
-    """Two planted defects in one run, each caught by its own check only. One expert's forward ``w0``
-    scales doubled: the GEMM computes what it was given (its check passes); the weight operand it was
-    given differs from torch's quantization of the checkpoint in that call only, on every rank, and the
-    output leaves the end-to-end bound. The ``w1`` weight gradient's ``dO`` scales doubled after its cast:
-    that cast differs from torch's (its scales, not its elements), the weight gradient's GEMM still
-    matches float64 of what it was given, and ``d_w1`` leaves the end-to-end bound."""
+def test_a_doubled_weight_scale_and_doubled_cast_scales_each_fail_their_check():
+    """Three planted defects in one run, each caught by its own check only. One expert's forward ``w0``
+    scales doubled: the GEMM computes what it was given (its check passes, and so does h's cast, the
+    SwiGLU of the pre-activations it computed); the weight operand it was given differs from torch's
+    quantization of the checkpoint in that call only, on every rank, and the output leaves the end-to-end
+    bound. The first row's scale of h's cast doubled after layer 0's epilogue wrote it: that cast differs
+    from the reference cast of the captured pre-activations' SwiGLU in that scale alone, and layer 1
+    still matches float64 of what it was given. The ``w1`` weight gradient's ``dO`` scales doubled after
+    its cast: that cast differs from torch's (its scales, not its elements), the weight gradient's GEMM
+    still matches float64 of what it was given, and ``d_w1`` leaves the end-to-end bound."""
     case = LayerCase(tokens=8, hidden=32, ffn=48, experts=3, top_k=2, seed=25)
-    for result in run_ranks(2, S.tp_moe_fp8_check, "rowwise", case, (1, 2.0), 2.0):
+    for result in run_ranks(2, S.tp_moe_fp8_check, "rowwise", case, (1, 2.0), 2.0, 2.0):
         assert result["weights"] == ["step 0 x @ w0"], result
-        assert result["casts"] == ["step 0 w1 grad lhs"], result
-        assert result["details"][0].startswith("step 0 w1 grad lhs: 0 of "), result["details"]
+        assert result["casts"] == ["step 0 h @ w1", "step 0 w1 grad lhs"], result
+        assert result["details"][0].startswith("step 0 h @ w1: 0 of "), result["details"]
+        assert " and 1 of " in result["details"][0], result["details"]
+        assert result["details"][1].startswith("step 0 w1 grad lhs: 0 of "), result["details"]
         assert result["operands"] == [] and result["links"] == [], result
         assert result["gemm_fp32"] <= 1 and result["swiglu_grad"] <= 1 and result["wgrad_fp32"] <= 1, result
         for key in ("out", "d_w1"):

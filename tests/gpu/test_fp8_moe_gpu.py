@@ -11,7 +11,9 @@ step), which moves some of ``h``, and in the backward of ``dy``, across a float8
 whole e4m3 step of 6-12%, and those flips compound through the layer (0.4-0.5% on the output, up to
 1.7% on the input gradient, on one H200). So each cast must equal torch's own cast of the tensor the
 GPU produced, bit for bit (the weight gradients' operands: torch's cast along each expert's tokens of
-the gathered float8 rows dequantized, or of the SwiGLU backward's outputs); each weight operand torch's
+the gathered float8 rows dequantized, or of the SwiGLU backward's outputs; ``h``, which layer 0's
+epilogue casts from float32 values it never writes: the reference cast of values within float32's room
+of the SwiGLU of its pre-activations, ``support.fp8_moe_hcast``); each weight operand torch's
 quantization of the checkpoint; each float8 GEMM, the weight gradients too, float64 of its own operands
 within the tensor cores' bound; the SwiGLU's backward float64 of its own inputs within float32's. The
 output and every gradient are compared with the exact (unquantized) layer, within
@@ -89,9 +91,10 @@ def layer_run(name: str) -> list[dict]:
 @needs_two
 @pytest.mark.parametrize("name", list(LAYER_CASES))
 def test_tp_moe_fp8_gpu_casts_weights_and_operands_are_torchs_bit_for_bit(name):
-    """Every cast and weight operand torch's, bit for bit; every operand the tensor it must be (the
-    gathered rows, the SwiGLU backward's and the weight gradients' inputs, the plan); the layer's
-    output and weight gradients those of the captured GEMMs; each step ran each GEMM once."""
+    """Every cast and weight operand torch's, bit for bit (h's within the room of
+    ``support.fp8_moe_hcast``); every operand the tensor it must be (the gathered rows, the SwiGLU
+    backward's and the weight gradients' inputs, the plan); the layer's output and weight gradients
+    those of the captured GEMMs; each step ran each GEMM once."""
     _, case = LAYER_CASES[name]
     for result in layer_run(name):
         assert result["gap"] > 0.5, result["gap"]

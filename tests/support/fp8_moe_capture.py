@@ -8,19 +8,22 @@ MMA keeps fewer bits than fp32 inside a K step), which moves some of ``h`` (and,
 ``dy``) across a float8 rounding boundary, a whole e4m3 step (6-12%) each. Checked one cast and one
 GEMM at a time, each against its own inputs, nothing compounds:
 
-* cast: each float8 activation or gradient and its scales (``x`` and ``h``; ``dO`` and ``dy`` in the
-  recipe's gradient format) equal torch's cast of the high-precision tensor the layer handed over
+* cast: each float8 activation or gradient and its scales (``x``; ``dO`` and ``dy`` in the recipe's
+  gradient format) equal torch's cast of the high-precision tensor the layer handed over
   (``support.fp8_reference.quantize32``, the recipe as ``FORMS`` restates it), bit for bit; and that
-  tensor is the one it must be: the layer's input shard, layer 0's SwiGLU output, the output gradient's
-  shard, the SwiGLU backward's ``dy``;
+  tensor is the one it must be: the layer's input shard, the output gradient's shard, the SwiGLU
+  backward's ``dy``. ``h``, which layer 0's SwiGLU epilogue casts from float32 values it never writes:
+  layer 1's operand is that cast, and it equals the reference cast of the SwiGLU of layer 0's captured
+  pre-activations, bit for bit on the CPU, within the GPU's float32 room on a GPU
+  (``support.fp8_moe_hcast``);
 * weight: each GEMM's float8 expert stack and its scales, read as the grouped GEMM reads them, equal
   torch's quantization of the rank's slice of the checkpoint weight in that GEMM's orientation (the
   stack as ``[E * N, K]``: one tensorwise scale per stack, a scale per row, 128 x 128 blocks);
 * GEMM: layer 0 (the gathered rows: every rank's cast) and layer 1 (a sum over the top-k slots and the
   ranks) against float64 of every rank's dequantized operands, each pair ``(t, j)`` through expert
-  ``ids[t, j]`` of the router (not of the plan), elementwise within ``support.fp8_checks.bounds``;
-  layer 0's SwiGLU output against float64 SwiGLU of that reference, within the bounds carried through
-  it; the rows layer 0 returns gathered equal every rank's cast bit for bit;
+  ``ids[t, j]`` of the router (not of the plan), elementwise within ``support.fp8_checks.bounds``
+  (layer 0's forward: its pre-activations); the rows layer 0 returns gathered equal every rank's cast
+  bit for bit;
 * plan: the same on every rank; pair ``(t, j)`` on a row of token t and expert ``ids[t, j]``; every row
   in the group of its source rank and expert;
 * SwiGLU backward: its inputs bit for bit layer 0's gradient output, the forward's pre-activations and
@@ -36,7 +39,8 @@ GEMM at a time, each against its own inputs, nothing compounds:
   rows, within ``support.fp8_checks.bounds``.
 
 ``Capture`` wraps, while its context is open in one rank's process (the library is unchanged): the
-layer's ops (``TPMoE.ops``: ``plan``, ``layer0``, ``layer1``), its recipe's activation casts
+layer's ops (``TPMoE.ops``: ``plan``, ``layer0``, ``layer1``; a ``layer0`` call whose SwiGLU epilogue
+casts records its result as the cast of ``h``, with its pre-activations), its recipe's activation casts
 (``TPMoE.fp8.lhs``), and ``tileweave.nn.moe_fp8``'s ``swiglu_grad`` and ``grouped_wgrad`` (the one launch
 of each weight gradient, which ``moe_fp8.expert_wgrad`` makes: its arguments as the kernel takes them).
 """
@@ -51,8 +55,10 @@ import torch
 from support import fp8_moe_wgrad as wgrad
 from support.fp8_checks import (FLOAT8, GROUPS, OUT_UNIT, U32, Worst, bounds, dequantize_a, dequantize_b,
                                 exchange, ratio, same_scale, snapshot, to_cpu)
+from support.fp8_moe_hcast import ELEMENTWISE_UNITS, h_cast_difference
 from support.fp8_reference import E4M3, FORMS, expand_scale, quantize32
 from tileweave.nn import moe_fp8
+from tileweave.ops.compute.quantize import Quantized
 
 NAMES = ("plan", "x @ w0", "h @ w1", "dO @ w1", "swiglu grad", "w1 grad", "dy @ w0", "w0 grad")
 """What one forward and backward runs, each once: the plan, the four float8 GEMMs (layer 0, layer 1,
@@ -60,21 +66,15 @@ layer 0 and layer 1 of the input gradient), the SwiGLU's backward and the two we
 LAYER0 = ("x @ w0", "dO @ w1")
 GRADS = ("dO @ w1", "dy @ w0")
 """The GEMMs whose first operand is a gradient (the recipe's gradient format)."""
-SILU_SLOPE = 1.1
-"""The largest ``|d silu(g) / dg|`` (1.0998, at g = 2.4)."""
-ELEMENTWISE_UNITS = 64
-"""float32 units of room for a few float32 products and the sigmoid's exp and division (each within a
-few units, and ``exp(-g)`` about ``|g|`` units for the rounding of its argument), of the terms'
-magnitudes."""
-
 
 
 @dataclasses.dataclass
 class GemmCall:
-    """One float8 GEMM of the MoE pair: what was cast (``x``), the operands as the op received them
-    (``a [rows, K]``, ``b [E, K, N]``, their scales), its output (layer 0: ``[P, N]`` in plan order;
-    layer 1: this rank's ``[T/W, N]``), and where given: layer 0's pre-activations and gathered rows,
-    layer 1's routing weights."""
+    """One float8 GEMM of the MoE pair: what was cast (``x``; where ``fused``, the cast of ``h`` by layer
+    0's epilogue: the pre-activations ``[P, 2F]`` whose SwiGLU it cast), the operands as the op received
+    them (``a [rows, K]``, ``b [E, K, N]``, their scales), its output (layer 0: ``[P, N]`` in plan order,
+    the float8 ``h`` where its epilogue casts; layer 1: this rank's ``[T/W, N]``), the device type it ran
+    on, and where given: layer 0's pre-activations and gathered rows, layer 1's routing weights."""
 
     phase: str
     name: str
@@ -85,6 +85,8 @@ class GemmCall:
     scale_b: torch.Tensor
     out: torch.Tensor
     fast: bool
+    fused: bool = False
+    device: str = "cpu"
     pre: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
     gathered_scales: torch.Tensor | None = None
@@ -188,7 +190,7 @@ class Capture:
     def _cast(self, x, q) -> None:
         if self._pending is not None:
             raise AssertionError(f"{self.phase}: cast again before its GEMM ran")
-        self._pending = (snapshot(x), q)
+        self._pending = (snapshot(x), q, False)  # (what was cast, the cast, made by layer 0's epilogue)
 
     def _name(self, layer: int, w: torch.Tensor) -> str:
         fl = self.layer.ffn_local
@@ -214,19 +216,22 @@ class Capture:
             name = self._name(layer, w)
             if self._pending is None:
                 raise AssertionError(f"{self.phase} {name}: float8 operands that no cast of the layer produced")
-            x, q = self._pending
+            x, q, fused = self._pending
             self._pending = None
             if not (a is q.data and kw.get("scale_a") is q.scale):
                 raise AssertionError(f"{self.phase} {name}: operands other than those the cast produced")
             result = gemm(a, w, plan, *args, **kw)
-            y, gathered, scales = result if isinstance(result, tuple) else (result, None, None)
-            epilogue = kw.get("epilogue")
+            kept = isinstance(result, tuple) and not isinstance(result, Quantized)
+            y, gathered, scales = result if kept else (result, None, None)
+            pre = snapshot(getattr(kw.get("epilogue"), "pre", None))
             self.gemms.append(GemmCall(
-                self.phase, name, x, *map(snapshot, (a, q.scale, w, kw.get("scale_b"), y)),
-                bool(kw.get("use_fast_accum")), pre=snapshot(getattr(epilogue, "pre", None)),
-                gathered=snapshot(gathered), gathered_scales=snapshot(scales),
+                self.phase, name, x, *map(snapshot, (a, q.scale, w, kw.get("scale_b"))),
+                snapshot(y.data if isinstance(y, Quantized) else y), bool(kw.get("use_fast_accum")), fused,
+                a.device.type, pre=pre, gathered=snapshot(gathered), gathered_scales=snapshot(scales),
                 weights=snapshot(args[0]) if layer == 1 else None))
             self.calls.append((self.phase, name))
+            if isinstance(y, Quantized):  # the epilogue's cast of h: the next GEMM's operand
+                self._pending = (pre, y, True)
             return result
         return wrapped
 
@@ -338,8 +343,8 @@ def _swiglu_grad_ratio(c: SwiGLUGradCall) -> float:
 
 def _layer0(call: GemmCall, every: list, ids: torch.Tensor, pair_row: torch.Tensor, scaling: str, worst: Worst
             ) -> None:
-    """Layer 0's output (and the forward's pre-activations and SwiGLU) against float64 of every rank's
-    cast rows and this rank's experts, added to ``worst``."""
+    """Layer 0's output (the forward's: its pre-activations, where kept; its cast of ``h`` is checked
+    from them) against float64 of every rank's cast rows and this rank's experts, added to ``worst``."""
     a_all = torch.cat([dequantize_a(a, sa, scaling) for a, sa, *_ in every])
     t, k = ids.shape
     ref, mag = _routed(a_all[:, None, :].expand(t, k, -1), _stack(call.b, call.scale_b, scaling), ids)
@@ -351,19 +356,12 @@ def _layer0(call: GemmCall, every: list, ids: torch.Tensor, pair_row: torch.Tens
         worst.add(call.label(), got, ref, (got.double() - ref).abs(),
                   *bounds(call.out.dtype, ref, mag, kk, fast_k=fast))
         return
-    pre_ref = torch.stack([ref[..., :fl], ref[..., fl:]], -1).reshape(t, k, 2 * fl)  # gate j, up j side by side
-    pre_mag = torch.stack([mag[..., :fl], mag[..., fl:]], -1).reshape(t, k, 2 * fl)
-    pre_bounds = bounds(call.out.dtype if call.pre is None else call.pre.dtype, pre_ref, pre_mag, kk, fast_k=fast)
     if call.pre is not None:  # kept for the backward
+        pre_ref = torch.stack([ref[..., :fl], ref[..., fl:]], -1).reshape(t, k, 2 * fl)  # gate j, up j side by side
+        pre_mag = torch.stack([mag[..., :fl], mag[..., fl:]], -1).reshape(t, k, 2 * fl)
         pre = call.pre[pair_row]
-        worst.add(call.label() + " pre", pre, pre_ref, (pre.double() - pre_ref).abs(), *pre_bounds)
-    # the SwiGLU of the accumulator: the bounds of gate (dg) and up (du) carried through silu(g) * u
-    g, u = ref[..., :fl], ref[..., fl:]
-    h_ref, got = torch.nn.functional.silu(g) * u, call.out[pair_row]
-    room = (OUT_UNIT[call.out.dtype] + ELEMENTWISE_UNITS * U32) * h_ref.abs()
-    h_bounds = [SILU_SLOPE * (u.abs() + du) * dg + torch.nn.functional.silu(g).abs() * du + room
-                for dg, du in ((b[..., 0::2], b[..., 1::2]) for b in pre_bounds)]
-    worst.add(call.label() + " SwiGLU", got, h_ref, (got.double() - h_ref).abs(), *h_bounds)
+        worst.add(call.label() + " pre", pre, pre_ref, (pre.double() - pre_ref).abs(),
+                  *bounds(call.pre.dtype, pre_ref, pre_mag, kk, fast_k=fast))
 
 
 def _layer1(call: GemmCall, every: list, ids: torch.Tensor, pair_rows: list, weights, scaling: str, rank: int,
@@ -391,16 +389,17 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
     """Every captured call checked (module docstring); ``state``: the unsharded float32 weights as the
     layer holds them (rounded to ``dtype``), ``inputs``: per phase the rank's ``(x_shard, dout_shard)``.
     Collective (the ranks exchange their operands). Returns lists of labels (empty when all hold):
-    ``casts`` (a cast, the weight gradients' too, unequal to torch's bit for bit), ``weights`` (a weight
-    operand unequal to torch's quantization of the checkpoint), ``operands`` (a cast's input, a gathered
-    result or the SwiGLU backward's operand not the tensor it must be, a weight gradient's arguments or
-    layout not the documented ones; a plan that routes wrongly or differs between ranks); ``gemm``,
-    ``gemm_fp32``, ``gemm_mma``, ``worst`` (``fp8_checks.Worst``, over the four float8 GEMMs and layer 0's
-    pre-activations and SwiGLU output); ``swiglu_grad`` (the SwiGLU backward's worst ratio to its bound);
-    ``wgrad``, ``wgrad_fp32``, ``wgrad_mma``, ``wgrad_worst`` (``Worst``'s keys over the two weight
-    gradients); ``details`` (how each weight-gradient cast, or a scale table outside the documented
-    layout, differs); ``calls`` (``(phase, name)`` in order) and ``expected`` (each phase ran each of
-    ``NAMES`` once)."""
+    ``casts`` (a cast, the weight gradients' too, unequal to torch's bit for bit; ``h``'s not holding to
+    ``fp8_moe_hcast``'s reference), ``weights`` (a weight operand unequal to torch's quantization of the
+    checkpoint), ``operands`` (a cast's input, a gathered result or the SwiGLU backward's operand not the
+    tensor it must be; ``h @ w1``'s operand not layer 0's epilogue cast, or another GEMM's that; a weight
+    gradient's arguments or layout not the documented ones; a plan that routes wrongly or differs between
+    ranks); ``gemm``, ``gemm_fp32``, ``gemm_mma``, ``worst`` (``fp8_checks.Worst``, over the four float8
+    GEMMs and layer 0's pre-activations); ``swiglu_grad`` (the SwiGLU backward's worst ratio to its
+    bound); ``wgrad``, ``wgrad_fp32``, ``wgrad_mma``, ``wgrad_worst`` (``Worst``'s keys over the two weight
+    gradients); ``details`` (how ``h``'s cast and each weight-gradient cast, or a scale table outside the
+    documented layout, differs); ``calls`` (``(phase, name)`` in order) and ``expected`` (each phase ran
+    each of ``NAMES`` once)."""
     a_groups, (grad_dtype, pow2) = GROUPS[scaling][0], FORMS[scaling][2:]
     gemms, routing = [to_cpu(c) for c in cap.gemms], [to_cpu(r) for r in cap.routing]
     swiglu = {c.phase: to_cpu(c) for c in cap.swiglu}
@@ -434,16 +433,25 @@ def check(cap: Capture, state: dict, *, scaling: str, world: int, rank: int, dty
     for call in gemms:
         label, phase = call.label(), call.phase
         fmt = grad_dtype if call.name in GRADS else E4M3
-        q, scale = quantize32(call.x.float(), a_groups, fmt, pow2)
-        if not (call.a.dtype == fmt and torch.equal(call.a.view(torch.uint8), q.view(torch.uint8))
-                and same_scale(call.scale_a, scale)):
-            out["casts"].append(label)
+        if call.fused:  # h, cast by layer 0's epilogue from the pre-activations call.x
+            differ = None if call.x is None else h_cast_difference(label, call.a, call.scale_a, call.x, a_groups,
+                                                                    pow2, exact=call.device == "cpu")
+            if differ is not None:
+                out["casts"].append(label)
+                out["details"].append(differ)
+        else:
+            q, scale = quantize32(call.x.float(), a_groups, fmt, pow2)
+            if not (call.a.dtype == fmt and torch.equal(call.a.view(torch.uint8), q.view(torch.uint8))
+                    and same_scale(call.scale_a, scale)):
+                out["casts"].append(label)
         if not torch.equal(_stack(call.b, call.scale_b, scaling), weights[call.name]):
             out["weights"].append(label)
         source = {"x @ w0": inputs[phase][0], "dO @ w1": inputs[phase][1],
-                  "h @ w1": getattr(by.get((phase, "x @ w0")), "out", None),
+                  "h @ w1": getattr(by.get((phase, "x @ w0")), "pre", None),
                   "dy @ w0": getattr(swiglu.get(phase), "dy", None)}[call.name]
         same(f"{label} cast input", call.x, source)
+        if call.fused != (call.name == "h @ w1"):  # h only from layer 0's epilogue, the rest from lhs
+            out["operands"].append(f"{label} cast")
         everyone, pair_rows = every[phase, call.name], [p[1].long() for p in plans[phase]]
         if call.name in LAYER0:
             _layer0(call, everyone, ids[phase], pair_rows[rank], scaling, worst)

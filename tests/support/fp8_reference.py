@@ -9,6 +9,7 @@ products of the dequantized operands, per rank of the group, from the full unsha
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -192,6 +193,16 @@ def swiglu32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     sigmoid in float64."""
     g = gate.float()
     return (g * (1 / (1 + torch.exp(-g.double()))).float()) * up.float()
+
+
+def swiglu_epilogue32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The float32 values that MoE layer 0's SwiGLU epilogue computes (and casts) from its float32
+    accumulators ``gate``, ``up`` (``[R, F]`` each): ``gate / (1 + exp(-gate)) * up``, each step in float32
+    numpy, as Triton's interpreter computes it (a GPU's ``exp`` and division may differ in last bits);
+    ``silu`` of a large negative gate is -0.0 (``exp`` overflows)."""
+    g, u = gate.float().numpy(), up.float().numpy()
+    with np.errstate(over="ignore"):
+        return torch.from_numpy(g / (np.float32(1.0) + np.exp(-g)) * u)
 
 
 def rms_norm_backward64(x: torch.Tensor, w: torch.Tensor, eps: float, dy: torch.Tensor):

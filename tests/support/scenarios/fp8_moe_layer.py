@@ -9,6 +9,8 @@ within ``END_TO_END_FACTOR`` times the quantization's own effect, hold on any ha
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,7 @@ from support.moe_layer_scenarios import LayerCase, ops_for, layer_state, layer_t
 from tileweave.nn import moe_fp8
 from tileweave.nn.moe import TPMoE
 from tileweave.ops import common
+from tileweave.ops.compute.quantize import Quantized
 from tileweave.runtime.backend import set_producer_delay
 
 KEYS = ("out", "dx", "d_w0", "d_w1", "d_router")
@@ -43,7 +46,7 @@ def _device() -> torch.device:
 
 
 def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken: tuple | None = None,
-                     broken_cast: float | None = None) -> dict:
+                     broken_cast: float | None = None, broken_h: float | None = None) -> dict:
     """``TPMoE(fp8=recipe)`` for ``case.steps`` steps (fresh tokens and routing each), every call captured.
     Returns: ``steps`` (per step, the relative errors of ``KEYS`` against ``fp8_moe_reference``, and
     ``out_exact`` against the exact layer); ``end_to_end`` (per key of ``KEYS``, over the steps:
@@ -52,7 +55,8 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
     output: empty when all are); ``gap`` (``routing_gap``), ``dtypes`` (of the output and gradients),
     ``dtype``, ``paths``. ``broken = (expert, factor)``: that expert's scales of the forward's ``w0``
     operand multiplied by ``factor`` on every rank, a deliberate bug; ``broken_cast``: a factor on the
-    scales of the ``w1`` weight gradient's ``dO`` operand (as cast along the tokens), another."""
+    scales of the ``w1`` weight gradient's ``dO`` operand (as cast along the tokens), another;
+    ``broken_h``: a factor on the first scale of ``h``'s cast as layer 0's epilogue returns it, a third."""
     device, dtype = _device(), getattr(torch, case.dtype)
     state = {k: v.to(dtype).float() for k, v in layer_state(case).items()}  # the references see them rounded
     layer = TPMoE(case.hidden, case.ffn, case.experts, case.top_k, normalize_topk=case.normalize_topk,
@@ -78,6 +82,15 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
                 lhs = lhs._replace(scale=lhs.scale * broken_cast)
             return expert_wgrad(r, lhs, rhs, experts, out_dtype)
         moe_fp8.expert_wgrad = expert_wgrad_broken
+    ops = layer.ops
+    if broken_h is not None:
+        def layer0_broken(*args, **kw):
+            result = ops.layer0(*args, **kw)
+            q = result[0] if isinstance(result, tuple) and not isinstance(result, Quantized) else result
+            if isinstance(q, Quantized):  # h's cast (the backward's layer 0 returns a tensor)
+                q.scale.view(-1)[:1] *= broken_h
+            return result
+        layer.ops = dataclasses.replace(ops, layer0=layer0_broken)
     results: dict = {"steps": [], "dtypes": set(), "links": []}
     got, refs, exacts = ({k: [] for k in KEYS} for _ in range(3))
     inputs = {}
@@ -116,6 +129,7 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
         set_producer_delay(0.0)
         moe_fp8.quantize_experts = quantize_experts
         moe_fp8.expert_wgrad = expert_wgrad
+        layer.ops = ops
     results.update(capture.check(cap, state, scaling=layer.fp8.scaling, world=world, rank=rank, dtype=dtype,
                                  inputs=inputs))
     results["end_to_end"] = {k: end_to_end(got[k], refs[k], exacts[k]) for k in KEYS}

@@ -1,24 +1,25 @@
 """MoE layer 0's SwiGLU epilogue writing h's float8 cast (``SwiGLU(cast=...)``), checked against a
-reference written here with torch and numpy, independently of the library.
+reference written with torch and numpy (here and in ``support.fp8_reference``), independently of the library.
 
 Exact operands: float8 values that are small integers and power-of-two scales, so every product and
 every partial sum of the grouped GEMM is exact in float32 whatever the order (at K = 256 and values up
 to 4, or K = 2048 and values up to 2, at most 19 significant bits), and the pre-activations equal their
 float64 products. The SwiGLU is then the epilogue's formula,
-``gate / (1 + exp(-gate)) * up`` step by step in float32 numpy (what Triton's interpreter computes; a
-GPU's ``exp`` may differ in its last bit), and the cast is ``fp8_reference.quantize32`` of those values.
+``gate / (1 + exp(-gate)) * up`` step by step in float32 numpy (``fp8_reference.swiglu_epilogue32``: what
+Triton's interpreter computes; a GPU's ``exp`` may differ in its last bit), and the cast is
+``fp8_reference.quantize32`` of those values.
 """
 
 from __future__ import annotations
 
 import zlib
 
-import numpy as np
 import torch
 
 import tileweave
 from tileweave.ops import common
 from tileweave.ops.compute.grouped_gemm import SwiGLU
+from support import fp8_reference
 from support.fp8_reference import quantize32
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -73,10 +74,7 @@ def swiglu_epilogue32(pre: torch.Tensor) -> torch.Tensor:
     f = pre.shape[1] // 2
     as32 = pre.float()
     assert torch.equal(as32.double(), pre), "the pre-activations must be exact in float32"
-    gate, up = as32[:, :f].numpy(), as32[:, f:].numpy()
-    with np.errstate(over="ignore"):  # silu of a large negative gate: exp overflows, h is -0.0
-        h = gate / (np.float32(1.0) + np.exp(-gate)) * up
-    return torch.from_numpy(h)
+    return fp8_reference.swiglu_epilogue32(as32[:, :f], as32[:, f:])
 
 
 def reference_cast(h: torch.Tensor, cast: str, dtype, power_of_two: bool):
