@@ -138,25 +138,8 @@ def grouped_wgrad(lhs: torch.Tensor, rhs: torch.Tensor, offsets: torch.Tensor, *
 
 def _check_float8(lhs, rhs, lhs_scale, rhs_scale) -> bool:
     """Whether this is a float8 call, after refusing mixed operands, missing scales and scales without float8."""
-    fp8_l, fp8_r = scaling.is_fp8(lhs), scaling.is_fp8(rhs)
-    if fp8_l != fp8_r:
-        raise TypeError(f"grouped_wgrad: lhs is {common.describe(lhs)} and rhs is {common.describe(rhs)}: both must "
-                        "be float8 (e4m3fn or e5m2, with lhs_scale and rhs_scale) or neither; cast the other operand")
-    if not fp8_l:
-        if lhs_scale is not None or rhs_scale is not None:
-            raise TypeError("grouped_wgrad: lhs_scale and rhs_scale apply to float8 operands only; lhs is "
-                            f"{common.describe(lhs)}")
-        return False
-    missing = " and ".join(name for name, s in (("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale)) if s is None)
-    if missing:
-        raise ValueError(f"grouped_wgrad: float8 operands need lhs_scale and rhs_scale (float32; see "
-                         f"tileweave.ops.compute.scaling.wgrad_scales for their shapes); {missing} missing")
-    if lhs.device != rhs.device:
-        raise ValueError(f"grouped_wgrad: rhs is on {rhs.device} but lhs is on {lhs.device}")
-    for name, s in (("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale)):
-        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != lhs.device:
-            raise TypeError(f"grouped_wgrad: {name} must be a float32 tensor on {lhs.device}, got {common.describe(s)}")
-    return True
+    return scaling.check_operands("grouped_wgrad", lhs, rhs, lhs_scale, rhs_scale, names=("lhs", "rhs"),
+                                  shapes="tileweave.ops.compute.scaling.wgrad_scales for their shapes")
 
 
 def _rows(lhs: torch.Tensor, rhs: torch.Tensor, lhs_rows, rhs_rows) -> int:

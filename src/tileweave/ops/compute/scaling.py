@@ -87,23 +87,30 @@ def out_dtype_of(op: str, a: torch.Tensor, out_dtype: torch.dtype | None) -> tor
     return out_dtype
 
 
-def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, scale_a, scale_b) -> bool:
-    """Whether this is a scaled (float8) call, after refusing mixed operands and scales without float8."""
+def check_operands(op: str, a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, *, names: tuple[str, str] = ("a", "b"),
+                   shapes: str = "tileweave.ops.compute.scaling for the shapes of each scaling") -> bool:
+    """Whether this is a scaled (float8) call, after refusing mixed operands, missing scales, scales without
+    float8 and scales that are not float32 tensors on the operands' device. ``names``: the operands' names
+    in the messages (their scales ``<name>_scale``, or ``scale_a`` / ``scale_b`` for ``a`` / ``b``);
+    ``shapes``: where the scales' shapes are documented."""
+    na, nb = names
+    sa_name, sb_name = ("scale_a", "scale_b") if names == ("a", "b") else (f"{na}_scale", f"{nb}_scale")
     fp8_a, fp8_b = is_fp8(a), is_fp8(b)
     if fp8_a != fp8_b:
-        raise TypeError(f"{op}: a is {a.dtype} and b is {b.dtype}: both must be float8 (e4m3fn or e5m2, "
-                        "with scale_a and scale_b) or neither; cast the other operand")
+        raise TypeError(f"{op}: {na} is {a.dtype} and {nb} is {b.dtype}: both must be float8 (e4m3fn or e5m2, "
+                        f"with {sa_name} and {sb_name}) or neither; cast the other operand")
     if not fp8_a:
         if scale_a is not None or scale_b is not None:
-            raise TypeError(f"{op}: scale_a and scale_b apply to float8 inputs only; a and b are {a.dtype}")
+            raise TypeError(f"{op}: {sa_name} and {sb_name} apply to float8 {'inputs' if na == 'a' else 'operands'} "
+                            f"only; {na} and {nb} are {a.dtype}")
         return False
     if scale_a is None or scale_b is None:
-        missing = " and ".join(name for name, s in (("scale_a", scale_a), ("scale_b", scale_b)) if s is None)
-        raise ValueError(f"{op}: float8 inputs need scale_a and scale_b (float32; see "
-                         f"tileweave.ops.compute.scaling for the shapes of each scaling); {missing} missing")
+        missing = " and ".join(name for name, s in ((sa_name, scale_a), (sb_name, scale_b)) if s is None)
+        raise ValueError(f"{op}: float8 {'inputs' if na == 'a' else 'operands'} need {sa_name} and {sb_name} "
+                         f"(float32; see {shapes}); {missing} missing")
     if a.device != b.device:
-        raise ValueError(f"{op}: b is on {b.device} but a is on {a.device}")
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        raise ValueError(f"{op}: {nb} is on {b.device} but {na} is on {a.device}")
+    for name, s in ((sa_name, scale_a), (sb_name, scale_b)):
         if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.device != a.device:
             raise TypeError(f"{op}: {name} must be a float32 tensor on {a.device}, got {common.describe(s)}")
     return True
