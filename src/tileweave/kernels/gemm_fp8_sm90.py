@@ -124,6 +124,23 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
 
 
 @gluon.jit
+def _finish(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N, stride_sam, stride_sbn,
+            SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    # A tile's epilogue: the outer scales (blockwise scaled each step), the bias, and the store through
+    # `out` once the previous tile's store has left it.
+    if SCALING != "block":
+        sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
+        sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
+        acc = acc * (sa[:, None] * sb[None, :])
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
+    tma.store_wait(0)
+    out.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], out)
+
+
+@gluon.jit
 def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                          stride_sam, stride_sak, stride_sbk, stride_sbn,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
@@ -236,16 +253,8 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                                         off_m, off_n, nxt_m, nxt_n, k_steps, BK, STAGES)
             else:
                 acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
-        if SCALING != "block":
-            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
-            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
-            acc = acc * (sa[:, None] * sb[None, :])
-        if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-        tma.store_wait(0)  # the previous tile's store has left c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        _finish(acc, c_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -345,16 +354,8 @@ def _ws_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bi
         else:
             acc = _retire(acc, p0, 0, sa0, sb0, SCALING, BN)
             mbarrier.arrive(empty.index((steps - 1) % STAGES), count=1)
-        if SCALING != "block":
-            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
-            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
-            acc = acc * (sa[:, None] * sb[None, :])
-        if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-        tma.store_wait(0)
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+        _finish(acc, c_desc, c_smem, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
 
 
@@ -431,17 +432,8 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
             else:
                 acc += p
             steps += 1
-        if SCALING != "block":
-            sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
-            sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
-            acc = acc * (sa[:, None] * sb[None, :])
-        if HAS_BIAS:
-            acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-        out = c_smem.index(HALF)
-        tma.store_wait(0)
-        out.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], out)
+        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
 
 
