@@ -29,6 +29,9 @@ Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on s
 ``fp8_gemm_sm90_ws_kernel`` is the same exact and blockwise loop with the loads in a warp of their own
 (``gl.warp_specialize``): the loader waits for a buffer to be released and refills it, the MMA warps
 wait only for a buffer's arrival and release it once its MMA is done, with no refill in their loop.
+``fp8_gemm_sm90_halves_kernel`` has the loader warp and two MMA warp groups in partitions of their own,
+each owning half of every tile's rows and adding each product once it is done (one product tile per warp
+group); the warp groups are not synchronised with each other, so one adds while the other's MMA runs.
 """
 
 from triton.experimental import gluon
