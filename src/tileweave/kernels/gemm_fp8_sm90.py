@@ -144,6 +144,47 @@ def _finish(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, o
 
 
 @gluon.jit
+def _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr):
+    # TMA descriptors of a [M, K] and of the weight [N, K] (both K-major), and the ring of their buffers.
+    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
+    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
+                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    return a_desc, b_desc, a_bufs, b_bufs
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, READERS: gl.constexpr):
+    # Per buffer: `ready` (the loader's TMA arrives) and `empty` (each of READERS partitions releases it).
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=READERS)
+    return ready, empty
+
+
+@gluon.jit
+def _drop_barriers(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
+def _tile_rows(t, num_pid_m, num_pid_n, ROW0: gl.constexpr, ROWS: gl.constexpr, BM: gl.constexpr,
+               BN: gl.constexpr, GROUP_M: gl.constexpr, rows_layout: gl.constexpr, cols_layout: gl.constexpr):
+    # Tile t's first row (of this partition's ROWS rows from ROW0) and column, and their index vectors.
+    pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
+    off_m = pid_m * BM + ROW0
+    off_n = pid_n * BN
+    return off_m, off_n, off_m + gl.arange(0, ROWS, layout=rows_layout), off_n + gl.arange(0, BN, layout=cols_layout)
+
+
+@gluon.jit
 def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                          stride_sam, stride_sak, stride_sbk, stride_sbn,
                          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
@@ -152,10 +193,7 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     ``stride_bn``) and ``c [M, N]`` (``stride_cm``) are read and written through TMA descriptors built
     here. Scale strides are in elements (``stride_sak``/``stride_sbk`` per 128-block of K,
     ``stride_sbn`` per column, or per 128 columns with ``"block"``)."""
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
-    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
     c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BM, BN],
                                         gl.NVMMASharedLayout.get_default_for([BM, BN], c_ptr.dtype.element_ty))
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -163,8 +201,6 @@ def fp8_gemm_sm90_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -311,11 +347,8 @@ def _ws_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bi
     zero = gl.zeros((BM, BN), gl.float32, mma_layout)
     steps = 0
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM
-        off_n = pid_n * BN
-        offs_m = off_m + gl.arange(0, BM, layout=rows_layout)
-        offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, 0, BM, BM, BN, GROUP_M, rows_layout,
+                                                  cols_layout)
         acc = zero
         p0 = _ws_take(a_bufs, b_bufs, ready, steps, zero, STAGES)
         steps += 1
@@ -369,29 +402,18 @@ def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N,
                             STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """``fp8_gemm_sm90_kernel``'s exact and blockwise modes (``SCALING`` "outer" or "block") with the
     loads in a warp of their own: the MMA warps wait on a buffer's arrival only, never on a refill."""
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
-    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
     c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BM, BN],
                                         gl.NVMMASharedLayout.get_default_for([BM, BN], c_ptr.dtype.element_ty))
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, BN], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _ring_barriers(STAGES, 1)
     gl.warp_specialize([
         (_ws_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                        stride_sam, stride_sak, stride_sbk, stride_sbn, BM, BN, BK, GROUP_M, STAGES, SCALING,
                        HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [1], [24])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _drop_barriers(ready, empty, STAGES)
 
 
 # -- two MMA partitions: each warp group its half of the tile's rows, one product at a time ---------------
@@ -415,11 +437,8 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
     zero = gl.zeros((HM, BN), gl.float32, mma_layout)
     steps = 0
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_of(t, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BM + HALF * HM
-        off_n = pid_n * BN
-        offs_m = off_m + gl.arange(0, HM, layout=rows_layout)
-        offs_n = off_n + gl.arange(0, BN, layout=cols_layout)
+        off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
+                                                  rows_layout, cols_layout)
         acc = zero
         for ki in range(k_steps):
             s = steps % STAGES
@@ -448,20 +467,11 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
     """The exact and blockwise modes with a loader warp and two MMA warp groups in partitions of their
     own, each owning half of every tile's rows: a buffer is released when both have read it."""
     HM: gl.constexpr = BM // 2
-    a_desc = tma.make_tensor_descriptor(a_ptr, [M, K], [stride_am, 1], [BM, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BM, BK], a_ptr.dtype.element_ty))
-    b_desc = tma.make_tensor_descriptor(b_ptr, [N, K], [stride_bn, 1], [BN, BK],
-                                        gl.NVMMASharedLayout.get_default_for([BN, BK], b_ptr.dtype.element_ty))
+    a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
     c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HM, BN],
                                         gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = _ring_barriers(STAGES, 2)
     gl.warp_specialize([
         (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES, SCALING,
@@ -471,6 +481,4 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
                          HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _drop_barriers(ready, empty, STAGES)
