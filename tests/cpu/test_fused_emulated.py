@@ -194,9 +194,10 @@ def test_all_gather_alone_carries_float8_rows_with_their_scales(world, policy):
     for result in run_ranks(world, scenarios.all_gather_only_check, "mesh", 2, world - 1, False, True, policy):
         assert result["exact"], result
         assert result["fused_err"] < TOL["float16"], result
-        missing, stray = result["refusals"]
+        missing, stray, one_rank = result["refusals"]
         assert "float8 a_shard [7, 256] needs scales" in missing, missing
         assert "scales go with float8 rows" in stray, stray
+        assert one_rank != "no error", one_rank  # every rank fails when one rank's scales are wrong
 
 
 @pytest.mark.parametrize("transport", ["mesh", "ring"])

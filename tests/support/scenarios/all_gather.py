@@ -12,6 +12,7 @@ import tileweave
 from tileweave.ops.all_gather import rule
 from tileweave.ops.compute import gemm_launch
 from tileweave.ops.workspace import ONESHOT_HEADER
+from tileweave.runtime.backend import TileweaveError
 from tileweave.tune.configs import GemmConfig
 from tileweave.runtime.backend import set_producer_delay
 from support.scenarios.common import Case, device_name, randn, rel_err, weight_b
@@ -131,11 +132,13 @@ def all_gather_only_check(rank: int, world: int, transport: str, iters: int, str
     refusals = []
     if fp8:  # refused before any communication, on every rank alike
         row8, row16 = torch.zeros(7, 256, device=device).to(torch.float8_e4m3fn), torch.zeros(7, 24, device=device)
-        for args in ((row8, None), (row16, torch.ones(7, 1, device=device))):
+        ones = torch.ones(7, 1, device=device)
+        # the last: only rank 0's scales are wrong (float64), and every rank must fail
+        for args in ((row8, None), (row16, ones), (row8, ones.double() if rank == 0 else ones)):
             try:
                 op.all_gather(args[0], scales=args[1])
                 refusals.append("no error")
-            except TypeError as exc:
+            except (TypeError, TileweaveError) as exc:
                 refusals.append(str(exc))
     set_producer_delay(0.2 if rank == straggler else 0.0)
     exact, fused_err = True, 0.0

@@ -200,12 +200,17 @@ class AllGatherGemm(DenseOp):
         under the same flag, and the result's ``gathered_scales`` (``[M, KB]``, in the buffer, lent
         alike) holds every rank's. Every rank passes the same dtype and shapes. Errors name the
         argument: ``scales`` missing for float8 rows or given for others, of a wrong dtype or shape."""
-        _check_gather_scales(a_shard, scales)
+        if not isinstance(a_shard, torch.Tensor):
+            _check_gather_scales(a_shard, scales)
         backend = self.backend_for(a_shard.device)
         w = backend.world_size
-        mc, k = a_shard.shape
         if w == 1:
+            _check_gather_scales(a_shard, scales)
             return PendingGather(backend, a_shard, gathered_scales=scales)
+        # The checks' outcome is exchanged, so that a bad argument on one rank fails every rank here.
+        signature = {"all_gather a_shard": common.signature_of(a_shard), "scales": common.signature_of(scales)}
+        agree(backend, self.op_name, signature, lambda: _check_gather_scales(a_shard, scales))
+        mc, k = a_shard.shape
         if self.policy == "fallback" or not backend.peer_access:
             if scales is not None:  # float8 travels as bytes, the scales as float32 rows
                 return PendingGather(backend, common.all_gather_rows(a_shard, backend),
@@ -218,7 +223,6 @@ class AllGatherGemm(DenseOp):
         kb = 0 if scales is None else scales.shape[1]
         key = ("all_gather", mc, k, a_shard.dtype, kb)
         if key not in self._plans:
-            agree(backend, self.op_name, (key[0], key[1], key[2], str(key[3]), key[4]), None)
             self._plans[key] = Plan("all_gather", None, backend)
         self.errors.raise_pending(backend, common.capturing(a_shard))
         shard_scales = None if scales is None else scales.contiguous()
