@@ -283,3 +283,11 @@ def test_block_benchmark_variants_gpu():
 def test_unfused_path_in_a_cuda_graph_gpu():
     for result in run_ranks(RANKS, scenarios.cuda_graph_unfused_gpu_check, gpus=True):
         assert result["paths"] == "fallback,fallback" and result["err"] < 1e-2, result
+
+
+@needs_two
+@pytest.mark.parametrize("fp8", [False, True])
+def test_all_gather_alone_reads_sources_the_caller_dropped_gpu(fp8):
+    # The copies of a gather in flight read the shard and its scales after the caller let go of them.
+    for exact in run_ranks(RANKS, scenarios.dropped_sources_check, fp8, gpus=True):
+        assert exact == [True] * 4

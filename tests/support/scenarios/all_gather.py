@@ -170,3 +170,42 @@ def _float8_gather_exact(op, rank: int, world: int, it: int, device) -> bool:
     same_scales = bool(torch.equal(pending.gathered_scales, torch.cat(scales)))
     pending.release()
     return same_scales and bool(torch.equal(gathered.view(torch.uint8), torch.cat(shards).view(torch.uint8)))
+
+
+def dropped_sources_check(rank: int, world: int, fp8: bool, iters: int = 4) -> list[bool]:
+    """``AllGatherGemm.all_gather`` of a shard (and, ``fp8``, its scales) that the caller drops as soon as
+    the call returns, while the copy into rank 1's buffer waits for rank 1, whose stream releases the
+    previous call late: the caller's stream meanwhile writes new tensors of the same sizes, which the allocator
+    may place in the dropped ones' memory. Per call, whether every gathered row (and scale) is its
+    source's, bitwise."""
+    device = device_name()
+    op = tileweave.AllGatherGemm(policy="fused")
+    rows, k = 2000, 1024
+
+    def shard(it: int, p: int) -> torch.Tensor:
+        x = randn((rows, k), torch.float32, "dropped", it, p, device=device)
+        return (30 * x).clamp(-448, 448).to(torch.float8_e4m3fn) if fp8 else x.to(torch.bfloat16)
+
+    def scales(it: int, p: int) -> torch.Tensor:
+        return randn((rows, 1), torch.float32, "dropped-s", it, p, device=device).abs() + 0.5
+
+    exact = []
+    for it in range(iters):
+        dist.barrier()
+        pending = op.all_gather(shard(it, rank), **({"scales": scales(it, rank)} if fp8 else {}))
+        # The sources are gone; tensors of their sizes are made and written on this stream right away.
+        junk = [torch.full((rows, k), 0x7E if fp8 else 7, dtype=torch.uint8 if fp8 else torch.bfloat16,
+                           device=device) for _ in range(4)]
+        junk += [torch.full((rows, 1), -1.0, device=device) for _ in range(4)]
+        gathered = pending.wait().clone()
+        got_scales = pending.gathered_scales.clone() if fp8 else None
+        if rank == 1:  # the release's flags wait behind 0.2-0.4 s of this stream; the host runs on
+            torch.cuda._sleep(400_000_000)
+        pending.release()
+        del junk
+        want = torch.cat([shard(it, p) for p in range(world)])
+        ok = torch.equal(gathered.view(torch.uint8), want.view(torch.uint8)) if fp8 else torch.equal(gathered, want)
+        if fp8:
+            ok = ok and torch.equal(got_scales, torch.cat([scales(it, p) for p in range(world)]))
+        exact.append(bool(ok))
+    return exact

@@ -200,6 +200,10 @@ class PendingGather:
         self.backend, self.gathered, self.ws, self.plan, self.values = backend, gathered, ws, plan, values
         self.gathered_scales = gathered_scales if plan is None else plan.gathered_scales
         """Float8 gathers: the ``[M, KB]`` float32 a-scales of ``gathered``'s rows (None otherwise)."""
+        self._sources: tuple = ()
+        """What the copy stream reads (the shard, its scales), held until ``release()``: a tensor the caller
+        drops would otherwise go back to the allocator, which hands its memory to the next tensor made on
+        the caller's stream while the copies still read it."""
 
     @staticmethod
     def start(backend: Backend, memory: Memory, a_shard: torch.Tensor, *, ring: bool = False,
@@ -220,7 +224,9 @@ class PendingGather:
                 dst.copy_(src)
             else:
                 backend.comm_copy(dst, src)
-        return PendingGather(backend, plan.gathered, ws=ws, plan=plan, values=values)
+        pending = PendingGather(backend, plan.gathered, ws=ws, plan=plan, values=values)
+        pending._sources = (a_shard, shard_scales)
+        return pending
 
 
     @property
@@ -248,6 +254,7 @@ class PendingGather:
             self.backend.comm_end()
             self.values.release(self.backend, self.plan.arrivals, self.plan.releases)
             self.plan = None
+            self._sources = ()  # the caller's stream now runs after every copy that read them
 
 
 def run_pushed(call: Call, consume: Callable, a_shard, b, bias, out, return_gathered: bool, gathered_out,
