@@ -3,7 +3,7 @@
 (blockwise's default) and the two-half kernel (two MMA warp groups, each its half of a tile), at 4-6
 buffers, against torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's
 smaller ones. Every output checked against float64 first. Run by hand from this folder:
-``PYTHONPATH=../../src python3 fp8_exact.py OUT [small]``."""
+``PYTHONPATH=../../src python3 fp8_exact.py OUT [small] [blockwise]``."""
 import json
 import sys
 
@@ -26,10 +26,10 @@ VARIANTS = {  # scaling: {name: (fast accumulation, config)}
 }
 
 
-def main(out, shapes=SHAPES):
+def main(out, shapes=SHAPES, scalings=("tensorwise", "blockwise")):
     rows = []
     for m, n, k in shapes:
-        for scaling in ("tensorwise", "blockwise"):
+        for scaling in scalings:
             a8, sa, w8, sb, ref = _inputs(m, n, k, scaling)
             row = {"m": m, "n": n, "k": k, "scaling": scaling}
             for name, (fast, config) in VARIANTS[scaling].items():
@@ -63,5 +63,7 @@ def main(out, shapes=SHAPES):
 
 
 if __name__ == "__main__":
-    # "small": the shapes below 2^38 multiply-adds only
-    main(sys.argv[1], [s for s in SHAPES if len(sys.argv) < 3 or s[0] * s[1] * s[2] < 1 << 38])
+    # "small": the shapes below 2^38 multiply-adds only; "blockwise": that scaling only
+    small, block = "small" in sys.argv[2:], "blockwise" in sys.argv[2:]
+    main(sys.argv[1], [s for s in SHAPES if not small or s[0] * s[1] * s[2] < 1 << 38],
+         ("blockwise", ) if block else ("tensorwise", "blockwise"))

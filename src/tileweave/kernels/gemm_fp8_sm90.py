@@ -440,19 +440,26 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
         off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
                                                   rows_layout, cols_layout)
         acc = zero
+        sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
+                              stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
         for ki in range(k_steps):
             s = steps % STAGES
             mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
             p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
-            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
-                                  stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
+            # The next step's scales are loaded a step ahead (the last step loads its own again): their
+            # latency hides behind a whole step, not only behind this MMA.
+            sa_next, sb_next = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N,
+                                            gl.minimum(ki + 1, k_steps - 1), stride_sam, stride_sak, stride_sbk,
+                                            stride_sbn, SCALING, BN)
             p = warpgroup_mma_wait(0, deps=(p, ))
             mbarrier.arrive(empty.index(s), count=1)
             if SCALING == "block":
                 acc += p * _outer(sa, sb, BN)
             else:
                 acc += p
+            sa = sa_next
+            sb = sb_next
             steps += 1
         _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
                 stride_sam, stride_sbn, SCALING, HAS_BIAS)
