@@ -423,9 +423,10 @@ def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N,
 def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                   stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, turns=None, ORDER: gl.constexpr = False):
     # One warp group: rows HALF * BM/2 ... of each tile. Each K step's product is waited for and added
-    # at once; the other warp group's MMA runs meanwhile, as the two are not synchronised with each other.
+    # at once; the other warp group's MMA runs meanwhile. ORDER: the two issue their MMAs in turn (``turns``:
+    # a barrier per warp group, arrived on once its step's MMA is issued), half 0 first.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
@@ -445,8 +446,15 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
         for ki in range(k_steps):
             s = steps % STAGES
             mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+            if ORDER:  # after the other half's MMA of this step (half 1) or of the step before (half 0)
+                if HALF == 1:
+                    mbarrier.wait(turns.index(0), steps & 1)
+                elif steps > 0:
+                    mbarrier.wait(turns.index(1), (steps - 1) & 1)
             p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
+            if ORDER:
+                mbarrier.arrive(turns.index(HALF), count=1)
             # The next step's scales are loaded a step ahead (the last step loads its own again): their
             # latency hides behind a whole step, not only behind this MMA.
             sa_next, sb_next = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N,
