@@ -19,12 +19,14 @@ Each variant is checked, before it is timed, against float64 of the dequantized 
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 
 import torch
 
 from tileweave.bench import fp8
+from tileweave.bench.moe_reference import bounded, reference, rel_err
 from tileweave.nn.moe_autograd import TILEWEAVE_OPS, gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.functional import moe_all_gather_gemm, moe_gemm_reduce_scatter
 from tileweave.ops.moe import build_plan
@@ -46,6 +48,20 @@ def variants(scaling: str, inp, chosen: tuple[str, ...]) -> tuple[str, ...]:
     if "ours" in chosen and base != "blockwise" and device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm"):
         out.append("torch")
     return tuple(out)
+
+
+def rows(part: str, scaling: str, inp, chosen: tuple[str, ...], group, *, tol: float) -> list[
+        tuple[str, Callable, Callable]]:
+    """The FP8 rows of ``part`` in ``scaling`` as ``(variant, make, check)``, one per variant of
+    ``variants``: ``make()`` gives the call (``make_call`` on the row's ``FP8Inputs``), ``check(results)``
+    their error against float64 of the dequantized operands and why they fail beyond ``tol``
+    (``moe_reference.bounded``). Collective."""
+    names = variants(scaling, inp, chosen)
+    if not names:
+        return []
+    q = FP8Inputs(inp, scaling)
+    check = bounded(rel_err, reference(part, "ours", q.deq, group, inp.x_shard.device), tol)
+    return [(variant, functools.partial(make_call, part, variant, q, group), check) for variant in names]
 
 
 class FP8Inputs:
