@@ -17,9 +17,10 @@ device as one call: router GEMM in fp32, softmax + top-k, the plan). Variants, o
   the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
   backward GEMMs).
 
-``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: ``layer0`` and ``layer1`` also in FP8 on the
-same inputs quantized to e4m3 with each scaling, each row's ``dtype`` naming it (``fp8-rowwise``), with
-torch's ``torch._scaled_grouped_mm`` + NCCL as the variant ``torch`` (``tileweave.bench.moe_fp8``).
+``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: FP8 rows beside the bf16 ones, each row's
+``dtype`` naming its scaling (``fp8-rowwise``; ``tileweave.bench.moe_fp8``): ``layer0`` and ``layer1`` on
+the same inputs quantized to e4m3, with torch's ``torch._scaled_grouped_mm`` + NCCL as the variant
+``torch``; ``layer`` and ``layer-bwd`` as ``ours`` only, the same calls on ``TPMoE(..., fp8=recipe)``.
 
 ``route`` runs ``ours`` (the layer's plan, ``tileweave.nn.moe_autograd.TILEWEAVE_OPS``) and ``grouped``
 (all-gather of the ids + ``build_plan``) only; it is verified by routing: every (token, slot) pair's
@@ -201,8 +202,8 @@ class Inputs:
 # ---------------------------------------------------------------------------------------------------
 # One part's calls, per variant: call() -> the tensor(s) to verify.
 
-def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device) -> TPMoE:
-    layer = TPMoE(inp.h, inp.f, inp.e, inp.k, group=group, ops=ops, device=device, dtype=dtype)
+def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device, fp8=None) -> TPMoE:
+    layer = TPMoE(inp.h, inp.f, inp.e, inp.k, group=group, ops=ops, fp8=fp8, device=device, dtype=dtype)
     with torch.no_grad():
         layer.router.weight.copy_(inp.router)
         layer.w0.copy_(inp.w0)
@@ -210,16 +211,16 @@ def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device) -> TPMoE:
     return layer
 
 
-def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Callable[[], list[torch.Tensor]]:
+def make_call(part: str, variant: str, inp: Inputs, group, dtype, device, fp8=None) -> Callable[[], list[torch.Tensor]]:
     """A closure running ``part`` once on ``variant``; its results in a form every variant shares (rows in
-    plan order are returned per (token, slot) pair)."""
+    plan order are returned per (token, slot) pair). ``fp8``: the layer parts' ``TPMoE(fp8=...)`` recipe."""
     if variant == "floor":
         return _floor_call(part, inp, group)
     ops = {"ours": TILEWEAVE_OPS, "grouped": baseline_ops(_grouped_mm), "loop": baseline_ops(_expert_loop)}[variant]
     if part == "route":
         return _route_call(ops, inp, group)
     if part in ("layer", "layer-bwd"):
-        layer = _layer_module(inp, ops, group, dtype, device)
+        layer = _layer_module(inp, ops, group, dtype, device, fp8)
         x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
 
         def run_layer():
@@ -302,7 +303,7 @@ class MoEBenchConfig:
     iters: int = 20
     reps: int = 5
     scalings: tuple[str, ...] = ()
-    """FP8 rows of ``layer0`` and ``layer1`` for each of these scalings (``tileweave.bench.fp8``)."""
+    """FP8 rows for each of these scalings (``tileweave.bench.fp8``), of the parts in ``moe_fp8.PARTS``."""
 
 
 def _agree_max(*values: float, group, device) -> tuple[float, ...]:
@@ -351,9 +352,11 @@ def _row(row: Row, cfg: MoEBenchConfig, rank: int, world: int, group, dtype, dev
         check = bounded(route_err if row.part == "route" else rel_err, ref(variant == "floor"), tol)
         make = functools.partial(make_call, row.part, variant, inp, group, dtype, device)
         out.append(_one(row, variant, make, check, cfg, group, device, world))
+    layer = functools.partial(make_call, row.part, "ours", inp, group, dtype, device)  # takes fp8=
     for scaling in cfg.scalings if row.part in moe_fp8.PARTS else ():
         out += [_one(row, variant, make, check, cfg, group, device, world, fp8.dtype_label(scaling))
-                for variant, make, check in moe_fp8.rows(row.part, scaling, inp, cfg.variants, group, tol=tol)]
+                for variant, make, check in moe_fp8.rows(row.part, scaling, inp, cfg.variants, group, tol=tol,
+                                                          layer=layer, layer_ref=functools.partial(ref, False))]
     return out
 
 
@@ -410,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", type=_csv(str, PARTS), default=PARTS)
     p.add_argument("--variants", type=_csv(str, VARIANTS), default=VARIANTS)
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="fp8: layer0 and layer1 also in FP8 for every --scaling, beside the bf16 rows")
+                   help="fp8: also FP8 rows for every --scaling, beside the bf16 rows")
     p.add_argument("--scaling", type=fp8.parse_scalings, default=fp8.SCALINGS,
                    help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS + fp8.FAST))
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU; 2 with --smoke)")
