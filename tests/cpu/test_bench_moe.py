@@ -71,7 +71,7 @@ def test_bench_moe_fp8_layer_rows_are_verified_against_the_unquantized_layer(tmp
         else:  # float8 ran: a few percent off the unquantized layer, within the bounds
             assert 0.03 < r["rel_err"] < moe_fp8.LAYER_GRAD_TOLERANCE, r
     text = (tmp_path / report.name.replace(".json", ".md")).read_text()
-    assert "| smoke-fp8 layer-bwd uniform fp8-blockwise | 8 |" in text
+    assert "| smoke-fp8 layer-bwd uniform fp8-blockwise | 8 |" in text and "x bf16" in text
 
 
 def _float8_like(ref: list[torch.Tensor], rel: tuple[float, ...], gen: torch.Generator) -> list[torch.Tensor]:
