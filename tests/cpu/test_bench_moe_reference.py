@@ -1,7 +1,7 @@
 """The MoE benchmark's float64 reference (``tileweave.bench.moe_reference``), which works one expert at a
 time with the layer's backward written out, against the whole-graph form it replaced (every expert's
 weights in float64, float64 autograd over the layer), on small odd shapes, 1 and 2 emulated ranks;
-and its checks (``rel_err``, ``route_err``)."""
+and its checks (``errors``, ``rel_err``, ``route_err``)."""
 
 import math
 import types
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tileweave.bench.moe_reference import reference, rel_err, route_err
+from tileweave.bench.moe_reference import errors, reference, rel_err, route_err
 from tileweave.nn.moe import route
 from tileweave.nn.moe_autograd import gather_rows
 from tileweave.ops.moe import build_plan
@@ -151,3 +151,15 @@ def test_rel_err_in_blocks_matches_the_whole_norm():
     assert rel_err(got, ref, block=4) == pytest.approx(whole, rel=1e-9)
     assert rel_err([got[0][:6]], [ref[0]]) == math.inf
     assert rel_err([torch.full((7, 5), math.nan)], [ref[0]], block=4) == math.inf
+
+
+def test_errors_give_each_result_its_error_and_gain():
+    gen = torch.Generator().manual_seed(1)
+    ref = [torch.randn(7, 5, generator=gen, dtype=torch.float64), torch.randn(3, generator=gen, dtype=torch.float64)]
+    noise = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    noise -= (noise * ref[0]).sum() / ref[0].square().sum() * ref[0]  # orthogonal to ref: the gain stays 1
+    (err0, gain0), (err1, gain1) = errors([(1.1 * ref[0] + 0.05 * noise).float(), 2 * ref[1]], ref, block=4)
+    assert gain0 == pytest.approx(1.1, rel=1e-6) and gain1 == pytest.approx(2.0)
+    assert err0 == pytest.approx(math.hypot(0.1, 0.05 * (noise.norm() / ref[0].norm()).item()), rel=1e-6)
+    assert err1 == pytest.approx(1.0)
+    assert errors([torch.full((3,), math.inf)], [ref[1]]) == [(math.inf, math.inf)]

@@ -1,5 +1,7 @@
 """The MoE section's report (``tileweave.bench.moe_report``): the markdown's ratios and smoke header,
-the chart's two panels, no chart for smoke runs."""
+the chart's two panels, no chart for smoke runs; the FP8 rows' speedup over the bf16 row."""
+
+import dataclasses
 
 import pytest
 
@@ -49,3 +51,18 @@ def test_chart_and_report_files(tmp_path):
     assert names == [".json", ".md", ".png"]
     smoke = sorted(p.suffix for p in write_report(tmp_path / "b", "x", ROWS, {**META, "timing": {"smoke": True}}))
     assert smoke == [".json", ".md"]
+
+
+def test_fp8_rows_show_their_speedup_over_the_bf16_row():
+    fp8 = [dataclasses.replace(_m(layer, variant, ms), dtype=dtype) for layer, variant, ms, dtype in (
+        ("qwen3 layer uniform", "ours", 1.6, "fp8-rowwise"), ("qwen3 layer uniform", "ours", 2.5, "fp8-blockwise"),
+        ("qwen3 layer-bwd uniform", "ours", 4.0, "fp8-rowwise"), ("qwen3 layer0 uniform", "ours", 1.0, "fp8-rowwise"),
+        ("qwen3 layer0 uniform", "torch", 1.5, "fp8-rowwise"))]
+    text = markdown(ROWS + fp8, META)
+    # row, T, ours, torch, x torch, x bf16, err, mem
+    assert _line(text, "qwen3 layer uniform fp8-rowwise")[2:6] == ["1.600", "-", "-", "1.25"]
+    assert _line(text, "qwen3 layer uniform fp8-blockwise")[2:6] == ["2.500", "-", "-", "0.80"]
+    assert _line(text, "qwen3 layer-bwd uniform fp8-rowwise")[5] == "-"  # the bf16 row failed
+    assert _line(text, "qwen3 layer0 uniform fp8-rowwise")[2:6] == ["1.000", "1.500", "1.50", "-"]  # no bf16 row
+    smoke = markdown(ROWS + fp8, {**META, "timing": {"smoke": True}})
+    assert _line(smoke, "qwen3 layer uniform fp8-rowwise")[2:6] == ["1.600", "-", "-", "-"]

@@ -17,9 +17,10 @@ device as one call: router GEMM in fp32, softmax + top-k, the plan). Variants, o
   the compute floor (layer0: 1 GEMM, layer1: 1, layer: 2 and the SwiGLU, layer-bwd: those and the 4
   backward GEMMs).
 
-``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: ``layer0`` and ``layer1`` also in FP8 on the
-same inputs quantized to e4m3 with each scaling, each row's ``dtype`` naming it (``fp8-rowwise``), with
-torch's ``torch._scaled_grouped_mm`` + NCCL as the variant ``torch`` (``tileweave.bench.moe_fp8``).
+``--dtype fp8 --scaling tensorwise,rowwise,blockwise``: FP8 rows beside the bf16 ones, each row's
+``dtype`` naming its scaling (``fp8-rowwise``; ``tileweave.bench.moe_fp8``): ``layer0`` and ``layer1`` on
+the same inputs quantized to e4m3, with torch's ``torch._scaled_grouped_mm`` + NCCL as the variant
+``torch``; ``layer`` and ``layer-bwd`` as ``ours`` only, the same calls on ``TPMoE(..., fp8=recipe)``.
 
 ``route`` runs ``ours`` (the layer's plan, ``tileweave.nn.moe_autograd.TILEWEAVE_OPS``) and ``grouped``
 (all-gather of the ids + ``build_plan``) only; it is verified by routing: every (token, slot) pair's
@@ -59,7 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tileweave.bench import fp8, moe_fp8, output_dir
-from tileweave.bench.moe_reference import reference, rel_err, route_err
+from tileweave.bench.moe_reference import bounded, reference, rel_err, route_err
 from tileweave.bench.moe_report import markdown, write_report
 from tileweave.bench.metadata import collect_metadata
 from tileweave.bench.report import Measurement
@@ -201,8 +202,8 @@ class Inputs:
 # ---------------------------------------------------------------------------------------------------
 # One part's calls, per variant: call() -> the tensor(s) to verify.
 
-def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device) -> TPMoE:
-    layer = TPMoE(inp.h, inp.f, inp.e, inp.k, group=group, ops=ops, device=device, dtype=dtype)
+def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device, fp8=None) -> TPMoE:
+    layer = TPMoE(inp.h, inp.f, inp.e, inp.k, group=group, ops=ops, fp8=fp8, device=device, dtype=dtype)
     with torch.no_grad():
         layer.router.weight.copy_(inp.router)
         layer.w0.copy_(inp.w0)
@@ -210,16 +211,16 @@ def _layer_module(inp: Inputs, ops: MoEOps, group, dtype, device) -> TPMoE:
     return layer
 
 
-def make_call(part: str, variant: str, inp: Inputs, group, dtype, device) -> Callable[[], list[torch.Tensor]]:
+def make_call(part: str, variant: str, inp: Inputs, group, dtype, device, fp8=None) -> Callable[[], list[torch.Tensor]]:
     """A closure running ``part`` once on ``variant``; its results in a form every variant shares (rows in
-    plan order are returned per (token, slot) pair)."""
+    plan order are returned per (token, slot) pair). ``fp8``: the layer parts' ``TPMoE(fp8=...)`` recipe."""
     if variant == "floor":
         return _floor_call(part, inp, group)
     ops = {"ours": TILEWEAVE_OPS, "grouped": baseline_ops(_grouped_mm), "loop": baseline_ops(_expert_loop)}[variant]
     if part == "route":
         return _route_call(ops, inp, group)
     if part in ("layer", "layer-bwd"):
-        layer = _layer_module(inp, ops, group, dtype, device)
+        layer = _layer_module(inp, ops, group, dtype, device, fp8)
         x = inp.x_shard.clone().requires_grad_(part == "layer-bwd")
 
         def run_layer():
@@ -302,13 +303,13 @@ class MoEBenchConfig:
     iters: int = 20
     reps: int = 5
     scalings: tuple[str, ...] = ()
-    """FP8 rows of ``layer0`` and ``layer1`` for each of these scalings (``tileweave.bench.fp8``)."""
+    """FP8 rows for each of these scalings (``tileweave.bench.fp8``), of the parts in ``moe_fp8.PARTS``."""
 
 
-def _agree_max(value: float, group, device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def _agree_max(*values: float, group, device) -> tuple[float, ...]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    return tuple(t.tolist())
 
 
 def _time_variant(call: Callable, cfg: MoEBenchConfig, group, device) -> tuple[float, float | None, float | None,
@@ -318,7 +319,7 @@ def _time_variant(call: Callable, cfg: MoEBenchConfig, group, device) -> tuple[f
     timing = measure(lambda i: call(), cfg=TimingConfig(warmup_s=cfg.warmup_s, iters=cfg.iters, reps=cfg.reps),
                      agree=DistAgreement(group, device), clocks=ClockReader())
     peak, other = watch.read()
-    peak_mb, other_mb = (_agree_max(v / 2**20, group, device) for v in (peak, other))
+    peak_mb, other_mb = _agree_max(peak / 2**20, other / 2**20, group=group, device=device)
     return timing.ms, timing.clock_mhz, peak_mb, other_mb
 
 
@@ -327,58 +328,63 @@ def bench_rank(rank: int, world: int, cfg: MoEBenchConfig) -> list[dict]:
     group = dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tol = TOLERANCE[dtype]
     results = []
     for model in cfg.models:
         for t in cfg.tokens:
             for routing in cfg.routings:
                 for part in cfg.parts:
-                    row = Row(model, t, routing, part)
-                    inp = Inputs(row, rank=rank, world=world, smoke=cfg.smoke, dtype=dtype, device=device)
-                    refs = {}
-                    for variant in part_variants(part, cfg.variants):
-                        key = variant == "floor"
-                        if key not in refs:
-                            refs[key] = reference(part, variant, inp, group, device)
-                        results.append(_one(row, variant, inp, refs[key], tol, cfg, group, dtype, device, world))
-                    for scaling in cfg.scalings if part in moe_fp8.PARTS else ():
-                        if not moe_fp8.variants(scaling, inp, cfg.variants):
-                            continue
-                        q = moe_fp8.FP8Inputs(inp, scaling)
-                        ref = reference(part, "ours", q.deq, group, device)
-                        for variant in moe_fp8.variants(scaling, inp, cfg.variants):
-                            make = functools.partial(moe_fp8.make_call, part, variant, q, group)
-                            results.append(_one(row, variant, inp, ref, tol, cfg, group, dtype, device, world, make,
-                                                fp8.dtype_label(scaling)))
-                        del q, ref
-                    del inp, refs
+                    results += _row(Row(model, t, routing, part), cfg, rank, world, group, dtype, device)
     return results
 
 
-def _one(row: Row, variant: str, inp: Inputs, ref, tol: float, cfg: MoEBenchConfig, group, dtype, device,
-         world: int, make: Callable | None = None, label: str = "bf16") -> dict:
-    """One variant of a row, verified, then timed; ``make()``: its call (default ``make_call``'s),
-    ``label``: the row's ``dtype`` field."""
+def _row(row: Row, cfg: MoEBenchConfig, rank: int, world: int, group, dtype, device) -> list[dict]:
+    """One row's variants, then its FP8 rows in each of ``cfg.scalings``; what they hold goes on return."""
+    inp = Inputs(row, rank=rank, world=world, smoke=cfg.smoke, dtype=dtype, device=device)
+    tol, refs = TOLERANCE[dtype], {}
+
+    def ref(floor: bool) -> list[torch.Tensor]:  # float64 results, made once per kind
+        if floor not in refs:
+            refs[floor] = reference(row.part, "floor" if floor else "ours", inp, group, device)
+        return refs[floor]
+
+    out = []
+    for variant in part_variants(row.part, cfg.variants):
+        check = bounded(route_err if row.part == "route" else rel_err, ref(variant == "floor"), tol)
+        make = functools.partial(make_call, row.part, variant, inp, group, dtype, device)
+        out.append(_one(row, variant, make, check, cfg, group, device, world))
+    layer = functools.partial(make_call, row.part, "ours", inp, group, dtype, device)  # takes fp8=
+    for scaling in cfg.scalings if row.part in moe_fp8.PARTS else ():
+        out += [_one(row, variant, make, check, cfg, group, device, world, fp8.dtype_label(scaling))
+                for variant, make, check in moe_fp8.rows(row.part, scaling, inp, cfg.variants, group, tol=tol,
+                                                          layer=layer, layer_ref=functools.partial(ref, False))]
+    return out
+
+
+def _one(row: Row, variant: str, make: Callable, check: Callable, cfg: MoEBenchConfig, group, device, world: int,
+         label: str = "bf16") -> dict:
+    """One variant of a row, verified, then timed: ``make()`` gives its call, ``check(results)`` their
+    error and why they fail ("" where they pass; ``moe_reference.bounded``), ``label`` the row's ``dtype``."""
     h, f, e, k = row.dims(cfg.smoke)
     entry = {"op": "moe", "layer": f"{row.model} {row.part} {row.routing}", "world_size": world, "m": row.tokens,
              "k": h, "n": f, "variant": variant, "status": "ok", "note": f"E={e} top-{k}", "dtype": label}
+    why = ""
     try:
-        call = make() if make is not None else make_call(row.part, variant, inp, group, dtype, device)
+        call = make()
         start = time.perf_counter()
-        err = (route_err if row.part == "route" else rel_err)(call(), ref)
+        err, why = check(call())
         host_ms = (time.perf_counter() - start) * 1e3
     except Exception as exc:  # the other ranks see it in the agreed error below
         err, entry["note"] = math.inf, f"{type(exc).__name__}: {exc}"[:300]
-    err = _agree_max(err if math.isfinite(err) else 1e300, group, device)
+    err, failed = _agree_max(err if math.isfinite(err) else 1e300, float(bool(why)), group=group, device=device)
     entry["rel_err"] = err
-    if err > tol:
+    if failed or err >= 1e300:
         entry["status"] = "FAILED"
-        entry["note"] += f"; rel_err {err:.3g} > {tol:g}" if err < 1e300 else "; did not run on some rank"
+        entry["note"] += "; " + (why or ("did not run on some rank" if err >= 1e300 else "failed on another rank"))
         return entry
     if variant == "ours" and row.part in ("layer0", "layer1"):
         entry["path"] = last_path("moe_all_gather_gemm" if row.part == "layer0" else "moe_gemm_reduce_scatter")
     if device.type != "cuda":  # emulated ranks: the checked call's own time, which means nothing
-        entry["ms"] = _agree_max(host_ms, group, device)
+        entry["ms"] = _agree_max(host_ms, group=group, device=device)[0]
         return entry
     ms, mhz, peak, other = _time_variant(call, cfg, group, device)
     entry.update(ms=ms, clock_mhz=mhz, mem_peak_mb=peak, mem_other_mb=other)
@@ -407,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", type=_csv(str, PARTS), default=PARTS)
     p.add_argument("--variants", type=_csv(str, VARIANTS), default=VARIANTS)
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="fp8: layer0 and layer1 also in FP8 for every --scaling, beside the bf16 rows")
+                   help="fp8: also FP8 rows for every --scaling, beside the bf16 rows")
     p.add_argument("--scaling", type=fp8.parse_scalings, default=fp8.SCALINGS,
                    help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS + fp8.FAST))
     p.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU; 2 with --smoke)")

@@ -1,5 +1,6 @@
 """float64 results of the MoE benchmark's parts (``tileweave.bench.moe``), computed from the
-definitions, and the checks of the variants' results against them (``rel_err``, ``route_err``).
+definitions, and the checks of the variants' results against them (``errors``, ``rel_err``, ``route_err``,
+``bounded``).
 
 Independent of the code under test: no tileweave op, no plan. The pairs of each expert are found by a
 mask over the routing ids, and the work runs one expert at a time: only that expert's weights and the
@@ -17,6 +18,7 @@ Shapes (per rank; W ranks, T tokens over the group, k slots, E experts, F_loc = 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -177,23 +179,45 @@ def _layer(part: str, inp, x: torch.Tensor, group, rows: slice, token: torch.Ten
 
 # Checks of the variants' results against the reference.
 
-def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor], block: int = 1 << 26) -> float:
-    """The largest relative Frobenius error ``|got - ref| / |ref|`` over the results (inf for a wrong
-    shape or a non-finite value), ``block`` elements at a time: no float64 copy of a whole result."""
-    worst = 0.0
+def errors(got: list[torch.Tensor], ref: list[torch.Tensor], block: int = 1 << 26) -> list[tuple[float, float]]:
+    """Per result, ``(relative Frobenius error |got - ref| / |ref|, gain <got, ref> / <ref, ref>)``: the
+    gain is the factor of ``ref`` that best fits ``got`` (1 for a result off ref by noise alone, 1.1 for
+    one scaled by 1.1). ``(inf, inf)`` for a wrong shape or a non-finite value. ``block`` elements at a
+    time: no float64 copy of a whole result."""
+    out = []
     for g, r in zip(got, ref, strict=True):
         if g.shape != r.shape:
-            return math.inf
+            out.append((math.inf, math.inf))
+            continue
         g, r = g.detach().reshape(-1), r.reshape(-1)
-        diff = norm = 0.0
+        diff = dot = norm = 0.0
         for i in range(0, g.numel(), block):
             gi, ri = g[i:i + block].double(), r[i:i + block]
             if not torch.isfinite(gi).all():
-                return math.inf
+                diff = dot = math.inf
+                break
             diff += (gi - ri).square().sum().item()
+            dot += (gi * ri).sum().item()
             norm += ri.square().sum().item()
-        worst = max(worst, math.sqrt(diff) / max(math.sqrt(norm), 1e-30))
-    return worst
+        norm = max(norm, 1e-60)
+        out.append((math.sqrt(diff / norm), dot / norm))
+    return out
+
+
+def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor], block: int = 1 << 26) -> float:
+    """The largest relative Frobenius error ``|got - ref| / |ref|`` over the results (inf for a wrong
+    shape or a non-finite value; ``errors``)."""
+    return max((err for err, _ in errors(got, ref, block)), default=0.0)
+
+
+def bounded(err: Callable, ref: list[torch.Tensor], tol: float) -> Callable[[list[torch.Tensor]], tuple[float, str]]:
+    """A check ``got -> (error, why)`` of a variant's results: ``err(got, ref)`` (``rel_err``,
+    ``route_err``) and, where it exceeds ``tol``, why the results fail ("" where they pass)."""
+
+    def check(got: list[torch.Tensor]) -> tuple[float, str]:
+        e = err(got, ref)
+        return e, "" if e <= tol else f"rel_err {e:.3g} > {tol:g}"
+    return check
 
 
 def route_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

@@ -1,6 +1,6 @@
-"""The ``moe`` section's report: a markdown table (ours against each baseline and the compute floor),
-a chart of the speedups and of the share of the floor reached, and the JSON of the measurements
-(``tileweave.bench.report``'s schema).
+"""The ``moe`` section's report: a markdown table (ours against each baseline and the compute floor), one
+of the FP8 rows (ours against torch and against the bf16 row's ours), a chart of the speedups and of the
+share of the floor reached, and the JSON of the measurements (``tileweave.bench.report``'s schema).
 
 Smoke reports (``meta["timing"]["smoke"]``: emulated ranks on the CPU, Triton's interpreter) say in
 their header that their times mean nothing, show no ratios and draw no chart."""
@@ -45,8 +45,9 @@ def _ratio(num: Measurement | None, den: Measurement | None) -> float | None:
 
 def markdown(measurements: list[Measurement], meta: dict) -> str:
     """The report's table: per row the time of each variant, ours' speedups over the baselines, the share
-    of the compute floor ours reaches (floor/ours), ours' error and peak memory. "-": not run (a part
-    without that variant) or, in a smoke report, not meaningful."""
+    of the compute floor ours reaches (floor/ours), ours' error and peak memory; then the FP8 rows' table:
+    ours, torch, ours' speedup over torch and over the bf16 row's ours (x bf16), ours' error and memory.
+    "-": not run (a part without that variant) or, in a smoke report, not meaningful."""
     smoke = is_smoke(meta)
 
     def cell(r: Measurement | None) -> str:
@@ -76,15 +77,22 @@ def markdown(measurements: list[Measurement], meta: dict) -> str:
                      f"{cell(v.get('floor'))} | {ratio(v.get('grouped'), ours)} | {ratio(v.get('loop'), ours)} | "
                      f"{ratio(v.get('floor'), ours)} | {err} | {mem} |")
     if fp8_rows:
-        lines += ["", "FP8 (e4m3 inputs, each row's scaling after its name; torch: torch._scaled_grouped_mm + NCCL, "
-                  "rowwise scales, tensorwise ones broadcast to them; no blockwise grouped GEMM in torch).", "",
-                  "| row | T | ours | torch | x torch | err ours | mem ours |", "|---|---|---|---|---|---|---|"]
+        bf16_ours = {(r.layer, r.m): r for r in measurements if r.dtype == "bf16" and r.variant == "ours"}
+        lines += ["", "FP8 (each row's scaling after its name; layer0 and layer1: e4m3 inputs, torch: "
+                  "torch._scaled_grouped_mm + NCCL, rowwise scales, tensorwise ones broadcast to them, no blockwise "
+                  "grouped GEMM in torch; layer and layer-bwd: TPMoE(fp8=recipe), no FP8 MoE layer in torch). "
+                  "x bf16: the bf16 row's ours time over the FP8 row's ours time (the speedup FP8 gives). err: "
+                  "layer0 and layer1 against float64 of the dequantized operands, layer and layer-bwd against the "
+                  "unquantized layer.", "",
+                  "| row | T | ours | torch | x torch | x bf16 | err ours | mem ours |",
+                  "|---|---|---|---|---|---|---|---|"]
         for (layer, m), v in _rows(fp8_rows).items():
             ours = v.get("ours")
+            bf16 = bf16_ours.get((next(iter(v.values())).layer, m))
             err = f"{ours.rel_err:.1e}" if ours is not None and ours.rel_err is not None else "-"
             mem = f"{ours.mem_peak_mb:.0f}" if ours is not None and ours.mem_peak_mb is not None else "-"
             lines.append(f"| {layer} | {m} | {cell(ours)} | {cell(v.get('torch'))} | {ratio(v.get('torch'), ours)} | "
-                         f"{err} | {mem} |")
+                         f"{ratio(bf16, ours)} | {err} | {mem} |")
     failed = [r for r in measurements if r.status != "ok"]
     if failed:
         lines += ["", "Failed:"] + [f"- {r.layer} T={r.m} {r.variant}: {r.note}" for r in failed]
