@@ -1,7 +1,7 @@
 """The two-half Hopper FP8 kernel with its warp groups issuing their MMAs in turn (``_half_compute``'s
 ``ORDER``) against the kernel as it is, exact and blockwise, on ``fp8_exact``'s shapes, torch's scaled
 matmuls beside them; every output checked against float64 first. Run by hand from this folder:
-``PYTHONPATH=../../src python3 fp8_halves_order.py OUT``."""
+``PYTHONPATH=../../src python3 fp8_halves_order.py OUT [blockwise] [quick]`` (``quick``: five shapes)."""
 import json
 import sys
 
@@ -51,11 +51,14 @@ LOADER = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "maxnre
           "STAGES": 5}
 
 
-def main(out):
+QUICK = ((8192, 57344, 8192), (8192, 8192, 8192), (16384, 1536, 8192), (4096, 3072, 4096), (8192, 4096, 512))
+
+
+def main(out, shapes=SHAPES, scalings=("blockwise", "tensorwise")):
     plain_halves = k.fp8_gemm_sm90_halves_kernel
     rows = []
-    for m, n, kk in SHAPES:
-        for scaling in ("blockwise", "tensorwise"):
+    for m, n, kk in shapes:
+        for scaling in scalings:
             a8, sa, w8, sb, ref = _inputs(m, n, kk, scaling)
             row = {"m": m, "n": n, "k": kk, "scaling": scaling}
             other = ("plain", PLAIN) if scaling == "blockwise" else ("loader", LOADER)
@@ -88,4 +91,5 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], QUICK if "quick" in sys.argv[2:] else SHAPES,
+         ("blockwise", ) if "blockwise" in sys.argv[2:] else ("blockwise", "tensorwise"))

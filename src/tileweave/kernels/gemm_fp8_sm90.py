@@ -31,13 +31,15 @@ Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on s
 wait only for a buffer's arrival and release it once its MMA is done, with no refill in their loop.
 ``fp8_gemm_sm90_halves_kernel`` has the loader warp and two MMA warp groups in partitions of their own,
 each owning half of every tile's rows and adding each product once it is done (one product tile per warp
-group); the warp groups are not synchronised with each other, so one adds while the other's MMA runs.
+group), so one adds while the other's MMA runs.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+
+IN_TURN = gl.constexpr(False)  # the two-half kernel's warp groups issue their MMAs in turn (ORDER)
 
 
 @gluon.jit
@@ -424,9 +426,8 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
                   stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, turns=None, ORDER: gl.constexpr = False):
-    # One warp group: rows HALF * BM/2 ... of each tile. Each K step's product is waited for and added
-    # at once; the other warp group's MMA runs meanwhile. ORDER: the two issue their MMAs in turn (``turns``:
-    # a barrier per warp group, arrived on once its step's MMA is issued), half 0 first.
+    # One warp group: rows HALF * BM/2 ... of each tile, each K step's product waited for and added at
+    # once while the other's MMA runs; ORDER: MMAs issued in turn, half 0 first (``turns``: per half).
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
@@ -447,10 +448,8 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
             s = steps % STAGES
             mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
             if ORDER:  # after the other half's MMA of this step (half 1) or of the step before (half 0)
-                if HALF == 1:
-                    mbarrier.wait(turns.index(0), steps & 1)
-                elif steps > 0:
-                    mbarrier.wait(turns.index(1), (steps - 1) & 1)
+                if steps + HALF > 0:
+                    mbarrier.wait(turns.index(1 - HALF), (steps - 1 + HALF) & 1)
             p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
             if ORDER:
@@ -487,13 +486,15 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
                                         gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
     ready, empty = _ring_barriers(STAGES, 2)
+    turns, spare = _ring_barriers(2, 1)
     gl.warp_specialize([
         (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS)),
+                         HAS_BIAS, turns, IN_TURN)),
         (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS)),
+                         HAS_BIAS, turns, IN_TURN)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
+    _drop_barriers(turns, spare, 2)
