@@ -187,6 +187,13 @@ def test_all_gather_alone_on_the_copy_engines(world, transport):
         assert result["fused_err"] < TOL["float16"], result
 
 
+def test_all_gather_alone_holds_its_sources_until_release():
+    # The copies of a gather in flight read the shard and scales after the caller let go of them: the
+    # call keeps them alive until release(), and not after.
+    for result in run_ranks(2, scenarios.gather_holds_sources_check):
+        assert result == {"float8": (True, True), "float16": (True, True)}
+
+
 @pytest.mark.parametrize("world, policy", [(2, "fused"), (2, "fallback"), (1, "fused")])
 def test_all_gather_alone_carries_float8_rows_with_their_scales(world, policy):
     # The TP layers regather float8 rows with their scales for a weight gradient; every path keeps both

@@ -31,15 +31,13 @@ Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on s
 wait only for a buffer's arrival and release it once its MMA is done, with no refill in their loop.
 ``fp8_gemm_sm90_halves_kernel`` has the loader warp and two MMA warp groups in partitions of their own,
 each owning half of every tile's rows and adding each product once it is done (one product tile per warp
-group), so one adds while the other's MMA runs.
+group); the warp groups are not synchronised with each other, so one adds while the other's MMA runs.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
-
-IN_TURN = gl.constexpr(False)  # the two-half kernel's warp groups issue their MMAs in turn (ORDER)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
 
 @gluon.jit
@@ -425,9 +423,9 @@ def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N,
 def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                   stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, turns=None, ORDER: gl.constexpr = False):
-    # One warp group: rows HALF * BM/2 ... of each tile, each K step's product waited for and added at
-    # once while the other's MMA runs; ORDER: MMAs issued in turn, half 0 first (``turns``: per half).
+                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    # One warp group: rows HALF * BM/2 ... of each tile. Each K step's product is waited for and added
+    # at once; the other warp group's MMA runs meanwhile, as the two are not synchronised with each other.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
@@ -442,31 +440,19 @@ def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, 
         off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
                                                   rows_layout, cols_layout)
         acc = zero
-        sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, 0,
-                              stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
         for ki in range(k_steps):
             s = steps % STAGES
             mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
-            if ORDER:  # after the other half's MMA of this step (half 1) or of the step before (half 0)
-                if steps + HALF > 0:
-                    mbarrier.wait(turns.index(1 - HALF), (steps - 1 + HALF) & 1)
             p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
-            if ORDER:
-                mbarrier.arrive(turns.index(HALF), count=1)
-            # The next step's scales are loaded a step ahead (the last step loads its own again): their
-            # latency hides behind a whole step, not only behind this MMA.
-            sa_next, sb_next = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N,
-                                            gl.minimum(ki + 1, k_steps - 1), stride_sam, stride_sak, stride_sbk,
-                                            stride_sbn, SCALING, BN)
+            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                  stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
             p = warpgroup_mma_wait(0, deps=(p, ))
             mbarrier.arrive(empty.index(s), count=1)
             if SCALING == "block":
                 acc += p * _outer(sa, sb, BN)
             else:
                 acc += p
-            sa = sa_next
-            sb = sb_next
             steps += 1
         _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
                 stride_sam, stride_sbn, SCALING, HAS_BIAS)
@@ -486,15 +472,13 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
                                         gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
     ready, empty = _ring_barriers(STAGES, 2)
-    turns, spare = _ring_barriers(2, 1)
     gl.warp_specialize([
         (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS, turns, IN_TURN)),
+                         HAS_BIAS)),
         (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                          stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS, turns, IN_TURN)),
+                         HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
-    _drop_barriers(turns, spare, 2)

@@ -7,7 +7,7 @@ from support.scenarios.common import (  # noqa: F401
     GemmCase, Case, randn, weight_b, rel_err, device_name, shared_ops_graphable,
 )
 from support.scenarios.all_gather import (  # noqa: F401
-    all_gather_call, all_gather_gemm_check, all_gather_stream_k_check, lent_gathered_check, all_gather_auto_transport_check, all_gather_only_check, dropped_sources_check,
+    all_gather_call, all_gather_gemm_check, all_gather_stream_k_check, lent_gathered_check, all_gather_auto_transport_check, all_gather_only_check, dropped_sources_check, gather_holds_sources_check,
 )
 from support.scenarios.reduce_scatter import (  # noqa: F401
     gemm_reduce_scatter_check, rs_padded_out_check,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -175,9 +176,10 @@ def _float8_gather_exact(op, rank: int, world: int, it: int, device) -> bool:
 def dropped_sources_check(rank: int, world: int, fp8: bool, iters: int = 4) -> list[bool]:
     """``AllGatherGemm.all_gather`` of a shard (and, ``fp8``, its scales) that the caller drops as soon as
     the call returns, while the copy into rank 1's buffer waits for rank 1, whose stream releases the
-    previous call late: the caller's stream meanwhile writes new tensors of the same sizes, which the allocator
-    may place in the dropped ones' memory. Per call, whether every gathered row (and scale) is its
-    source's, bitwise."""
+    previous call late (no barrier between the calls: the host of each rank runs on). Meanwhile the
+    caller makes tensors of the sources' sizes until the allocator hands out a dropped source's memory
+    (or gives up), and writes them. Per call, whether every gathered row (and scale) is its source's,
+    bitwise."""
     device = device_name()
     op = tileweave.AllGatherGemm(policy="fused")
     rows, k = 2000, 1024
@@ -189,14 +191,26 @@ def dropped_sources_check(rank: int, world: int, fp8: bool, iters: int = 4) -> l
     def scales(it: int, p: int) -> torch.Tensor:
         return randn((rows, 1), torch.float32, "dropped-s", it, p, device=device).abs() + 0.5
 
+    def land_on(address: int, shape: tuple, dtype: torch.dtype, value) -> list[torch.Tensor]:
+        # Tensors of a dropped source's size, each written, until one sits where the source was.
+        made = []
+        for _ in range(64):
+            made.append(torch.full(shape, value, dtype=dtype, device=device))
+            if made[-1].data_ptr() == address:
+                break
+        return made
+
     exact = []
+    dist.barrier()
     for it in range(iters):
-        dist.barrier()
-        pending = op.all_gather(shard(it, rank), **({"scales": scales(it, rank)} if fp8 else {}))
-        # The sources are gone; tensors of their sizes are made and written on this stream right away.
-        junk = [torch.full((rows, k), 0x7E if fp8 else 7, dtype=torch.uint8 if fp8 else torch.bfloat16,
-                           device=device) for _ in range(4)]
-        junk += [torch.full((rows, 1), -1.0, device=device) for _ in range(4)]
+        src = shard(it, rank)
+        src_scales = scales(it, rank) if fp8 else None
+        addresses = (src.data_ptr(), None if src_scales is None else src_scales.data_ptr())
+        pending = op.all_gather(src, **({"scales": src_scales} if fp8 else {}))
+        del src, src_scales
+        junk = land_on(addresses[0], (rows, k), torch.uint8 if fp8 else torch.bfloat16, 0x7E if fp8 else 7)
+        if fp8:
+            junk += land_on(addresses[1], (rows, 1), torch.float32, -1.0)
         gathered = pending.wait().clone()
         got_scales = pending.gathered_scales.clone() if fp8 else None
         if rank == 1:  # the release's flags wait behind 0.2-0.4 s of this stream; the host runs on
@@ -208,4 +222,27 @@ def dropped_sources_check(rank: int, world: int, fp8: bool, iters: int = 4) -> l
         if fp8:
             ok = ok and torch.equal(got_scales, torch.cat([scales(it, p) for p in range(world)]))
         exact.append(bool(ok))
+    torch.cuda.synchronize()
+    dist.barrier()
     return exact
+
+
+def gather_holds_sources_check(rank: int, world: int) -> dict:
+    """Whether ``AllGatherGemm.all_gather`` keeps the shard and the scales it was given alive after the
+    caller dropped them, until ``release()``, and lets them go then (float8 rows with scales, then
+    float16 rows)."""
+    device = device_name()
+    op = tileweave.AllGatherGemm(policy="fused")
+    out = {}
+    for kind in ("float8", "float16"):
+        rows = randn((7, 256), torch.float32, "hold", kind, rank, device=device)
+        src = (30 * rows).clamp(-448, 448).to(torch.float8_e4m3fn) if kind == "float8" else rows.half()
+        src_scales = torch.ones((7, 2), device=device) if kind == "float8" else None
+        refs = [weakref.ref(t) for t in (src, src_scales) if t is not None]
+        pending = op.all_gather(src, scales=src_scales)
+        del src, src_scales
+        pending.wait()  # every copy issued so far has run: only the call itself can still hold them
+        held = all(r() is not None for r in refs)
+        pending.release()
+        out[kind] = (held, all(r() is None for r in refs))
+    return out
