@@ -1,7 +1,8 @@
 """Calls that launch the float8 casts and the FP8 grouped weight gradient, for the sm_90 compile check
 (``support.launches`` records them): every group kind of ``quantize``, the RMSNorm and SwiGLU with their
-cast fused, ``quantize_segments`` (with the H200's tiles through ``support.launches.h200_variant``), and
-``grouped_wgrad`` on float8 operands with the config it picks on an H200.
+cast fused, the SwiGLU's backward of the FP8 row layer, ``quantize_segments`` (with the H200's tiles
+through ``support.launches.h200_variant``), and ``grouped_wgrad`` on float8 operands with the config it
+picks on an H200.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tileweave.ops.compute.fused_quantize import rms_norm_quantize, swiglu_quant
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.quantize import quantize, quantize_segments
 from tileweave.ops.compute.scaling import wgrad_blocks
+from tileweave.ops.compute.swiglu import swiglu_backward
 from tileweave.tune.grouped import choose_wgrad_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -57,6 +59,11 @@ def cast_calls() -> dict[str, Callable[[], object]]:
         **{f"swiglu_quantize, {granularity}, strided halves": lambda granularity=granularity: swiglu_quantize(
             *_randn(40, 512).chunk(2, dim=1), granularity, power_of_two=granularity == "rowwise",
             return_values=granularity == "tensorwise") for granularity in ("rowwise", "blockwise_1x128", "tensorwise")},
+        # The SwiGLU's backward (RowParallelLinear(gate_up, swiglu=True)): gate | up a column slice of a wider
+        # buffer, F off the tiles and odd, one row (fp16: the H200 variant compiles it in bf16).
+        "swiglu_backward, strided gate | up, odd F": lambda: swiglu_backward(
+            _randn(40, 300)[:, :151], _randn(40, 320)[:, 8:310]),
+        "swiglu_backward, one row, fp32": lambda: swiglu_backward(x(1, 64), x(1, 128)),
         # The weight gradient's operands along each expert's tokens: each group kind (tensorwise and rowwise:
         # an amax pass, then the cast and the scales' writers), a given scale, rows gathered from a float8
         # input with scales per row or per 128 columns (the gathered x and dO), one expert in one group.

@@ -21,7 +21,7 @@ from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES
 from tileweave.ops.compute.quantize import TILES as QUANTIZE_TILES, tiles_of as quantize_tiles
-from tileweave.ops.compute.swiglu import TILES as SWIGLU_TILES
+from tileweave.ops.compute.swiglu import BACKWARD_TILES as SWIGLU_BACKWARD_TILES, TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
 from tileweave.tune.autotune import CANDIDATES
 from tileweave.tune.configs import choose_fp8_config, choose_gemm_config
@@ -43,6 +43,8 @@ def h200_variant(launch: Launch) -> Launch | None:
         kwargs.update(zip(("BT", "BH", "num_warps"), TOPK_REDUCE_TILES))
     elif kernel == "swiglu_grad_kernel":
         kwargs.update(zip(("BR", "BC", "num_warps"), SWIGLU_TILES))
+    elif kernel == "swiglu_backward_kernel":
+        kwargs.update(zip(("BR", "BC", "num_warps"), SWIGLU_BACKWARD_TILES))
     elif kernel in ("quantize_kernel", "amax_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         strides = (launch.args[fn.arg_names.index("stride_xr")], launch.args[fn.arg_names.index("stride_xc")])

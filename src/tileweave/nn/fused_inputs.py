@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tileweave.ops.compute import swiglu as swiglu_ops
+
 
 def check_norm(owner: str, norm, x: torch.Tensor) -> None:
     """Refuse a ``norm`` that is not an ``nn.RMSNorm`` over ``x``'s last dimension."""
@@ -59,8 +61,6 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | 
 
 def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The gradient of ``x = gate | up`` (``[M, 2F]``) for the gradient ``dh [M, F]`` of ``silu(gate) * up``,
-    in ``x``'s dtype."""
-    gate, up = (t.float() for t in x.chunk(2, dim=1))
-    d = dh.float()
-    sig = torch.sigmoid(gate)
-    return torch.cat([d * up * sig * (1 + gate * (1 - sig)), d * gate * sig], dim=1).to(x.dtype)
+    in ``x``'s dtype (``dh`` of that dtype too): one kernel, math in float32
+    (``tileweave.ops.compute.swiglu.swiglu_backward``)."""
+    return swiglu_ops.swiglu_backward(dh, x)

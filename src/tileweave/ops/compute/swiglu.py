@@ -1,4 +1,5 @@
-"""The SwiGLU's backward pass of the MoE experts (``tileweave.kernels.swiglu``)."""
+"""The SwiGLU's backward passes (``tileweave.kernels.swiglu``): the MoE experts' (``swiglu_grad``, gate and
+up interleaved, with the routing weight) and the dense layers' (``swiglu_backward``, ``x = gate | up``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ import contextlib
 import torch
 import triton
 
-from tileweave.kernels.swiglu import swiglu_grad_kernel
+from tileweave.kernels.swiglu import swiglu_backward_kernel, swiglu_grad_kernel
 from tileweave.ops import common
 
 TILES = (8, 256, 4)
 """Rows of a program, columns per step, and its warps, on GPUs."""
 INTERPRETER_TILES = (16, 32, 4)
 """The same in Triton's interpreter (the CPU tests)."""
+BACKWARD_TILES = (8, 512, 4)
+"""``swiglu_backward``'s ``(BR, BC, num_warps)`` on GPUs: a program's tile of rows by columns of each half.
+Chosen by analogy with ``tileweave.ops.compute.fused_quantize``'s SwiGLU tile launch (one more elementwise
+pass over the same ``gate | up``), not tuned."""
+BACKWARD_INTERPRETER_TILES = (32, 256, 4)
+"""The same in Triton's interpreter, whose cost is per program: few, large ones."""
 
 
 def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
@@ -65,3 +72,53 @@ def swiglu_grad(g: torch.Tensor, pre: torch.Tensor, row_scale: torch.Tensor
         dy.copy_(outs[0])
         h_scaled.copy_(outs[1])
     return dy, h_scaled, row_dot
+
+
+def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dx = dgate | dup`` ``[M, 2F]``: the gradient of ``x = gate | up`` ``[M, 2F]`` (gate in columns
+    ``[0, F)``, up in ``[F, 2F)``) for the gradient ``dh [M, F]`` of ``h = silu(gate) * up``::
+
+        sig = sigmoid(gate)
+        dgate = dh * up * sig * (1 + gate * (1 - sig))
+        dup = dh * gate * sig
+
+    ``dh`` and ``x`` of one dtype (fp16, bf16, fp32) on one device, each with unit stride along its last
+    dimension and any row stride (say, ``x`` a column slice of a wider projection's output). One pass: each
+    element of ``dh`` and ``x`` is read once and ``dx`` written once; math in fp32, ``dx`` a new contiguous
+    tensor in ``x``'s dtype. No host synchronisation; runs on the current stream of ``x``'s device. Any
+    ``M`` and ``F``, 0 included. On the CPU this runs in Triton's interpreter (bfloat16 read through
+    float32).
+
+    Errors, raised before anything is launched, name the argument: not a 2-D tensor of a supported
+    dtype, ``x`` of an odd width, ``dh`` not ``[M, F]``, the two of different dtypes or devices, a column
+    stride other than 1; CPU tensors without ``TRITON_INTERPRET=1``.
+    """
+    common.check_matrix("swiglu_backward: x", x)
+    common.check_matrix("swiglu_backward: dh", dh, dtype=x.dtype, device=x.device)
+    rows, width = x.shape
+    if width % 2:
+        raise ValueError(f"swiglu_backward: x must be gate | up, [M, 2F] with an even width, got {list(x.shape)}")
+    f = width // 2
+    if tuple(dh.shape) != (rows, f):
+        raise ValueError(f"swiglu_backward: dh must be [M, F] = [{rows}, {f}] for x [M, 2F] = {list(x.shape)}, "
+                         f"got {list(dh.shape)}")
+    for name, t in (("x", x), ("dh", dh)):
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"swiglu_backward: {name} must have unit stride along its last dimension, got "
+                             f"strides {t.stride()}; pass {name}.contiguous()")
+    dx = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows == 0 or f == 0:
+        return dx
+    interp = common.interpreting()
+    if x.device.type == "cpu" and not interp:
+        raise RuntimeError("swiglu_backward on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    out = dx
+    if interp and x.dtype == torch.bfloat16:  # the interpreter's bfloat16 loads are wrong
+        dh, x, out = dh.float(), x.float(), torch.empty((rows, width))
+    br, bc, warps = BACKWARD_INTERPRETER_TILES if interp else BACKWARD_TILES
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        swiglu_backward_kernel[(triton.cdiv(rows, br), triton.cdiv(f, bc))](
+            dh, x, out, rows, f, dh.stride(0), x.stride(0), out.stride(0), BR=br, BC=bc, num_warps=warps)
+    if out is not dx:
+        dx.copy_(out)
+    return dx
