@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tileweave.ops.compute.rms_norm import rms_norm_grad
+
 
 def check_norm(owner: str, norm, x: torch.Tensor) -> None:
     """Refuse a ``norm`` that is not an ``nn.RMSNorm`` over ``x``'s last dimension."""
@@ -46,15 +48,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor):
     """``(dx, dweight)`` of ``y = x * rstd * weight`` (``rstd [M]`` of the rows of ``x [M, H]``) for the
     gradient ``dy [M, H]``: ``dx`` in ``x``'s dtype, ``dweight`` (the sum over this rank's rows) in the
-    weight's; None without a weight."""
-    rstd = rstd[:, None]
-    xhat = x.float() * rstd
-    g = dy.float()
-    dweight = None if weight is None else (g * xhat).sum(0).to(weight.dtype)
-    if weight is not None:
-        g = g * weight.float()
-    dx = rstd * (g - xhat * (g * xhat).mean(1, keepdim=True))
-    return dx.to(x.dtype), dweight
+    weight's; None without a weight. One fused pass over the rows (``rms_norm_grad``)."""
+    return rms_norm_grad(dy, x, weight, rstd)
 
 
 def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
