@@ -21,6 +21,7 @@ from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES
 from tileweave.ops.compute.quantize import TILES as QUANTIZE_TILES, tiles_of as quantize_tiles
+from tileweave.ops.compute.rms_norm import REDUCE_TILES as NORM_REDUCE_TILES, choose_tiles as norm_tiles, rms_norm_grad
 from tileweave.ops.compute.swiglu import BACKWARD_TILES as SWIGLU_BACKWARD_TILES, TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
 from tileweave.tune.autotune import CANDIDATES
@@ -57,6 +58,13 @@ def h200_variant(launch: Launch) -> Launch | None:
     elif kernel == "swiglu_quantize_kernel":
         tiles = FUSED_QUANTIZE_TILES["swiglu_row" if kwargs["GROUP"] == "row" else "swiglu"]
         kwargs.update(zip(("BR", "BC", "num_warps"), tiles))
+    elif kernel == "rms_norm_grad_kernel":
+        if launch.h200:  # the call passed the H200's tiles
+            return None
+        fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
+        kwargs.update(zip(("BR", "BC", "num_warps"), norm_tiles(*(launch.args[fn.arg_names.index(n)] for n in "MH"))))
+    elif kernel == "rms_norm_dweight_kernel":
+        kwargs.update(zip(("BP", "BC", "num_warps"), NORM_REDUCE_TILES))
     elif kernel in ("oneshot_kernel", "twoshot_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         rows = launch.args[fn.arg_names.index("rows")]
@@ -191,6 +199,25 @@ def _dense_h200_calls() -> dict[str, Callable[[], object]]:
         _fp8(256, 256, dtype=E5M2), _fp8(256, 256), config=config, out_dtype=torch.float16,
         **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 256, 256, 256))))
     return calls
+
+
+def _norm_calls() -> dict[str, Callable[[], object]]:
+    # The RMSNorm's backward: one row (M = 1), no weight, strided rows of odd widths, mixed dtypes.
+    return {
+        "rms_norm_grad, one row": lambda: rms_norm_grad(_randn(1, 48), _randn(1, 48), _randn(48), torch.ones(1)),
+        "rms_norm_grad, fp32, no weight, strided rows": lambda: rms_norm_grad(
+            _randn(21, 136, dtype=torch.float32)[:, :100], _randn(21, 120, dtype=torch.float32)[:, 7:107], None,
+            torch.ones(21)),
+        "rms_norm_grad, fp16 x, fp32 dy and weight": lambda: rms_norm_grad(
+            _randn(40, 80, dtype=torch.float32), _randn(40, 80), _randn(80, dtype=torch.float32), torch.ones(40)),
+    }
+
+
+def _norm_h200_calls() -> dict[str, Callable[[], object]]:
+    # The tiles picked on an H200 for 8192 rows, 1000 rows and 100 rows (choose_tiles' branches), on a few rows.
+    return {f"rms_norm_grad, H200 tiles {tiles}": lambda tiles=tiles: rms_norm_grad(
+        _randn(32, 256), _randn(32, 256), _randn(256), torch.ones(32), tiles=tiles)
+        for tiles in dict.fromkeys(norm_tiles(rows, 16384) for rows in (8192, 1000, 100))}
 
 
 def _moe_local_calls() -> dict[str, Callable[[], object]]:
@@ -371,6 +398,7 @@ def op_launches(rank: int, world: int) -> list[Launch]:
     if rank == 0:
         launches += record(_dense_calls()) + record(_dense_h200_calls(), h200=True) + hopper_fp8_launches()
         launches += record(fp8_launches.cast_calls())
+        launches += record(_norm_calls()) + record(_norm_h200_calls(), h200=True)
     if rank == world - 1:
         launches += record(_moe_local_calls()) + record(_moe_local_h200_calls(), h200=True)
         launches += record(fp8_launches.wgrad_h200_calls(), h200=True)

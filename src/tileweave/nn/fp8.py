@@ -68,8 +68,8 @@ blockwise in one launch, tensorwise in two (the norm or SwiGLU with an atomic am
 cast). The MoE layer's down projection (``TPMoE(fp8=...)``) gets its operand from layer 0's grouped
 GEMM, whose SwiGLU epilogue casts it (``swiglu_epilogue``; tensorwise writes its float32 values and an
 atomic amax, then a launch casts them). The normalized or gated activation is never written in the
-model's dtype: its values are cast from float32; the norm's backward runs in torch, from the norm's input
-and each row's ``rstd``, and the SwiGLU's in one kernel from ``gate | up``
+model's dtype: its values are cast from float32; the norm's backward runs in one kernel, from the norm's input
+and each row's ``rstd`` (``tileweave.ops.compute.rms_norm``), and the SwiGLU's in one kernel from ``gate | up``
 (``tileweave.ops.compute.swiglu``; the MoE layer's from its pre-activations). Every other cast is a pass
 of its own (``tileweave.ops.compute.quantize``): the forward's input of a linear called without a
 producer, the weights (twice per step), the output gradients and the weight gradient's requantized

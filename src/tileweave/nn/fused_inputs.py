@@ -4,9 +4,9 @@ a SwiGLU before a row-parallel one (``ColumnParallelLinear(x, norm=...)``,
 
 Without FP8 the producer runs first, in torch, and the linear takes its output as before. With an FP8
 recipe the producer's output is cast to float8 by the kernel that computes it
-(``tileweave.ops.compute.fused_quantize``), never written in high precision; the backward here, in
-float32 torch, takes the gradient of the producer's output from the linear's input-gradient GEMM and
-returns those of the producer's inputs.
+(``tileweave.ops.compute.fused_quantize``), never written in high precision; the backward here takes
+the gradient of the producer's output from the linear's input-gradient GEMM and returns those of the
+producer's inputs, each in one kernel (``tileweave.ops.compute.rms_norm``, ``tileweave.ops.compute.swiglu``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tileweave.ops.compute import swiglu as swiglu_ops
+from tileweave.ops.compute.rms_norm import rms_norm_grad
 
 
 def check_norm(owner: str, norm, x: torch.Tensor) -> None:
@@ -48,15 +49,8 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor):
     """``(dx, dweight)`` of ``y = x * rstd * weight`` (``rstd [M]`` of the rows of ``x [M, H]``) for the
     gradient ``dy [M, H]``: ``dx`` in ``x``'s dtype, ``dweight`` (the sum over this rank's rows) in the
-    weight's; None without a weight."""
-    rstd = rstd[:, None]
-    xhat = x.float() * rstd
-    g = dy.float()
-    dweight = None if weight is None else (g * xhat).sum(0).to(weight.dtype)
-    if weight is not None:
-        g = g * weight.float()
-    dx = rstd * (g - xhat * (g * xhat).mean(1, keepdim=True))
-    return dx.to(x.dtype), dweight
+    weight's; None without a weight. One fused pass over the rows (``rms_norm_grad``)."""
+    return rms_norm_grad(dy, x, weight, rstd)
 
 
 def swiglu_backward(dh: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -2,5 +2,5 @@
 one-shot kernels read the symmetric buffers they are given). The dense GEMM (``matmul``, ``linear``) and
 its launcher (``gemm_launch``), the one-shot launchers (``oneshot_launch``), the grouped GEMM
 (``grouped_gemm``), the MoE layer's other compute (``topk_reduce``, ``swiglu``, ``grouped_wgrad``) and the
-SwiGLU's backward of the dense FP8 layers (``swiglu``).
-Of the ops they import only ``tileweave.ops.common``; the op skeleton and the ops build on them."""
+SwiGLU's and RMSNorm's backwards of the dense FP8 layers (``swiglu``, ``rms_norm``). Of the ops they
+import only ``tileweave.ops.common``; the op skeleton and the ops build on them."""
