@@ -7,9 +7,9 @@ sigmoid's tails; a repeat call with fresh inputs; empty inputs; the refusals by 
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tileweave.nn.fused_inputs import swiglu_backward as layer_swiglu_backward
+from support.swiglu_reference import check_swiglu_backward
 from tileweave.ops.compute.swiglu import swiglu_backward
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -28,26 +28,7 @@ def _inputs(gen, rows: int, f: int, dtype, *, strided: bool):
 
 
 def _check(dx: torch.Tensor, dh: torch.Tensor, x: torch.Tensor) -> None:
-    """``dx`` is autograd's float64 gradient of ``x`` for ``dh`` rounded to ``x``'s dtype, within the
-    error of float32 math: a rounding of the output, plus a few float32 roundings of each term (the
-    sigmoid's error grows with ``|gate|``), plus float32's underflow."""
-    assert dx.dtype == x.dtype and tuple(dx.shape) == tuple(x.shape) and dx.is_contiguous()
-    assert dx.untyped_storage().data_ptr() not in (x.untyped_storage().data_ptr(), dh.untyped_storage().data_ptr())
-    f = dh.shape[1]
-    gate = x[:, :f].double().requires_grad_(True)
-    up = x[:, f:].double().requires_grad_(True)
-    (F.silu(gate) * up).backward(dh.double())
-    ref = torch.cat([gate.grad, up.grad], dim=1)
-    g, u, d = gate.detach(), up.detach(), dh.double()
-    sig = torch.sigmoid(g)
-    scale = torch.cat([(d * u).abs() * sig * (1 + g.abs()) ** 2, (d * g).abs() * sig * (1 + g.abs())], dim=1)
-    out, f32 = torch.finfo(x.dtype), torch.finfo(torch.float32)
-    bound = out.eps * ref.abs() + 8 * f32.eps * scale + out.smallest_normal * out.eps + f32.smallest_normal
-    err = (dx.double() - ref).abs()
-    assert torch.isfinite(dx).all(), "non-finite values in dx"
-    worst = int((err - bound).argmax())
-    assert (err <= bound).all(), (f"dx[{worst // dx.shape[1]}, {worst % dx.shape[1]}] = {dx.flatten()[worst]} "
-                                  f"vs float64 {ref.flatten()[worst]}")
+    check_swiglu_backward(dx, dh, x, roundings=8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

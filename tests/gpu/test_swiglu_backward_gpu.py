@@ -5,34 +5,16 @@ no host synchronisation in a call after the first. Skipped without a CUDA GPU.""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gpus import needs_gpu
+from support.swiglu_reference import check_swiglu_backward
 from tileweave.ops.compute.swiglu import swiglu_backward
 
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
 
 def _check(dx: torch.Tensor, dh: torch.Tensor, x: torch.Tensor) -> None:
-    """``dx`` is autograd's float64 gradient rounded to ``x``'s dtype, within a rounding of the output plus
-    a few float32 roundings of each term (the GPU's exp is approximate: its error grows with ``|gate|``),
-    plus float32's underflow (subnormals flushed)."""
-    assert dx.dtype == x.dtype and tuple(dx.shape) == tuple(x.shape) and dx.is_contiguous()
-    f = dh.shape[1]
-    gate = x[:, :f].double().requires_grad_(True)
-    up = x[:, f:].double().requires_grad_(True)
-    (F.silu(gate) * up).backward(dh.double())
-    ref = torch.cat([gate.grad, up.grad], dim=1)
-    g, u, d = gate.detach(), up.detach(), dh.double()
-    sig = torch.sigmoid(g)
-    scale = torch.cat([(d * u).abs() * sig * (1 + g.abs()) ** 2, (d * g).abs() * sig * (1 + g.abs())], dim=1)
-    out, f32 = torch.finfo(x.dtype), torch.finfo(torch.float32)
-    bound = out.eps * ref.abs() + 16 * f32.eps * scale + out.smallest_normal * out.eps + f32.smallest_normal
-    err = (dx.double() - ref).abs()
-    assert torch.isfinite(dx).all(), "non-finite values in dx"
-    worst = int((err - bound).argmax())
-    assert bool((err <= bound).all()), (f"dx[{worst // dx.shape[1]}, {worst % dx.shape[1]}] = "
-                                        f"{dx.flatten()[worst]} vs float64 {ref.flatten()[worst]}")
+    check_swiglu_backward(dx, dh, x, roundings=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
