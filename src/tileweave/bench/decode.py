@@ -136,7 +136,10 @@ def parse_args(argv=None) -> Options:
         except ValueError as exc:
             p.error(str(exc))
     if a.smoke:
-        models, m_values, context, dtype = ("tiny-fp8" if scalings else "tiny",), SMOKE_M, 6, "float32"
+        # two widths unless float8 (whose weight blocks the tiny one cannot fill): a case must not see
+        # another model's tensors
+        models = ("tiny-fp8",) if scalings else ("tiny", "tiny-fp8")
+        m_values, context, dtype = SMOKE_M, 6, "float32"
     else:
         context, dtype = a.context, "bfloat16" if a.dtype == "fp8" else a.dtype
     return Options(out=output_dir(a.out, a.smoke), smoke=a.smoke, models=models, m_values=m_values,
@@ -319,7 +322,7 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group, scal
             ref = ref_layer.forward_replicated(normed.float(), resid.float(), next_norm.float(), ref_cache, 0,
                                                ref_step, DecoderOps(row_parallel_norm=nccl_row), group)
 
-            def run(row, layer=layer, normed=normed, resid=resid, cache=cache, step=step):
+            def run(row, layer=layer, normed=normed, resid=resid, next_norm=next_norm, cache=cache, step=step):
                 return layer.forward_replicated(normed, resid, next_norm, cache, 0, step,
                                                 DecoderOps(row_parallel_norm=row), group)
 
