@@ -1,8 +1,7 @@
 """The exact and blockwise FP8 GEMMs (each K step's product summed in fp32) on the Hopper kernels
 (``tileweave.ops.compute.fp8_sm90.kernel_of``): the loader-warp kernel (exact's default), the plain one
-(blockwise's default), the two-half kernel (two MMA warp groups, each its half of a tile) and the same
-on 128 x 192 tiles (the wide kernel), against torch's scaled matmuls, on the TP block's large GEMMs and
-some of the ``gemm`` suite's smaller ones. Every output checked against float64 first. Run by hand from
+(blockwise's default) and the two-half kernel (two MMA warp groups, each its half of a tile), against
+torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's smaller ones. Every output checked against float64 first. Run by hand from
 this folder: ``PYTHONPATH=../../src python3 fp8_exact.py OUT [small] [blockwise]``."""
 import json
 import sys
@@ -18,12 +17,9 @@ SHAPES = ((8192, 57344, 8192), (8192, 8192, 57344), (57344, 8192, 8192), (8192, 
 BASE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8}
 LOADER = dict(BASE, maxnreg=168, kernel="loader")
 HALVES = dict(BASE, num_warps=4, kernel="halves")
-WIDE = dict(BASE, BN=192, STAGES=4, num_warps=4, kernel="wide")
 VARIANTS = {  # scaling: {name: (fast accumulation, config)}
-    "tensorwise": {"loader_s5": (False, dict(LOADER, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4)),
-                   "wide_s4": (False, WIDE)},
-    "blockwise": {"plain_s5": (False, dict(BASE, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4)),
-                  "wide_s4": (False, WIDE), "wide_s3": (False, dict(WIDE, STAGES=3))},
+    "tensorwise": {"loader_s5": (False, dict(LOADER, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4))},
+    "blockwise": {"plain_s5": (False, dict(BASE, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4))},
 }
 
 

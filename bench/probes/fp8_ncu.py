@@ -24,8 +24,6 @@ VARIANTS = {  # name: (scaling, config)
     "exact_halves": ("tensorwise", dict(BASE, STAGES=4, num_warps=4, kernel="halves")),
     "block_halves": ("blockwise", dict(BASE, STAGES=4, num_warps=4, kernel="halves")),
     "block_plain": ("blockwise", dict(BASE, STAGES=5, num_warps=8, kernel="plain")),
-    "exact_wide": ("tensorwise", dict(BASE, BN=192, STAGES=4, num_warps=4, kernel="wide")),
-    "block_wide": ("blockwise", dict(BASE, BN=192, STAGES=4, num_warps=4, kernel="wide")),
 }
 
 

@@ -369,16 +369,12 @@ def hopper_fp8_launches() -> list[Launch]:
     # both of its modes (the shapes here are small: blockwise takes the two-half kernel).
     halves = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     plain = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
-    wide = {"BM": 128, "BN": 192, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "kernel": "wide"}
     for scaling, fast, out, bias, config in (("tensorwise", False, torch.bfloat16, None, None),
                                              ("rowwise", True, torch.bfloat16, None, None),
                                              ("rowwise", False, torch.float32, torch.zeros(384), None),
                                              ("blockwise", False, torch.float32, torch.zeros(384), None),
                                              ("tensorwise", False, torch.bfloat16, None, halves),
-                                             ("blockwise", False, torch.bfloat16, None, plain),
-                                             ("blockwise", False, torch.bfloat16, None, wide),
-                                             ("rowwise", False, torch.float32, torch.zeros(384),
-                                              dict(wide, STAGES=3))):
+                                             ("blockwise", False, torch.bfloat16, None, plain)):
         m, n, k = 256, 384, 512
         a, b = _fp8(m, k), _fp8(n, k).t()
         scale_a, scale_b = _fp8_scales(scaling, m, n, k)

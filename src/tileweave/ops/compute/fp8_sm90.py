@@ -70,9 +70,6 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
                          "blockwise scaling, not use_fast_accum=True")
-    if (cfg.get("kernel") == "wide") != (cfg["BN"] == 192):
-        raise ValueError(f"the 'wide' FP8 kernel's tiles are 192 columns, and only its: BN={cfg['BN']} "
-                         f"with kernel {cfg.get('kernel', 'plain')!r}")
     m, k = a.shape
     n = b.shape[1]
     weight = b.t()  # [N, K], row-major
@@ -90,14 +87,13 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
 
 def kernel_of(config: dict):
     """The kernel of a config's ``"kernel"``: ``"plain"`` (every mode; its loads issued by the MMA warps),
-    ``"loader"`` (exact and blockwise, a loader warp beside ``num_warps`` MMA warps), ``"halves"``
+    ``"loader"`` (exact and blockwise, a loader warp beside ``num_warps`` MMA warps) or ``"halves"``
     (exact and blockwise, a loader warp and two MMA warp groups, ``num_warps`` 4, each its half of a
-    tile's rows) or ``"wide"`` (the same on 128 x 192 tiles, ``BN`` 192)."""
+    tile's rows)."""
     from tileweave.kernels import gemm_fp8_sm90 as k
-    from tileweave.kernels import gemm_fp8_sm90_wide as wide
 
     kernels = {"plain": k.fp8_gemm_sm90_kernel, "loader": k.fp8_gemm_sm90_ws_kernel,
-               "halves": k.fp8_gemm_sm90_halves_kernel, "wide": wide.fp8_gemm_sm90_wide_kernel}
+               "halves": k.fp8_gemm_sm90_halves_kernel}
     return kernels[config.get("kernel", "plain")]
 
 
