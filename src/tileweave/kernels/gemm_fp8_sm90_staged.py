@@ -5,9 +5,9 @@ after the barrier wait they already make for the step's tiles, instead of loadin
 memory between the MMA and the multiply that needs them.
 
 TMA brings, with each step's ``a`` and ``b`` tiles and counted on the same barrier: the step's ``BM``
-values of ``scale_a`` (M-major: ``scale_a[:, k]`` contiguous), and the four consecutive weight scales of
-the tile's 128-column block from ``k`` rounded down to a multiple of 4 (a box of 16 bytes), of which the
-MMA warps take ``k``'s. So ``scale_a``'s column pitch and ``scale_b``'s row pitch are multiples of 16
+values of ``scale_a`` (M-major: ``scale_a[:, k]`` contiguous), and 32 consecutive weight scales of the
+tile's 128-column block from ``k`` rounded down to a multiple of 32 (a box of 128 bytes: a 16-byte
+destination faults with a misaligned address), of which the MMA warps take ``k``'s. So ``scale_a``'s column pitch and ``scale_b``'s row pitch are multiples of 16
 bytes, ``scale_b`` K-major (``scale_b[k, n]`` at ``n * stride + k``): the launcher routes other scales to
 the two-half kernel.
 """
@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warp
 
 from tileweave.kernels.gemm_fp8_sm90 import _drop_barriers, _finish, _operands, _ring_barriers, _tile_of, _tile_rows
 
-SB_BOX = gl.constexpr(4)
+SB_BOX = gl.constexpr(32)
 
 
 @gluon.jit
