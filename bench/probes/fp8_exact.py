@@ -1,8 +1,9 @@
 """The exact and blockwise FP8 GEMMs (each K step's product summed in fp32) on the Hopper kernels
 (``tileweave.ops.compute.fp8_sm90.kernel_of``): the loader-warp kernel (exact's default), the plain one
 (blockwise's default) and the two-half kernel (two MMA warp groups, each its half of a tile), against
-torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's smaller ones. Every output checked against float64 first. Run by hand from
-this folder: ``PYTHONPATH=../../src python3 fp8_exact.py OUT [small] [blockwise]``."""
+torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's smaller ones.
+Every output checked against float64 first. Run by hand from this folder:
+``PYTHONPATH=../../src python3 fp8_exact.py OUT [small] [blockwise]``."""
 import json
 import sys
 

@@ -64,8 +64,8 @@ MODELS = {  # hidden, heads, kv_heads, ffn
     "llama3-70b": (8192, 64, 8, 28672),
 }
 SMOKE_MODELS = {"tiny": (32, 4, 2, 48), "tiny-fp8": (256, 2, 2, 256)}
-"""``tiny-fp8`` (``--smoke --dtype fp8``): at two ranks each rank's part of each weight is whole 128 x 128
-blocks, as blockwise FP8 needs."""
+"""A smoke run takes both (two widths), or ``tiny-fp8`` alone with ``--dtype fp8``: at two ranks each rank's
+part of each of its weights is whole 128 x 128 blocks, as blockwise FP8 needs."""
 SMOKE_M = (1, 5)
 EPS = 1e-5
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
