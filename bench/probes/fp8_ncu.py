@@ -57,4 +57,5 @@ def main(m: int, n: int, k: int) -> None:
 
 
 if __name__ == "__main__":
-    main(*(int(v) for v in sys.argv[1:4])) if len(sys.argv) >= 4 else main(8192, 8192, 8192)
+    shape = [int(v) for v in sys.argv[1:4]] if len(sys.argv) >= 4 else [8192, 8192, 8192]
+    main(*shape)
