@@ -4,8 +4,10 @@ fp32 reference, JSON and markdown written; its options and report."""
 import json
 
 import pytest
+import torch
 
 from tileweave.bench import decode
+from tileweave.bench.fp8 import m_major
 
 
 def test_decode_bench_smoke(tmp_path, capsys):
@@ -79,3 +81,12 @@ def test_decode_report_marks_failed_checks_and_ratios():
     md = decode.markdown(records, meta)
     row = [line for line in md.splitlines() if line.startswith("| gemm_ar")][0]
     assert "| bf16 | 0.0100 | 0.0250 | FAILED (err 5.00e-01) | 2.50 | - | oneshot |" in row, row
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_blockwise_activation_scales_go_to_torch_m_major(m):
+    # torch's blockwise scaled matmul wants 1 x 128 scales [M, K/128] with strides (1, M), one row too
+    # (a decode step's): the values kept.
+    scale = torch.rand(m, 32)
+    got = m_major(scale)
+    assert got.stride() == (1, m) and torch.equal(got, scale)

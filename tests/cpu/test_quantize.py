@@ -80,6 +80,44 @@ def test_quantize_matches_torch(granularity, dtype, transpose, pad, power_of_two
                                     power_of_two=power_of_two)), (granularity, it)
 
 
+@pytest.mark.parametrize("granularity,transpose,rows,cols", [
+    ("tensorwise", True, 70, 200),          # one scale over the whole stack
+    ("rowwise", False, 33, 300),
+    ("rowwise", True, 70, 96),              # each matrix's columns: an amax pass, then the cast
+    ("blockwise_128x128", True, 200, 256),  # each matrix's partial block of rows on its own
+    ("blockwise_1x128", False, 40, 256),
+])
+def test_a_stack_is_each_matrix_quantized(granularity, transpose, rows, cols):
+    # x [B, R, C] (transpose: [B, C, R], each matrix's transpose quantized, as an MoE layer's experts'
+    # weights for an input gradient): every matrix as the reference casts it alone; tensorwise's one
+    # scale is the whole stack's.
+    experts = 3
+    gen = _gen("stack", granularity, transpose)
+    mats = [_data(gen, rows, cols) for _ in range(experts)]
+    x = torch.stack([m.t() for m in mats]).transpose(1, 2) if transpose else torch.stack(mats)
+    assert x.shape == (experts, rows, cols) and x.is_contiguous() != transpose
+    got = quantize(x.transpose(1, 2) if transpose else x, granularity, transpose=transpose)
+    assert got.data.shape == (experts, rows, cols) and got.data.is_contiguous()
+    if granularity == "tensorwise":
+        q, scale = reference(torch.cat(mats), granularity, E4M3)
+        assert torch.equal(got.scale, scale)
+        assert torch.equal(got.data.reshape(-1, cols).view(torch.uint8), q.view(torch.uint8))
+        return
+    for e, m in enumerate(mats):
+        assert _same((got.data[e], got.scale[e]), reference(m, granularity, E4M3)), (granularity, e)
+
+
+def test_given_row_amaxes():
+    # rowwise with each row's amax found elsewhere (as a GEMM's epilogue raises it): the cast alone, the
+    # same bits as the reference; powers of two too.
+    gen = _gen("row amax")
+    x = _data(gen, 50, 300)
+    amax = x.abs().amax(1)
+    assert _same(quantize(x, "rowwise", amax=amax), reference(x, "rowwise", E4M3))
+    assert _same(quantize(x, "rowwise", amax=amax, power_of_two=True, dtype=E5M2),
+                 reference(x, "rowwise", E5M2, power_of_two=True))
+
+
 def test_casts_round_to_nearest_even_with_subnormals():
     # Every finite float8 value, the midpoints between neighbours (ties) and their float32 neighbours,
     # cast with a given scale of 1: what torch's cast gives, for both formats.
@@ -157,6 +195,12 @@ def test_bad_arguments_are_refused_by_name():
         "x_scale dtype": (lambda: quantize(x8, "rowwise", x_scale=torch.ones(8, 1).double()),
                           "x_scale must be a float32 tensor"),
         "x dtype": (lambda: quantize(x.int(), "rowwise"), "x has dtype torch.int32"),
+        "x dims": (lambda: quantize(x.view(2, 2, 2, 96), "rowwise"), "x must be 2-D, or 3-D"),
+        "amax granularity": (lambda: quantize(x, "blockwise_1x128", amax=torch.ones(8)),
+                             "a given amax applies to tensorwise and rowwise"),
+        "row amax count": (lambda: quantize(x, "rowwise", amax=torch.ones(7)), "amax must have 8 contiguous"),
+        "x_scale on a stack": (lambda: quantize(x8.view(2, 4, 96), "rowwise", x_scale=torch.ones(())),
+                               "x_scale applies to a 2-D x"),
     }
     for name, (call, text) in cases.items():
         with pytest.raises((TypeError, ValueError)) as info:

@@ -125,8 +125,8 @@ def test_refusals_name_the_argument():
     for kwargs, match in cases:
         with pytest.raises((TypeError, ValueError), match=match):
             grouped_gemm(a, b, offsets, **fp8, **kwargs)
-    with pytest.raises(ValueError, match="a given amax applies to tensorwise"):
-        quantize(torch.ones(2, 128), "rowwise", amax=torch.ones(1))
+    with pytest.raises(ValueError, match="a given amax applies to tensorwise and rowwise"):
+        quantize(torch.ones(2, 128), "blockwise_1x128", amax=torch.ones(1))
 
 
 def test_a_blockwise_cast_takes_tiles_of_whole_blocks():

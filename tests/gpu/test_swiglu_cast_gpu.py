@@ -1,9 +1,8 @@
 """The grouped GEMM's SwiGLU epilogue writing h's float8 cast (``SwiGLU(cast=...)``) compiled on a GPU,
 with the configs it picks there, at MoE layer 0's shapes: the pre-activations of exact float8 operands
 equal their float64 products, and the cast equals ``quantize`` (on the GPU) of the plain epilogue's
-float32 h under the same config, bit for bit, call after call (the rowwise cast by the last tile of each
-row block and the tensorwise amax run concurrently over the SMs here); h against float64. Skipped
-without a CUDA GPU."""
+float32 h under the same config, bit for bit, call after call (the rowwise and tensorwise amaxes are
+atomic maxima raised concurrently over the SMs here); h against float64. Skipped without a CUDA GPU."""
 
 import pytest
 import torch

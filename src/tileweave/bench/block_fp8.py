@@ -100,7 +100,7 @@ def torch_matmul(scaling: str, device: torch.device) -> tuple[ScaledMatmul | Non
 
     def mm(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum=False):
         if base == "blockwise":
-            scale_a = scale_a.t().contiguous().t()
+            scale_a = fp8.m_major(scale_a)
         return fn(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
     return mm, ""

@@ -70,7 +70,7 @@ def torch_row(scaling: str):
         a, b, kw = weight.operands(x)
         sa = kw["scale_a"]
         if scaling == "blockwise":
-            sa = sa.t().contiguous().t()  # torch takes the 1 x 128 scales M-major
+            sa = fp8.m_major(sa)  # torch takes the 1 x 128 scales M-major
         y = mm(a, b, sa, kw["scale_b"]).to(x.dtype)
         dist.all_reduce(y, group=group)
         return torch_tail(y, residual, norm_weight, eps)

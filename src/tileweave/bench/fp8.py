@@ -54,6 +54,13 @@ def _amax_scale(amax: torch.Tensor) -> torch.Tensor:
     return (amax.float() / E4M3_MAX).clamp_min(1e-12)
 
 
+def m_major(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of 1 x 128 scales ``[M, K/128]`` with strides ``(1, M)``, as torch's blockwise scaled matmul
+    wants them (``t().contiguous().t()`` keeps a one-row tensor's strides, which torch refuses)."""
+    out = torch.empty_strided(scale.shape, (1, scale.shape[0]), dtype=scale.dtype, device=scale.device)
+    return out.copy_(scale)
+
+
 def quantize_rows(x: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x8, scale, dequantised float32)`` of an activation ``x [M, K]``: ``scale`` is a 0-d tensor
     (tensorwise), ``[M, 1]`` (rowwise) or ``[M, K/128]`` M-major (blockwise)."""
@@ -66,7 +73,7 @@ def quantize_rows(x: torch.Tensor, scaling: str) -> tuple[torch.Tensor, torch.Te
         full = scale
     else:
         blocks = _amax_scale(x.abs().reshape(m, k // BLOCK, BLOCK).amax(dim=2))
-        scale = blocks.t().contiguous().t()
+        scale = m_major(blocks)
         full = blocks.repeat_interleave(BLOCK, dim=1)
     x8 = _to_e4m3(x, full)
     return x8, scale, x8.float() * full

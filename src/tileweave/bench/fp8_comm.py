@@ -111,7 +111,7 @@ def base_variant(f: Fp8RowInputs, *, group: dist.ProcessGroup) -> V.Variant:
             g = all_gather_rows(a8, group=group)
             if base != "tensorwise":  # row scales travel with their rows; blockwise's M-major, as torch wants
                 gs = all_gather_scales(sa, group=group)
-                sa = gs if base == "rowwise" else gs.t().contiguous().t()
+                sa = gs if base == "rowwise" else fp8.m_major(gs)
             return fn(g, f.w[i % n].t(), sa, f.sb[i % n])
 
         return V.Variant(name="base", call=ag, check=_checker(f.ref))

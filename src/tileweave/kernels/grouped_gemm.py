@@ -34,18 +34,16 @@ covers): B holds gate columns ``[0, N)`` and up columns ``[N, 2N)``; a tile of B
 ``CAST`` (under ``SWIGLU``): the epilogue also casts ``h`` to float8 for the next GEMM, from the float32
 values it computed (not rounded to the output's dtype first), with ``quantize``'s scale and rounding
 (``tileweave.kernels.quantize``), so the result equals ``quantize`` of those values bit for bit. The
-cast travels as ``(q_ptr, q_scale_ptr, amax_ptr, count_ptr, stride_qm, stride_qsm, stride_qsc)``:
+cast travels as ``(q_ptr, q_scale_ptr, amax_ptr, stride_qm, stride_qsm, stride_qsc)``:
 
 * ``"1x128"`` (``BN`` a multiple of 128, so each 1 x 128 group of a row lies in one tile): the tile's
   groups are cast and their scales stored; ``h`` is not written (``c_ptr`` is not read or written);
-* ``"row"``: the tile stores its float32 values into ``c_ptr``, raises each row's amax in
-  ``amax_ptr[row]`` (an atomic max), and counts itself in ``count_ptr[first row of the tile]``
-  (acquire-release); the last of a row block's ``cdiv(N, BN)`` tiles to arrive reads the row block's
-  values back and casts them with the rows' scales. No program waits for another;
-* ``"tensor"``: the tile stores its float32 values into ``c_ptr`` and raises ``amax_ptr[0]``; the
-  cast is a second launch (``quantize_kernel``) once every tile is done.
+* ``"row"``: the tile stores its float32 values into ``c_ptr`` and raises each row's amax in
+  ``amax_ptr[row]`` (an atomic max); the cast is a second launch (``quantize_kernel``, over tiles, with
+  those amaxes) once every tile is done;
+* ``"tensor"``: the same with one amax, ``amax_ptr[0]``.
 
-``amax_ptr`` and ``count_ptr`` start at zero.
+``amax_ptr`` starts at zero; ``q_ptr`` and ``q_scale_ptr`` are written by ``"1x128"`` only.
 
 ``SCALING`` (FP8 inputs, as in ``tileweave.kernels.gemm``): ``"outer"`` and ``"outer_fast"`` multiply the
 finished tile by ``scale_a[src] * scale_b[expert, col]`` before its epilogue (tensorwise: zero strides;
@@ -63,7 +61,6 @@ import triton.language as tl
 
 from tileweave.kernels.fused_quantize import _cast_blocks
 from tileweave.kernels.gemm import _grouped_tile
-from tileweave.kernels.quantize import _cast_store, _scale_of
 from tileweave.kernels.sync import release_add, wait_epoch
 
 
@@ -161,44 +158,17 @@ def _tile(a_ptr, a_rows_ptr, b_ptr, b_src, c_ptr, scale_ptr, counters_ptr, pre_p
         scale = tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0)
         acc = acc * scale[:, None]
     if CAST == "1x128":
-        _cast_blocks(cast[0], cast[1], acc, offs_m, pid_n * BN, row_end, N, cast[4], cast[5], cast[6],
+        _cast_blocks(cast[0], cast[1], acc, offs_m, pid_n * BN, row_end, N, cast[3], cast[4], cast[5],
                      BM, BN, FP8_MAX, MANT, MIN_EXP, POW2)
     else:
         c_ptrs = c_ptr + rows64 * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     if CAST == "row":
-        _cast_rows(c_ptr, cast, acc, mask, offs_m, row_lo + pid_m * BM, row_end, N, stride_cm, stride_cn,
-                   BN, FP8_MAX, MANT, MIN_EXP, POW2)
+        tl.atomic_max(cast[2] + offs_m, tl.max(tl.where(mask, tl.abs(acc), 0.0), axis=1), mask=offs_m < row_end)
     elif CAST == "tensor":
         tl.atomic_max(cast[2], tl.max(tl.max(tl.where(mask, tl.abs(acc), 0.0), axis=1), axis=0))
     if SIGNAL:
         release_add(counters_ptr + source, 1, "sys")
-
-
-@triton.jit
-def _cast_rows(c_ptr, cast, h, mask, offs_m, first_row, row_end, N, stride_cm, stride_cn,
-               BN: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr,
-               POW2: tl.constexpr):
-    """``CAST == "row"`` after the tile's values ``h`` are stored (module docstring): the rows' amax, the
-    count of the row block's tiles, and the cast of the whole row block by its last tile."""
-    q_ptr, q_scale_ptr, amax_ptr, count_ptr, stride_qm, stride_qsm = cast[0], cast[1], cast[2], cast[3], cast[4], \
-        cast[5]
-    rows_in = offs_m < row_end
-    tl.atomic_max(amax_ptr + offs_m, tl.max(tl.where(mask, tl.abs(h), 0.0), axis=1), mask=rows_in)
-    tl.debug_barrier()  # every thread's stores and amax before the release below
-    arrived = tl.atomic_add(count_ptr + first_row, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.cdiv(N, BN) - 1:
-        tl.debug_barrier()
-        amax = tl.load(amax_ptr + offs_m, mask=rows_in, other=0.0, cache_modifier=".cg")
-        scale = _scale_of(amax, FP8_MAX, POW2)
-        rows64 = offs_m.to(tl.int64)[:, None]
-        for c in range(0, N, BN):
-            offs_c = c + tl.arange(0, BN)
-            values = tl.load(c_ptr + rows64 * stride_cm + offs_c[None, :] * stride_cn,
-                             mask=rows_in[:, None] & (offs_c < N)[None, :], other=0.0, cache_modifier=".cg")
-            _cast_store(q_ptr, values, scale[:, None], offs_m, offs_c, row_end, N, stride_qm, 1, FP8_MAX, MANT,
-                        MIN_EXP)
-        tl.store(q_scale_ptr + offs_m.to(tl.int64) * stride_qsm, scale, mask=rows_in)
 
 
 @triton.jit
@@ -217,7 +187,7 @@ def _gate(ready_ptr, err_ptr, epoch, max_spin, rank, source, waited, missed):
 @triton.jit(do_not_specialize=["epoch", "max_spin", "rank", "g_lo", "n_groups", "rotate"])
 def grouped_gemm_kernel(
         a_ptr, a_rows_ptr, b_ptr, c_ptr, offsets_ptr, scale_ptr, ready_ptr, err_ptr, counters_ptr,
-        pre_ptr, scale_a_ptr, scale_b_ptr, q_ptr, q_scale_ptr, amax_ptr, count_ptr,
+        pre_ptr, scale_a_ptr, scale_b_ptr, q_ptr, q_scale_ptr, amax_ptr,
         epoch, max_spin, rank, g_lo, n_groups, rotate, E, N, K,
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_pm,
         stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn, stride_qm, stride_qsm, stride_qsc,
@@ -236,7 +206,7 @@ def grouped_gemm_kernel(
     their strides are read only under it). ``CAST`` (under ``SWIGLU``): see the module docstring; the
     float8 format's ``FP8_MAX``, ``MANT``, ``MIN_EXP`` and ``POW2`` are ``quantize_kernel``'s."""
     scales = (scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn)
-    cast = (q_ptr, q_scale_ptr, amax_ptr, count_ptr, stride_qm, stride_qsm, stride_qsc)
+    cast = (q_ptr, q_scale_ptr, amax_ptr, stride_qm, stride_qsm, stride_qsc)
     pid = tl.program_id(0)
     if B_TMA:
         if SWIGLU:

@@ -19,6 +19,11 @@ torch's and torchao's convention (``x ~ q * scale``). ``GROUP`` names the groups
 * ``"1x128"``: 128 consecutive columns of a row (DeepSeek-V3's activation blocks);
 * ``"128x128"``: 128 x 128 blocks (its weight blocks), a program per block.
 
+A stack of matrices ``X [B, R, C]`` (an MoE layer's experts' weights, or their per-expert transposes)
+is one launch: the grid's third dimension walks the matrices, each program offsets its pointers by its
+matrix's strides (``stride_xb``, ``stride_qb``, ``stride_sb``; zero for one matrix), and no group spans
+two matrices except ``"tensor"``'s, whose one amax covers the stack.
+
 The output ``Q [R, C_out]`` may have more columns than ``X`` (``C_out >= C``, padded with zeros to a
 multiple of 128 for a blockwise operand whose contraction dimension, the tokens, is not). A float8
 ``X`` may come with scales of its own (``DEQUANT``): ``x = X[r, c] * in_scale[r // IN_GR, c // IN_GC]``
@@ -94,34 +99,40 @@ def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
 
 
 @triton.jit
-def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xb, stride_xr, stride_xc, stride_ir, stride_ic,
                 BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
                 IN_GC: tl.constexpr, PER_ROW: tl.constexpr = False):
     """``amax_ptr[0] = max(amax_ptr[0], max |X|)`` over this program's ``BR x BC`` tile, or with
-    ``PER_ROW`` ``amax_ptr[r] = max(amax_ptr[r], max |X[r, :]|)`` for each of its rows (``amax_ptr``
-    starts at zero)."""
+    ``PER_ROW`` ``amax_ptr[b * R + r] = max(amax_ptr[b * R + r], max |X[b, r, :]|)`` for each of its rows
+    (``amax_ptr`` starts at zero; ``b``: the matrix, the grid's third dimension)."""
+    pid_b = tl.program_id(2).to(tl.int64)
+    x_ptr += pid_b * stride_xb
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
               DEQUANT, IN_GR, IN_GC)
     if PER_ROW:
-        tl.atomic_max(amax_ptr + offs_r, tl.max(tl.abs(x), axis=1), mask=offs_r < R)
+        tl.atomic_max(amax_ptr + pid_b * R + offs_r, tl.max(tl.abs(x), axis=1), mask=offs_r < R)
     else:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
 
 
 @triton.jit
-def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_out,
-                    stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc, stride_sr, stride_sc,
+def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_out, stride_xb, stride_qb,
+                    stride_sb, stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc, stride_sr, stride_sc,
                     GROUP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr,
                     MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr,
                     IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr):
     """``Q [R, C_out]`` and the scales of ``X [R, C]``'s groups (module docstring). The grid: row
-    blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all).
-    ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is written);
-    ``"row_amax"``'s amax per row."""
+    blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all) by
+    matrices. ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is
+    written); ``"row_amax"``'s amax per row (``[B * R]``)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    x_ptr += pid_b * stride_xb
+    q_ptr += pid_b * stride_qb
+    scale_ptr += pid_b * stride_sb
     offs_r = pid_r * BR + tl.arange(0, BR)
     if GROUP == "row":
         amax = tl.zeros((BR,), dtype=tl.float32)
@@ -148,10 +159,10 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
                 scale = _scale_of(tl.load(tensor_ptr), FP8_MAX, POW2)
             _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
             if not SCALE_GIVEN:
-                if (pid_r == 0) & (pid_c == 0):
+                if (pid_r == 0) & (pid_c == 0) & (pid_b == 0):
                     tl.store(scale_ptr, scale)
         elif GROUP == "row_amax":
-            amax = tl.load(tensor_ptr + offs_r, mask=offs_r < R, other=0.0)
+            amax = tl.load(tensor_ptr + pid_b * R + offs_r, mask=offs_r < R, other=0.0)
             scale = _scale_of(amax, FP8_MAX, POW2)
             _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                         FP8_MAX, MANT, MIN_EXP)

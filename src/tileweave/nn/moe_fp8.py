@@ -43,7 +43,9 @@ blockwise (DeepSeek-V3)    1 x 128 blocks of activations and            one per 
 =========================  ===========================================  ====================================
 
 The weights are quantized from the master weights at each forward and backward (in both orientations: the
-input gradients contract over the other dimension), each expert's 128 x 128 blocks on its own. A weight
+input gradients contract over the other dimension; the backward's casts read each expert's weight
+transposed through its strides, no transposed copy is made, and tensorwise reuses the forward's scale),
+each expert's 128 x 128 blocks on its own, all experts in one launch. A weight
 gradient's operands are the plan rows of each expert, the rows of ``x`` and ``dO`` gathered by token:
 ``x`` and ``dO`` are the float8 rows that the forward and the input gradient moved (half the bytes of
 bf16), dequantized and quantized again along the tokens (DeepSeek-V3's requantization), ``dy`` and
@@ -71,24 +73,22 @@ from tileweave.ops.compute.swiglu import swiglu_grad
 from tileweave.ops.moe import MoEPlan
 
 
-def quantize_experts(recipe: Float8Recipe, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(b [E, K, N], scale_b)`` of a stacked ``nn.Linear`` weight ``w [E, N, K]`` quantized along K,
-    as the grouped GEMM takes them (``b`` is the transpose view of the float8 ``[E, N, K]``; ``scale_b``
-    ``[E]``, ``[E, 1, N]`` or ``[E, K/128, N/128]``)."""
-    e, n, k = w.shape
-    q = recipe.rhs(w.reshape(e * n, k))
-    data = q.data.view(e, n, k).transpose(1, 2)
+def quantize_experts(recipe: Float8Recipe, w: torch.Tensor, *, transpose: bool = False,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(b [E, K, N], scale_b, scale)`` of a stacked ``nn.Linear`` weight ``w [E, N, K]`` quantized along
+    K, as the grouped GEMM takes them (``b`` is the transpose view of the float8 ``[E, N, K]``; ``scale_b``
+    ``[E]``, ``[E, 1, N]`` or ``[E, K/128, N/128]``), and the cast's own scale. ``transpose``: ``w [E, K,
+    N]``, each expert's transpose quantized, read through its strides in the same pass (an input
+    gradient's operand); ``scale``: tensorwise, the scale to cast with (the other orientation's: the
+    amax is the same), no amax pass."""
+    q = recipe.rhs(w, transpose=transpose, scale=scale)
+    e, n, _ = q.data.shape
+    data = q.data.transpose(1, 2)
     if recipe.scaling == "tensorwise":
-        return data, q.scale.reshape(1).expand(e)
+        return data, q.scale.reshape(1).expand(e), q.scale
     if recipe.scaling == "rowwise":
-        return data, q.scale.view(e, 1, n)
-    return data, q.scale.view(e, n // 128, k // 128).transpose(1, 2)
-
-
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    """Each expert's weight transposed, ``[E, K, N]`` of ``[E, N, K]``, contiguous: the operand of an
-    input gradient, quantized along its own rows."""
-    return w.transpose(1, 2).contiguous()
+        return data, q.scale.view(e, 1, n), q.scale
+    return data, q.scale.transpose(1, 2), q.scale
 
 
 def _gather_fp8(x8: torch.Tensor, scales: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,17 +110,19 @@ class FusedExpertsFP8(torch.autograd.Function):
         grads = grad_enabled and any(ctx.needs_input_grad[:4])
         fast = recipe.forward_fast_accum
         qx = recipe.lhs(x_shard)
-        b0, s0 = quantize_experts(recipe, w0)
+        b0, s0, w0_scale = quantize_experts(recipe, w0)
         pre = x_shard.new_empty((plan.rows, w0.shape[1])) if grads else None
         keep = grads and save_gathered and ctx.needs_input_grad[1]
         # Layer 0's epilogue writes q(h) from its float32 values: h is never written in the model's dtype.
         result = ops.layer0(qx.data, b0, plan, group, keep, epilogue=recipe.swiglu_epilogue(pre), scale_a=qx.scale,
                             scale_b=s0, out_dtype=dtype, use_fast_accum=fast)
         qh, gathered, gathered_scales = result if keep else (result, None, None)
-        b1, s1 = quantize_experts(recipe, w1)
+        b1, s1, w1_scale = quantize_experts(recipe, w1)
         out = ops.layer1(qh.data, b1, plan, topk_weights_shard, group, scale_a=qh.scale, scale_b=s1, out_dtype=dtype,
                          use_fast_accum=fast)
         ctx.plan, ctx.group, ctx.ops, ctx.keep, ctx.recipe = plan, group, ops, keep, recipe
+        # tensorwise: the backward casts each weight transposed with the forward's scale
+        ctx.weight_scales = (w0_scale, w1_scale) if recipe.scaling == "tensorwise" else (None, None)
         if grads:
             if keep:
                 ctx.save_for_backward(gathered, gathered_scales, w0, w1, topk_weights_shard, pre)
@@ -135,7 +137,8 @@ class FusedExpertsFP8(torch.autograd.Function):
         dtype, e, fast = pre.dtype, plan.num_experts, recipe.backward_fast_accum
         wrow = row_weights(plan, gather_rows(weights_shard, group))
         qdo = recipe.lhs(dout_shard.contiguous(), grad=True)
-        b1t, s1t = quantize_experts(recipe, _transposed(w1))      # w1 [E, H, F_loc] along H
+        w0_scale, w1_scale = ctx.weight_scales
+        b1t, s1t, _ = quantize_experts(recipe, w1, transpose=True, scale=w1_scale)  # w1 [E, H, F_loc] along H
         g, dout8, dout_scales = ops.layer0(qdo.data, b1t, plan, group, True, scale_a=qdo.scale, scale_b=s1t,
                                            out_dtype=dtype, use_fast_accum=fast)
         dy, h_scaled, row_dot = swiglu_grad(g, pre, wrow)
@@ -152,7 +155,7 @@ class FusedExpertsFP8(torch.autograd.Function):
         dx_shard = None
         if ctx.needs_input_grad[0]:
             qdy = recipe.lhs(dy, grad=True)
-            b0t, s0t = quantize_experts(recipe, _transposed(w0))  # w0 [E, 2*F_loc, H] along 2*F_loc
+            b0t, s0t, _ = quantize_experts(recipe, w0, transpose=True, scale=w0_scale)  # w0 along 2*F_loc
             dx_shard = ops.layer1(qdy.data, b0t, plan, None, group, scale_a=qdy.scale, scale_b=s0t, out_dtype=dtype,
                                   use_fast_accum=fast)
         dw0 = None

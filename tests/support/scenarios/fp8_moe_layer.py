@@ -68,12 +68,12 @@ def tp_moe_fp8_check(rank: int, world: int, recipe: str, case: LayerCase, broken
     if broken is not None:
         expert, factor = broken
 
-        def quantize_broken(r, w):
-            b, scale = quantize_experts(r, w)
-            if w is layer.w0:  # the forward's operand (the input gradient's is a transposed copy)
-                scale = scale.clone()
-                scale[expert] *= factor
-            return b, scale
+        def quantize_broken(r, w, *, transpose=False, scale=None):
+            b, scale_b, own = quantize_experts(r, w, transpose=transpose, scale=scale)
+            if w is layer.w0 and not transpose:  # the forward's operand
+                scale_b = scale_b.clone()
+                scale_b[expert] *= factor
+            return b, scale_b, own
         moe_fp8.quantize_experts = quantize_broken
     expert_wgrad = moe_fp8.expert_wgrad
     if broken_cast is not None:

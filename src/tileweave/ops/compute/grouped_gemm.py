@@ -40,9 +40,8 @@ class SwiGLU:
     ``[P, 1]`` or ``[P, ceil(N/128)]``; where 128 does not divide N, a row's last block holds the
     columns left, as ``quantize(..., pad=True)`` has them). The values cast are the float32 ``h`` the
     epilogue computed, never rounded to the output dtype, and the result equals ``quantize`` of those
-    values bit for bit. Blockwise and rowwise take one launch (rowwise: the last tile of each row block
-    to finish casts the block's values, which the tiles store in float32); tensorwise two (the values
-    and their amax, then the cast). ``h`` itself is not returned."""
+    values bit for bit. Blockwise takes one launch; rowwise and tensorwise two (the values in float32
+    and their amaxes, then the cast). ``h`` itself is not returned."""
 
     pre: torch.Tensor | None = None
     cast: str | None = None
@@ -169,7 +168,7 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
     cast = None
     if plan.cast is not None:
         cast = _cast_outputs(plan, epilogue, a.device)
-        out = cast[4]  # the float32 values (blockwise: never written)
+        out = cast[3]  # the float32 values (blockwise: never written)
     elif out is None:
         out = torch.empty((plan.rows, plan.out_n), dtype=plan.out_dtype, device=a.device)
     if common.debug_mode():
@@ -203,32 +202,28 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_r
 
 
 def _cast_outputs(plan: "_Plan", epilogue: SwiGLU, device: torch.device) -> tuple:
-    """``(data, scale, amax, count, values)`` of a call with ``SwiGLU(cast=...)``: the float8 ``h`` and
-    its scales, the zeroed amax words (one per row, or one) and row-block counts, and the float32
-    values that the rowwise and tensorwise casts read back (blockwise uses none of the last three:
-    ``data`` stands in for them)."""
+    """``(data, scale, amax, values)`` of a call with ``SwiGLU(cast=...)``. Blockwise: the float8 ``h`` and
+    its scales, which the kernel writes (the last two stand in for tensors it does not use). Rowwise and
+    tensorwise: the zeroed amax words (one per row, or one) and the float32 values that the second
+    launch casts (the first two stand in for tensors the kernel does not use)."""
     rows, n = plan.rows, plan.out_n
-    data = torch.empty((rows, n), dtype=epilogue.cast_dtype, device=device)
-    shape = {"tensor": (), "row": (rows, 1), "1x128": (rows, -(-n // scaling.BLOCK))}[plan.cast]
-    scale = torch.empty(shape, dtype=torch.float32, device=device)
     if plan.cast == "1x128":
-        return data, scale, data, data, data
+        data = torch.empty((rows, n), dtype=epilogue.cast_dtype, device=device)
+        scale = torch.empty((rows, -(-n // scaling.BLOCK)), dtype=torch.float32, device=device)
+        return data, scale, data, data
     values = torch.empty((rows, n), dtype=torch.float32, device=device)
-    if plan.cast == "tensor":
-        amax = torch.zeros(1, dtype=torch.float32, device=device)
-        return data, scale, amax, amax, values
-    words = torch.zeros(2 * max(rows, 1), dtype=torch.int32, device=device)  # float32 zeros, then int32 zeros
-    return data, scale, words[:max(rows, 1)].view(torch.float32), words[max(rows, 1):], values
+    amax = torch.zeros(1 if plan.cast == "tensor" else rows, dtype=torch.float32, device=device)
+    return values, amax, amax, values
 
 
 def _cast_result(plan: "_Plan", epilogue: SwiGLU, cast: tuple) -> Quantized:
-    data, scale, amax, _, values = cast
+    data, scale, amax, values = cast
+    if plan.cast != "1x128":  # the second launch: the cast with the amaxes the tiles raised
+        return quantize(values, "tensorwise" if plan.cast == "tensor" else "rowwise", dtype=epilogue.cast_dtype,
+                        power_of_two=epilogue.power_of_two, amax=None if plan.empty else amax)
     if plan.empty:  # no element: the scales of all-zero groups, as quantize gives them
         data.zero_()
         scale.fill_(_host_scale(0.0, epilogue.cast_dtype, epilogue.power_of_two))
-    elif plan.cast == "tensor":  # the second launch: the cast with the amax the tiles raised
-        return quantize(values, "tensorwise", dtype=epilogue.cast_dtype, power_of_two=epilogue.power_of_two,
-                        amax=amax[:1])
     return Quantized(data, scale)
 
 
@@ -427,13 +422,11 @@ def _prepare(a, b, offsets, a_rows, row_scale, experts, out, config, group_range
     pre_stride = 0 if epilogue is None or epilogue.pre is None else epilogue.pre.stride(0)
     fmt = epilogue.cast_dtype if cast is not None else torch.float8_e4m3fn
     blocks = -(-out_n // scaling.BLOCK)
-    cast_strides = {None: (0, 0, 0), "tensor": (out_n, 0, 0), "row": (out_n, 1, 0), "1x128": (out_n, blocks, 1)}[cast]
+    cast_strides = (out_n, blocks, 1) if cast == "1x128" else (0, 0, 0)
     constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m, P=programs,
                       G_BLOCK=g_block, B_NK=b_nk, B_TMA=b_tma, GATHER=a_rows is not None,
                       HAS_SCALE=row_scale is not None, GATE=gate is not None, SIGNAL=signal is not None,
-                      PRECISION=precision,
-                      # The rowwise cast's loop over a row block, in the flattened loop, fails to compile.
-                      FLATTEN=config.flatten and g_block > 0 and gate is None and cast != "row",
+                      PRECISION=precision, FLATTEN=config.flatten and g_block > 0 and gate is None,
                       SWIGLU=swiglu, SAVE_PRE=swiglu and epilogue.pre is not None,
                       SCALING=None if scales is None else scales.kernel_mode, CAST=cast, FP8_MAX=FP8_MAX[fmt],
                       MANT=_GRID[fmt][0], MIN_EXP=_GRID[fmt][1], POW2=cast is not None and epilogue.power_of_two)
@@ -454,7 +447,7 @@ def _run(plan: _Plan, a, b, offsets, a_rows, row_scale, out, ready, err, counter
         b = b.contiguous()
     tensors = (a, offsets if a_rows is None else a_rows, b, out, offsets, out if row_scale is None else row_scale,
                out if ready is None else ready, out if err is None else err, out if counters is None else counters,
-               out if pre is None else pre, *(scales or (out, out)), *(cast[:4] if cast else (out,) * 4))
+               out if pre is None else pre, *(scales or (out, out)), *(cast[:3] if cast else (out,) * 3))
     scalars = (wrap_int32(epoch), max_spin, *plan.scalars)
     if plan.compiled and torch.cuda.current_device() == a.device.index:
         triton_launch.launch_compiled(plan.compiled[0], a.device.index, plan.programs,

@@ -49,15 +49,16 @@ _GROUP = {"tensorwise": "tensor", "rowwise": "row", "blockwise_1x128": "1x128", 
 EPS = 1e-12
 """The floor of an amax (torchao's): an all-zero group gets a finite scale."""
 
-TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax_t": (32, 256, 8),
-         "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16), "128x128_t": (128, 128, 8),
-         "segments": (128, 64, 8)}
+TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax": (8, 1024, 8),
+         "row_amax_t": (32, 256, 8), "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16),
+         "128x128_t": (128, 128, 8), "segments": (128, 64, 8)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
 (its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
 amax, then the cast: the second read finds the row in cache); a row read across a transposed view takes
-``"row_amax"``: an amax pass over tiles (an atomic max per row), then the cast over tiles. Chosen on one H200 over the quantize
-launches of a transformer block's training step; ``"segments"`` (``quantize_segments``, whose BR is its block
-of 128 rows) is not measured yet."""
+``"row_amax"``: an amax pass over tiles (an atomic max per row), then the cast over tiles, as do rows
+whose amax is given (the cast alone, tiled as ``"tensor"``'s). Chosen on one H200 over the quantize
+launches of a transformer block's training step; ``"segments"`` (``quantize_segments``, whose BR is its
+block of 128 rows) and ``"row_amax"`` read along its rows are not measured yet."""
 INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": (128, 256, 4), "1x128": (128, 128, 4),
                      "128x128": (128, 128, 4), "segments": (128, 256, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
@@ -82,6 +83,10 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     """``x [R, C]`` (or ``x.T`` with ``transpose``: read through its strides, written contiguous, no
     transpose pass) cast to ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) with one scale
     per group of ``granularity`` (module docstring). ``x``: float16, bfloat16 or float32, any strides.
+    A stack ``x [B, R, C]`` (``transpose``: each matrix transposed, ``[B, C, R]`` read as ``[B, R, C]``)
+    is cast in the same launches, each matrix as one would be alone (``tensorwise``: one scale over the
+    stack): ``data [B, R, C_out]``, ``scale`` the table's with ``B`` in front (``[B, R, 1]``, ``[B, R,
+    C/128]``, ``[B, ceil(R/128), C/128]``; tensorwise 0-d).
 
     * ``pad`` (blockwise only): zero columns up to a multiple of 128 (for an operand whose contraction
       dimension is not one, such as the tokens of a weight gradient); without it the columns of a
@@ -90,13 +95,15 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
       scaling loses no bits.
     * ``scale`` (tensorwise only): the scale to use, a one-element float32 tensor (say, the one
       computed for the same tensor in another orientation): no amax pass; it is returned as is.
-    * ``amax`` (tensorwise only): ``max |x|`` already found on the device, a one-element float32 tensor
-      (say, raised by the kernel that wrote ``x``): no amax pass, the scale is computed from it.
+    * ``amax`` (tensorwise and rowwise): ``max |x|`` already found on the device (say, raised by the
+      kernel that wrote ``x``), a one-element float32 tensor, or for rowwise one per row (``R`` elements,
+      ``B * R`` for a stack): no amax pass, the scales are computed from it.
     * ``x_scale``: ``x`` is float8 with these scales (``matmul``'s ``scale_a`` forms for ``x`` as
-      given: one element, ``[R, 1]`` or ``[R, C/128]``), and ``x * x_scale`` is quantized again.
+      given: one element, ``[R, 1]`` or ``[R, C/128]``; not for a stack), and ``x * x_scale`` is quantized
+      again.
 
     No host synchronisation: tensorwise, and rowwise of ``x.T``, are two launches (an amax, then the
-cast), the others one.
+    cast; one with ``amax`` or ``scale``), the others one.
     On the CPU this runs in Triton's interpreter; bfloat16 is read through float32 there.
 
     Errors name the argument: a granularity or dtype not listed, ``pad`` or ``scale`` with a
@@ -104,11 +111,12 @@ cast), the others one.
     ``x`` without ``x_scale`` (or ``x_scale`` with another ``x``), scales of a wrong dtype, device or shape.
     """
     group = _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax)
-    rows, cols = (x.shape[1], x.shape[0]) if transpose else tuple(x.shape)
+    stack = x.shape[:-2]  # (B,) for a stack of matrices
+    rows, cols = (x.shape[-1], x.shape[-2]) if transpose else tuple(x.shape[-2:])
     cols_out = -(-cols // BLOCK) * BLOCK if pad else cols
     device = x.device
-    data = torch.empty((rows, cols_out), dtype=dtype, device=device)
-    out_scale = _new_scale(group, rows, cols_out, device) if scale is None else scale
+    data = torch.empty((*stack, rows, cols_out), dtype=dtype, device=device)
+    out_scale = _new_scale(group, stack, rows, cols_out, device) if scale is None else scale
     if rows == 0 or cols == 0:
         data.zero_()
         if scale is None:
@@ -119,26 +127,29 @@ cast), the others one.
         raise RuntimeError("quantize on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     if interp and x.dtype == torch.bfloat16:
         x = x.float()  # the interpreter's bfloat16 loads are wrong
-    strides = x.stride()[::-1] if transpose else x.stride()
+    strides = x.stride()[-2:][::-1] if transpose else x.stride()[-2:]
+    batch, stride_xb = (x.shape[0], x.stride(0)) if stack else (1, 0)
     in_scale, in_strides, in_groups = _input_scales(x, x_scale, transpose)
     fp8_max = FP8_MAX[dtype]
     mant, min_exp = _GRID[dtype]
-    if group == "row" and _across(*strides):
-        group = "row_amax"  # the rows are strided columns: an amax pass over tiles, then the cast
+    if group == "row" and (_across(*strides) or amax is not None):
+        # the rows are strided columns (an amax pass over tiles, then the cast), or their amax is given
+        group = "row_amax"
     br, bc, warps = tiles_of(group, *strides, interpreter=interp)
     switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
         tensor = scale if amax is None else amax
         if group in ("tensor", "row_amax") and tensor is None:
-            tensor = torch.zeros(rows if group == "row_amax" else 1, dtype=torch.float32, device=device)
-            amax_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-                x, in_scale, tensor, rows, cols, *strides, *in_strides, BR=br, BC=bc, num_warps=warps,
+            tensor = torch.zeros(batch * rows if group == "row_amax" else 1, dtype=torch.float32, device=device)
+            amax_kernel[(triton.cdiv(rows, br), triton.cdiv(cols, bc), batch)](
+                x, in_scale, tensor, rows, cols, stride_xb, *strides, *in_strides, BR=br, BC=bc, num_warps=warps,
                 PER_ROW=group == "row_amax", **switches)
-        grid = (triton.cdiv(rows, br), 1 if group == "row" else triton.cdiv(cols_out, bc))
-        scale_strides = (0, 0) if out_scale.dim() == 0 else out_scale.stride()
+        grid = (triton.cdiv(rows, br), 1 if group == "row" else triton.cdiv(cols_out, bc), batch)
+        scale_strides = (0, 0, 0) if out_scale.dim() == 0 else (0,) * (3 - out_scale.dim()) + out_scale.stride()
         quantize_kernel[grid](
             x, in_scale, data, out_scale, out_scale if tensor is None else tensor, rows, cols, cols_out,
-            *strides, *in_strides, *data.stride(), *scale_strides,
+            stride_xb, data.stride(0) if stack else 0, scale_strides[0], *strides, *in_strides,
+            *data.stride()[-2:], *scale_strides[1:],
             GROUP=group, BR=br, BC=bc, FP8_MAX=fp8_max, MANT=mant, MIN_EXP=min_exp, POW2=bool(power_of_two),
             SCALE_GIVEN=scale is not None, num_warps=warps, **switches)
     return Quantized(data, out_scale)
@@ -159,8 +170,8 @@ def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -
 def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None) -> str:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"quantize: x must be 2-D, got shape {tuple(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"quantize: x must be 2-D, or 3-D for a stack of matrices, got shape {tuple(x.shape)}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"quantize: granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     if dtype not in FP8_DTYPES:
@@ -180,14 +191,19 @@ def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None) -> 
         if granularity != "tensorwise":
             raise ValueError(f"quantize: a given scale applies to tensorwise, got granularity {granularity!r}")
         _check_scale("scale", scale, x.device, lambda s: s.numel() == 1, "one element")
+    rows = x.shape[-1] if transpose else x.shape[-2]
     if amax is not None:
-        if granularity != "tensorwise" or scale is not None:
-            raise ValueError(f"quantize: a given amax applies to tensorwise without a given scale, got granularity "
-                             f"{granularity!r}{' and a scale' if scale is not None else ''}")
-        _check_scale("amax", amax, x.device, lambda s: s.numel() == 1, "one element")
+        if granularity not in ("tensorwise", "rowwise") or scale is not None:
+            raise ValueError(f"quantize: a given amax applies to tensorwise and rowwise without a given scale, got "
+                             f"granularity {granularity!r}{' and a scale' if scale is not None else ''}")
+        count = 1 if granularity == "tensorwise" else rows * (x.shape[0] if x.dim() == 3 else 1)
+        _check_scale("amax", amax, x.device, lambda s: s.numel() == count and s.is_contiguous(),
+                     f"{count} contiguous element{'s' if count > 1 else ''}")
     if x_scale is not None:
+        if x.dim() != 2:
+            raise ValueError(f"quantize: x_scale applies to a 2-D x, got shape {tuple(x.shape)}")
         _check_scale("x_scale", x_scale, x.device, lambda s: True, "")
-    cols = x.shape[0] if transpose else x.shape[1]
+    cols = x.shape[-2] if transpose else x.shape[-1]
     if blockwise and not pad and cols % BLOCK:
         what = "rows of x (the columns of x.T)" if transpose else "columns of x"
         raise ValueError(f"quantize: {granularity} needs the {what} to be a multiple of {BLOCK}, got {cols}; "
@@ -202,9 +218,9 @@ def _check_scale(name, s, device, ok, expected: str) -> None:
         raise ValueError(f"quantize: {name} must have {expected}, got shape {list(s.shape)}")
 
 
-def _new_scale(group: str, rows: int, cols: int, device) -> torch.Tensor:
-    shape = {"tensor": (), "row": (rows, 1), "1x128": (rows, cols // BLOCK),
-             "128x128": (-(-rows // BLOCK), cols // BLOCK)}[group]
+def _new_scale(group: str, stack: tuple, rows: int, cols: int, device) -> torch.Tensor:
+    shape = {"tensor": (), "row": (*stack, rows, 1), "1x128": (*stack, rows, cols // BLOCK),
+             "128x128": (*stack, -(-rows // BLOCK), cols // BLOCK)}[group]
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 

@@ -1,0 +1,55 @@
+"""``quantize`` compiled on a GPU, with the tiles it picks there, against torch's own reductions and
+float8 casts on the same GPU, bit for bit: stacks of experts' weights at MoE shapes, each expert as it
+is and transposed through its strides (an input gradient's operand), and rows whose amax is given.
+Skipped without a CUDA GPU."""
+
+import pytest
+import torch
+
+from gpus import needs_gpu
+from tileweave.ops.compute.quantize import quantize
+
+pytestmark = [pytest.mark.gpu, needs_gpu]
+E4M3 = torch.float8_e4m3fn
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    # A tensor divisor: torch divides by a Python number as a product with its reciprocal, which is
+    # not the correctly rounded quotient.
+    return amax.clamp(min=1e-12) / torch.full_like(amax, 448.0)
+
+
+def _reference(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of float32 ``x [B, R, C]`` by torch on the GPU (R a multiple of 128 for blocks)."""
+    b, r, c = x.shape
+    if granularity == "tensorwise":
+        each = scale = _scale(x.abs().amax())
+    elif granularity == "rowwise":
+        each = scale = _scale(x.abs().amax(2, keepdim=True))
+    else:
+        scale = _scale(x.view(b, r // 128, 128, c // 128, 128).abs().amax((2, 4)))
+        each = scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return (x / each).clamp(-448.0, 448.0).to(E4M3), scale
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise_128x128"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["as-is", "transposed"])
+@pytest.mark.parametrize("experts,n,k", [(128, 1536, 2048), (8, 4096, 1792)])  # qwen3 w0, a mixtral w1 slice
+def test_quantize_a_stack_of_experts_gpu(granularity, transpose, experts, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(experts + n)
+    w = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w *= torch.exp2(torch.randint(-6, 7, (experts, n, 1), device="cuda", generator=gen)).bfloat16()
+    got = quantize(w.transpose(1, 2) if transpose else w, granularity, transpose=transpose)
+    q, scale = _reference(w.float(), granularity)
+    assert got.data.shape == (experts, n, k) and got.data.is_contiguous()
+    assert torch.equal(got.scale.reshape(scale.shape), scale)
+    assert int((got.data.view(torch.uint8) != q.view(torch.uint8)).sum()) == 0
+
+
+def test_given_row_amaxes_gpu():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(20000, 704, device="cuda", generator=gen) * 8
+    q, scale = _reference(x[None], "rowwise")
+    got = quantize(x, "rowwise", amax=x.abs().amax(1))
+    assert torch.equal(got.scale, scale[0])
+    assert int((got.data.view(torch.uint8) != q[0].view(torch.uint8)).sum()) == 0
