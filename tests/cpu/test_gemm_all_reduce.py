@@ -109,9 +109,9 @@ def test_fallback_and_auto_paths():
 
 def test_missing_peer_raises_collective_timeout():
     # Every call first agrees with the peers, so a rank that never comes is found there, within the host's
-    # bound (5 s here), before any kernel waits for its data.
+    # bound (3 s here), before any kernel waits for its data.
     kinds = [("oneshot", False), ("twoshot", False), ("oneshot", True)]
-    results = run_ranks(2, scenarios.missing_peer_check, kinds, 200, env={"TILEWEAVE_EMULATED_TIMEOUT_S": "5"})
+    results = run_ranks(2, scenarios.missing_peer_check, kinds, 200, env={"TILEWEAVE_EMULATED_TIMEOUT_S": "3"})
     for kind, outcome in zip(kinds, results[0]):
         assert outcome["raised"], (kind, outcome)
         assert "rank 1" in outcome["message"] and "expired" in outcome["message"], (kind, outcome)
