@@ -10,26 +10,18 @@ import sys
 import torch
 
 from tileweave.bench.moe import MODELS
+from tileweave.bench.timing import ClockReader, LocalAgreement, TimingConfig, measure
 from tileweave.ops.compute import quantize as Q
 
 CANDIDATES = [(32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
 GRANULARITIES = ("tensorwise", "rowwise", "blockwise_1x128")
+TIMING = TimingConfig(warmup_s=0.2)
+CLOCKS = ClockReader()
 
 
-def _time(fn, iters=20, reps=7) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return sorted(times)[len(times) // 2]
+def _time(fn) -> float:
+    """Median ms of ``fn`` in steady state (``tileweave.bench.timing``, as the benchmark times)."""
+    return measure(lambda i: fn(), cfg=TIMING, agree=LocalAgreement(), clocks=CLOCKS).ms
 
 
 def operands(model: str, tokens: int, gen: torch.Generator) -> dict:

@@ -8,6 +8,9 @@ import torch
 
 from tileweave.bench import decode
 from tileweave.bench.fp8 import m_major
+from tileweave.testing.emulated import run_ranks
+
+from support.scenarios import decode_bench as scenarios
 
 
 def test_decode_bench_smoke(tmp_path, capsys):
@@ -90,3 +93,19 @@ def test_blockwise_activation_scales_go_to_torch_m_major(m):
     scale = torch.rand(m, 32)
     got = m_major(scale)
     assert got.stride() == (1, m) and torch.equal(got, scale)
+
+
+def test_a_baseline_that_refuses_a_shape_is_recorded_not_run_on_every_rank():
+    # torch's blockwise scaled matmul refuses some decode shapes (cuBLAS: not supported): that row is
+    # recorded as not run with the error, on every rank alike, and the section goes on; a baseline that
+    # runs is checked; tileweave raising is a failed check.
+    for records in run_ranks(2, scenarios.refused_baseline_check):
+        by = {r["variant"]: r for r in records}
+        assert "CUBLAS_STATUS_NOT_SUPPORTED" in by["torch"]["unsupported"] and by["torch"]["ok"], by["torch"]
+        assert by["torch"]["ms"] is None and by["torch"]["err"] is None, by["torch"]
+        assert by["nccl"]["ok"] and by["nccl"]["err"] < 1e-6 and "unsupported" not in by["nccl"], by["nccl"]
+        assert not by["tileweave"]["ok"] and by["tileweave"]["unsupported"], by["tileweave"]
+    meta = {"world_size": 2, "gpu_name": "cpu", "torch": "-", "triton": "-", "dtype": "bfloat16", "git_commit": "0" * 12,
+            "date": "-", "timed": "CUDA graph replays"}
+    text = decode.markdown(records, meta)
+    assert "| n/a |" in text and "FAILED (raised)" in text, text

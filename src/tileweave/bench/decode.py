@@ -347,10 +347,19 @@ def _error(outs: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> flo
 def run_case(case: Case, variant: str, row: Callable, opts: Options, agree: DistAgreement,
              clocks: ClockReader | None, tol: float) -> dict:
     """Verify the variant on ``case`` (eager; on a GPU also a graph replay), then time it. The error
-    is agreed over the ranks before deciding to time, so every rank makes the same calls."""
+    is agreed over the ranks before deciding to time, so every rank makes the same calls. A baseline
+    whose first call raises (torch's scaled matmul refuses some shapes) is recorded as not run, with
+    the error (``unsupported``), on every rank; tileweave raising is a failed check."""
     record = {"section": case.section, "name": case.name, "m": case.m, "dtype": case.dtype, "variant": variant}
     tol = case.tol if case.tol is not None else tol
-    outs = case.run(row)
+    try:
+        outs, why = case.run(row), ""
+    except Exception as exc:  # the same shapes on every rank: each raises before any collective
+        outs, why = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    if agree.max_floats([float(bool(why))])[0]:
+        record.update(err=None, ok=variant != "tileweave", ms=None, unsupported=why or "raised on another rank",
+                      timed="not run: the first call raised")
+        return record
     record["path"] = last_path("gemm_all_reduce") if variant == "tileweave" else None
     if opts.smoke:
         err = agree.max_floats([_error(outs, case.reference)])[0]
@@ -435,6 +444,8 @@ def markdown(records: list[dict], meta: dict) -> str:
     def cell(r):
         if r is None:
             return "-"
+        if r.get("unsupported"):
+            return "n/a" if r["variant"] != "tileweave" else "FAILED (raised)"
         return f"{r['ms']:.4f}" if r.get("ms") is not None else f"FAILED (err {r['err']:.2e})"
 
     for (section, name, m, dtype), row in by_key.items():
@@ -489,10 +500,14 @@ def main(argv=None) -> int:
     js, md = write_report(opts, records, world, argv)
     print(md.read_text())
     print(f"wrote {js} and {md}")
+    for r in records:
+        if r.get("unsupported"):
+            print(f"not run: {r['variant']} {r['section']} {r['name']} M={r['m']} {r['dtype']}: {r['unsupported']}",
+                  file=sys.stderr)
     failed = [r for r in records if not r["ok"]]
     for r in failed:
-        print(f"output check failed: {r['variant']} {r['section']} {r['name']} M={r['m']}: err {r['err']:.2e}",
-              file=sys.stderr)
+        err = "raised" if r["err"] is None else f"err {r['err']:.2e}"
+        print(f"output check failed: {r['variant']} {r['section']} {r['name']} M={r['m']}: {err}", file=sys.stderr)
     return 1 if failed else 0
 
 

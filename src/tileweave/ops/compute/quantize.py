@@ -51,14 +51,15 @@ EPS = 1e-12
 
 TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax": (8, 1024, 8),
          "row_amax_t": (32, 256, 8), "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16),
-         "128x128_t": (128, 128, 8), "segments": (128, 64, 8)}
+         "128x128_t": (128, 128, 8), "segments": (128, 32, 4)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
 (its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
 amax, then the cast: the second read finds the row in cache); a row read across a transposed view takes
 ``"row_amax"``: an amax pass over tiles (an atomic max per row), then the cast over tiles, as do rows
 whose amax is given (the cast alone, tiled as ``"tensor"``'s). Chosen on one H200 over the quantize
-launches of a transformer block's training step; ``"segments"`` (``quantize_segments``, whose BR is its
-block of 128 rows) and ``"row_amax"`` read along its rows are not measured yet."""
+launches of a transformer block's training step, and ``"segments"`` (``quantize_segments``, whose BR is
+its block of 128 rows) over an MoE layer's four weight-gradient operands in each scaling;
+``"row_amax"`` read along its rows is not measured yet."""
 INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": (128, 256, 4), "1x128": (128, 128, 4),
                      "128x128": (128, 128, 4), "segments": (128, 256, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
