@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tileweave.bench import decode
+from tileweave.bench import decode, decode_report
 from tileweave.bench.fp8 import m_major
 from tileweave.testing.emulated import run_ranks
 
@@ -81,7 +81,7 @@ def test_decode_report_marks_failed_checks_and_ratios():
                {**base, "variant": "symm_one_shot", "ms": None, "err": 0.5}]
     meta = {"world_size": 2, "gpu_name": "g", "torch": "t", "triton": "tr", "dtype": "bfloat16",
             "git_commit": "abc", "date": "d", "timed": "CUDA graph replays"}
-    md = decode.markdown(records, meta)
+    md = decode_report.markdown(records, meta)
     row = [line for line in md.splitlines() if line.startswith("| gemm_ar")][0]
     assert "| bf16 | 0.0100 | 0.0250 | FAILED (err 5.00e-01) | 2.50 | - | oneshot |" in row, row
 
@@ -107,5 +107,5 @@ def test_a_baseline_that_refuses_a_shape_is_recorded_not_run_on_every_rank():
         assert not by["tileweave"]["ok"] and by["tileweave"]["unsupported"], by["tileweave"]
     meta = {"world_size": 2, "gpu_name": "cpu", "torch": "-", "triton": "-", "dtype": "bfloat16", "git_commit": "0" * 12,
             "date": "-", "timed": "CUDA graph replays"}
-    text = decode.markdown(records, meta)
+    text = decode_report.markdown(records, meta)
     assert "| n/a |" in text and "FAILED (raised)" in text, text

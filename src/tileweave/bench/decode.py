@@ -49,6 +49,7 @@ import torch.distributed._symmetric_memory as symm_mem
 
 from tileweave.bench import decode_fp8, output_dir
 from tileweave.bench.cli import ensure_env
+from tileweave.bench.decode_report import markdown
 from tileweave.bench.metadata import collect_metadata
 from tileweave.bench.timing import ClockReader, DistAgreement, TimingConfig, measure
 from tileweave.nn.decoder import DecoderConfig, DecoderOps, KVCache, Step, TPDecoderLayer, rms_norm
@@ -71,7 +72,6 @@ EPS = 1e-5
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 """Relative Frobenius error allowed against the fp32 reference; above the per-dtype bounds of docs/design.md
 because the RMSNorm output is rounded after a sum that was itself rounded (two roundings)."""
-VARIANTS = ("tileweave", "nccl", "symm_one_shot", "symm_two_shot", "torch")
 LABELS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -422,43 +422,6 @@ def bench_rank(rank: int, world: int, opts: Options) -> list[dict]:
 
 
 # ---- report
-
-
-def markdown(records: list[dict], meta: dict) -> str:
-    by_key: dict[tuple, dict[str, dict]] = {}
-    for r in records:
-        by_key.setdefault((r["section"], r["name"], r["m"], r.get("dtype", meta["dtype"])), {})[r["variant"]] = r
-    present = [v for v in VARIANTS if any(v in row for row in by_key.values())]
-    smoke = "smoke" in meta["timed"]
-    # A smoke run's times are the interpreter's on emulated ranks: no ratios, which would read as speeds.
-    baselines = [] if smoke else [v for v in present if v != "tileweave"]
-    lines = [f"# Decode: row-parallel GEMM + all-reduce + residual + RMSNorm, TP={meta['world_size']}", "",
-             f"{meta['gpu_name']}, torch {meta['torch']}, triton {meta['triton']}, {meta['dtype']}, commit "
-             f"{meta['git_commit'][:12]}, {meta['date']}. Times in ms ({meta['timed']}), max over ranks; "
-             + ("Smoke run: emulated CPU ranks and Triton's interpreter, outputs checked; the times mean nothing "
-                "about speed, so no ratios are shown." if smoke else
-                "x: baseline time / tileweave time (> 1: tileweave faster)."), ""]
-    header = ["section", "shape", "M", "dtype", *present, *(f"x {b}" for b in baselines), "tileweave path"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-
-    def cell(r):
-        if r is None:
-            return "-"
-        if r.get("unsupported"):
-            return "n/a" if r["variant"] != "tileweave" else "FAILED (raised)"
-        return f"{r['ms']:.4f}" if r.get("ms") is not None else f"FAILED (err {r['err']:.2e})"
-
-    for (section, name, m, dtype), row in by_key.items():
-        ours = row.get("tileweave", {}).get("ms")
-        ratios = []
-        for b in baselines:
-            t = row.get(b, {}).get("ms")
-            ratios.append(f"{t / ours:.2f}" if t and ours else "-")
-        path = row.get("tileweave", {}).get("path") or "-"
-        lines.append("| " + " | ".join([section, name, str(m), dtype, *(cell(row.get(v)) for v in present), *ratios,
-                                        path])
-                     + " |")
-    return "\n".join(lines) + "\n"
 
 
 def write_report(opts: Options, records: list[dict], world: int, argv) -> tuple[Path, Path]:
