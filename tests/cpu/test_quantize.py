@@ -80,14 +80,15 @@ def test_quantize_matches_torch(granularity, dtype, transpose, pad, power_of_two
                                     power_of_two=power_of_two)), (granularity, it)
 
 
-@pytest.mark.parametrize("granularity,transpose,rows,cols", [
-    ("tensorwise", True, 70, 200),          # one scale over the whole stack
-    ("rowwise", False, 33, 300),
-    ("rowwise", True, 70, 96),              # each matrix's columns: an amax pass, then the cast
-    ("blockwise_128x128", True, 200, 256),  # each matrix's partial block of rows on its own
-    ("blockwise_1x128", False, 40, 256),
+@pytest.mark.parametrize("granularity,transpose,rows,cols,pad", [
+    ("tensorwise", True, 70, 200, False),          # one scale over the whole stack
+    ("rowwise", False, 33, 300, False),
+    ("rowwise", True, 70, 96, False),              # each matrix's columns: an amax pass, then the cast
+    ("blockwise_128x128", True, 200, 256, False),  # each matrix's partial block of rows on its own
+    ("blockwise_1x128", False, 40, 256, False),
+    ("blockwise_1x128", True, 40, 200, True),      # each matrix padded with zero columns to 256
 ])
-def test_a_stack_is_each_matrix_quantized(granularity, transpose, rows, cols):
+def test_a_stack_is_each_matrix_quantized(granularity, transpose, rows, cols, pad):
     # x [B, R, C] (transpose: [B, C, R], each matrix's transpose quantized, as an MoE layer's experts'
     # weights for an input gradient): every matrix as the reference casts it alone; tensorwise's one
     # scale is the whole stack's.
@@ -96,15 +97,15 @@ def test_a_stack_is_each_matrix_quantized(granularity, transpose, rows, cols):
     mats = [_data(gen, rows, cols) for _ in range(experts)]
     x = torch.stack([m.t() for m in mats]).transpose(1, 2) if transpose else torch.stack(mats)
     assert x.shape == (experts, rows, cols) and x.is_contiguous() != transpose
-    got = quantize(x.transpose(1, 2) if transpose else x, granularity, transpose=transpose)
-    assert got.data.shape == (experts, rows, cols) and got.data.is_contiguous()
+    got = quantize(x.transpose(1, 2) if transpose else x, granularity, transpose=transpose, pad=pad)
+    assert got.data.shape == (experts, rows, -(-cols // 128) * 128 if pad else cols) and got.data.is_contiguous()
     if granularity == "tensorwise":
         q, scale = reference(torch.cat(mats), granularity, E4M3)
         assert torch.equal(got.scale, scale)
         assert torch.equal(got.data.reshape(-1, cols).view(torch.uint8), q.view(torch.uint8))
         return
     for e, m in enumerate(mats):
-        assert _same((got.data[e], got.scale[e]), reference(m, granularity, E4M3)), (granularity, e)
+        assert _same((got.data[e], got.scale[e]), reference(m, granularity, E4M3, pad=pad)), (granularity, e)
 
 
 def test_given_row_amaxes():
