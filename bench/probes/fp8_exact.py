@@ -1,8 +1,9 @@
 """The exact and blockwise FP8 GEMMs (each K step's product summed in fp32) on the Hopper kernels
 (``tileweave.ops.compute.fp8_sm90.kernel_of``): the loader-warp kernel (exact's default), the plain one
-(blockwise's default) and the two-half kernel (two MMA warp groups, each its half of a tile), against
-torch's scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's smaller ones.
-Every output checked against float64 first. Run by hand from this folder:
+(blockwise's default), the two-half kernel (two MMA warp groups, each its half of a tile) and, in
+blockwise, the same with each step's scales staged in shared memory by its loader warp, against torch's
+scaled matmuls, on the TP block's large GEMMs and some of the ``gemm`` suite's smaller ones. Every
+output checked against float64 first. Run by hand from this folder:
 ``PYTHONPATH=../../src python3 fp8_exact.py OUT [small] [blockwise]``."""
 import json
 import sys
@@ -20,7 +21,9 @@ LOADER = dict(BASE, maxnreg=168, kernel="loader")
 HALVES = dict(BASE, num_warps=4, kernel="halves")
 VARIANTS = {  # scaling: {name: (fast accumulation, config)}
     "tensorwise": {"loader_s5": (False, dict(LOADER, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4))},
-    "blockwise": {"plain_s5": (False, dict(BASE, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4))},
+    "blockwise": {"plain_s5": (False, dict(BASE, STAGES=5)), "halves_s4": (False, dict(HALVES, STAGES=4)),
+                  "staged_s4": (False, dict(HALVES, STAGES=4, kernel="staged")),
+                  "staged_s5": (False, dict(HALVES, STAGES=5, kernel="staged"))},
 }
 
 

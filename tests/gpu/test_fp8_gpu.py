@@ -146,6 +146,27 @@ def test_hopper_kernels_each_config(kernel, scaling, k):
     assert _rel(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon kernels are for sm_90")
+@pytest.mark.parametrize("k", [512, 1536, 1792, 2048])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_staged_blockwise_kernel(k, out_dtype):
+    # Blockwise with each step's scales brought into shared memory by the loader warp: 4 to 16 K steps,
+    # M and N off the tile, a bias; M = 2001 and 14 K blocks give scale pitches TMA could not step over
+    # (the scales are read as one row of their storage).
+    m, n = 2001, 2000
+    a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
+    scale_a, scale_b = _scales("blockwise", m, n, k)
+    bias = torch.randn(n, device="cuda")
+    scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
+    assert fp8_sm90.staged_suits(scales)
+    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 4, "num_warps": 4, "kernel": "staged"}
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
+    ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()
+    assert _rel(out, ref) < TOL[out_dtype]
+
+
 def test_matmul_fp8_e5m2_and_row_major_b():
     a, b = _fp8(512, 384, dtype=E5M2), _fp8(384, 300, seed=5)
     scale_a, scale_b = _scales("rowwise", 512, 300, 384)

@@ -369,15 +369,19 @@ def hopper_fp8_launches() -> list[Launch]:
     # both of its modes (the shapes here are small: blockwise takes the two-half kernel).
     halves = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     plain = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
+    staged = dict(halves, STAGES=4, kernel="staged")
     for scaling, fast, out, bias, config in (("tensorwise", False, torch.bfloat16, None, None),
                                              ("rowwise", True, torch.bfloat16, None, None),
                                              ("rowwise", False, torch.float32, torch.zeros(384), None),
                                              ("blockwise", False, torch.float32, torch.zeros(384), None),
                                              ("tensorwise", False, torch.bfloat16, None, halves),
-                                             ("blockwise", False, torch.bfloat16, None, plain)):
+                                             ("blockwise", False, torch.bfloat16, None, plain),
+                                             ("blockwise", False, torch.float32, torch.zeros(384), staged)):
         m, n, k = 256, 384, 512
         a, b = _fp8(m, k), _fp8(n, k).t()
         scale_a, scale_b = _fp8_scales(scaling, m, n, k)
+        if config is not None and config["kernel"] == "staged":  # the layouts TMA reads: M- and K-major
+            scale_a, scale_b = scale_a.t().contiguous().t(), scale_b.t().contiguous().t()
         scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b, fast_accum=fast)
         config = config or fp8_sm90.config_for(scales, out, m, n, k)
         _, tensors, ints, constexprs, options = fp8_sm90.arguments(

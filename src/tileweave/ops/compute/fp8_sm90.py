@@ -67,6 +67,10 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     operands on a GPU of ``programs`` SMs; ``options``: ``num_warps``, and ``maxnreg`` where the config
     has one."""
     cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
+    if cfg.get("kernel") == "staged" and not staged_suits(scales):
+        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major and scale_b "
+                         "K-major, on 16-byte aligned storage: "
+                         f"got scale_a strides {scales.a_strides}, scale_b strides {scales.b_strides[1:]}")
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
                          "blockwise scaling, not use_fast_accum=True")
@@ -85,15 +89,27 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
 
 
+def staged_suits(scales: Scales) -> bool:
+    """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_a``
+    M-major and ``scale_b`` K-major (as torch's blockwise scaled matmul takes them), both 16-byte aligned."""
+    if scales.kernel_mode != "block":
+        return False
+    sam, _ = scales.a_strides
+    _, sbk, _ = scales.b_strides
+    return sam == 1 and sbk == 1 and scales.a.data_ptr() % 16 == 0 and scales.b.data_ptr() % 16 == 0
+
+
 def kernel_of(config: dict):
     """The kernel of a config's ``"kernel"``: ``"plain"`` (every mode; its loads issued by the MMA warps),
     ``"loader"`` (exact and blockwise, a loader warp beside ``num_warps`` MMA warps) or ``"halves"``
     (exact and blockwise, a loader warp and two MMA warp groups, ``num_warps`` 4, each its half of a
-    tile's rows)."""
+    tile's rows) or ``"staged"`` (blockwise on the two-half kernel with each step's scales brought into
+    shared memory by the loader warp; ``staged_suits``)."""
     from tileweave.kernels import gemm_fp8_sm90 as k
+    from tileweave.kernels import gemm_fp8_sm90_staged as staged
 
     kernels = {"plain": k.fp8_gemm_sm90_kernel, "loader": k.fp8_gemm_sm90_ws_kernel,
-               "halves": k.fp8_gemm_sm90_halves_kernel}
+               "halves": k.fp8_gemm_sm90_halves_kernel, "staged": staged.fp8_gemm_sm90_staged_kernel}
     return kernels[config.get("kernel", "plain")]
 
 
