@@ -7,7 +7,7 @@ import torch
 
 from tileweave.bench import tune
 from tileweave.tune import autotune
-from tileweave.tune.configs import GemmConfig
+from tileweave.tune.configs import FP8_DECODE_ROWS, FP8_DECODE_TILE, GemmConfig, choose_gemm_config
 
 
 def test_m_is_bucketed_to_the_next_power_of_two():
@@ -119,3 +119,16 @@ def test_grids_that_fill_their_waves_badly_share_out_k():
         elif config.block_m == 128 and k >= STREAM_K_MIN_K and tiles >= 132:
             # (Tiles of 64 rows are whole tiles by choice: their waves already took least time.)
             assert wave_use(tiles, 132) >= STREAM_K_BELOW, (m, n, k, config)
+
+
+def test_fp8_decode_rows_take_stream_k_tiles_and_fused_kernels_whole_tiles():
+    for m in (1, 8, FP8_DECODE_ROWS):
+        for scaling in ("tensorwise", "rowwise", "blockwise"):
+            config = choose_gemm_config(m, 8192, 28672, torch.float8_e4m3fn, num_sms=132, out_dtype=torch.bfloat16,
+                                        scaling=scaling)
+            assert config == FP8_DECODE_TILE and config.stream_k
+            whole = choose_gemm_config(m, 8192, 28672, torch.float8_e4m3fn, num_sms=132, out_dtype=torch.bfloat16,
+                                       scaling=scaling, stream_k=False)
+            assert not whole.stream_k and whole.block_m == 128
+    assert not choose_gemm_config(FP8_DECODE_ROWS + 1, 8192, 28672, torch.float8_e4m3fn, num_sms=132,
+                                  out_dtype=torch.bfloat16, scaling="rowwise").stream_k

@@ -19,9 +19,9 @@ def _operands(m, n, k, a_m_major, b_k_major):
     return a, w, scaling_mod.dense_scales("matmul", m, n, k, scale_a + 0.5, scale_b + 0.5)
 
 
-@pytest.mark.parametrize("m,k", [(256, 512), (1000, 2048), (4096, 7168), (258, 512), (256, 1792)])
+@pytest.mark.parametrize("m,k", [(256, 512), (1000, 2048), (4096, 7168), (256, 1792)])
 def test_staged_takes_m_major_and_k_major_scales(m, k):
-    # Any M and K: the scales are read as one row of their storage, so their pitches need no alignment.
+    # Any K (1792: 14 blocks, a weight-scale pitch of 56 bytes): the weight scales are read as one row.
     a, w, scales = _operands(m, 384, k, True, True)
     assert fp8_sm90.staged_suits(scales)
     grid, tensors, ints, constexprs, options = fp8_sm90.arguments(
@@ -40,6 +40,7 @@ def _offset(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,a_m_major,b_k_major,shift,why", [
     (256, 512, False, True, None, "scale_a row-major"),
     (256, 512, True, False, None, "scale_b N-major"),
+    (258, 512, True, True, None, "scale_a's column pitch 258 * 4 bytes"),
     (256, 512, True, True, "a", "scale_a 4 bytes off a 16-byte boundary"),
     (256, 512, True, True, "b", "scale_b 4 bytes off a 16-byte boundary"),
 ])
@@ -62,3 +63,19 @@ def test_staged_is_for_blockwise_only():
     with pytest.raises(ValueError, match="'staged'"):
         fp8_sm90.arguments(a, w.t(), torch.empty(m, n, dtype=torch.bfloat16), None, scales, config=STAGED,
                            programs=132)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_route_by_size_and_scale_layout(out_dtype):
+    # Up to 2^37 multiply-adds the two-half kernel; above, the staged kernel for scales TMA reads (4
+    # buffers with a float32 output, whose store tiles need the fifth's shared memory), else the plain one.
+    small = _operands(1024, 1024, 1024, True, True)[2]
+    assert fp8_sm90.config_for(small, out_dtype, 1024, 1024, 1024)["kernel"] == "halves"
+    m, n, k = 4096, 4096, 8192 + 128
+    big = scaling_mod.dense_scales("matmul", m, n, k, torch.rand(k // 128, m).t() + 0.5,
+                                   torch.rand(n // 128, k // 128).t() + 0.5)
+    config = fp8_sm90.config_for(big, out_dtype, m, n, k)
+    assert config["kernel"] == "staged" and config["STAGES"] == (4 if out_dtype == torch.float32 else 5)
+    row_major = scaling_mod.dense_scales("matmul", m, n, k, torch.rand(m, k // 128) + 0.5,
+                                         torch.rand(n // 128, k // 128).t() + 0.5)
+    assert fp8_sm90.config_for(row_major, out_dtype, m, n, k)["kernel"] == "plain"

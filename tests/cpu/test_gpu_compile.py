@@ -23,8 +23,8 @@ from support import launches
 KERNELS = launches.library_kernels()
 ASYNC_MMA = ("tileweave.kernels.gemm_fp8_sm90:fp8_gemm_sm90_kernel",
              "tileweave.kernels.gemm_fp8_sm90:fp8_gemm_sm90_ws_kernel",
-             "tileweave.kernels.gemm_fp8_sm90:fp8_gemm_sm90_halves_kernel",
-             "tileweave.kernels.gemm_fp8_sm90_staged:fp8_gemm_sm90_staged_kernel")
+             "tileweave.kernels.gemm_fp8_sm90_halves:fp8_gemm_sm90_halves_kernel",
+             "tileweave.kernels.gemm_fp8_sm90_halves:fp8_gemm_sm90_staged_kernel")
 """Kernels built to keep one warp-group MMA in flight while they read another's product: ptxas must
 neither serialise their MMAs nor spill."""
 

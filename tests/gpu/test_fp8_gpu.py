@@ -151,20 +151,35 @@ def test_hopper_kernels_each_config(kernel, scaling, k):
 @pytest.mark.parametrize("k", [512, 1536, 1792, 2048])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_staged_blockwise_kernel(k, out_dtype):
-    # Blockwise with each step's scales brought into shared memory by the loader warp: 4 to 16 K steps,
-    # M and N off the tile, a bias; M = 2001 and 14 K blocks give scale pitches TMA could not step over
-    # (the scales are read as one row of their storage).
-    m, n = 2001, 2000
+    # Blockwise with each step's scales brought into shared memory by the loader warp, the warp groups
+    # taking turns: 4 to 16 K steps, M and N off the tile, a bias; 14 K blocks give a weight-scale pitch
+    # TMA could not step over (read as one row of their storage); the buffers config_for gives.
+    m, n = 2000, 2000
     a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
     scale_a, scale_b = _scales("blockwise", m, n, k)
     bias = torch.randn(n, device="cuda")
     scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
     assert fp8_sm90.staged_suits(scales)
-    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 4, "num_warps": 4, "kernel": "staged"}
+    config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 4 if out_dtype == torch.float32 else 5,
+              "num_warps": 4, "kernel": "staged"}
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
     fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
     ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()
     assert _rel(out, ref) < TOL[out_dtype]
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_matmul_fp8_decode_rows_share_k_over_the_sms(scaling, m):
+    # Decode sizes take the stream-K tiles (every tile's K steps shared out over the SMs, each shared
+    # tile summed in a fixed order): right, and the same bits on a second call. N off the tiles.
+    n, k = 1000, 4096
+    a, w = _fp8(m, k, seed=m), _fp8(n, k, seed=m + 1)
+    scale_a, scale_b = _scales(scaling, m, n, k)
+    outs = [tileweave.matmul(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+            for _ in range(2)]
+    assert _rel(outs[0], _reference(a, w.t(), scale_a, scale_b)) < TOL[torch.float32]
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_matmul_fp8_e5m2_and_row_major_b():

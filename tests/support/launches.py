@@ -143,8 +143,9 @@ CAST_OF = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "block
 
 def h200_fp8_configs() -> list[tuple[GemmConfig, torch.dtype, str]]:
     """``(config, out_dtype, scaling)``: the FP8 GEMM's configs on an H200, the picks of
-    ``tileweave.tune.configs.choose_fp8_config`` for a large and a small grid, each output and scaling."""
-    shapes = [(8192, 14336, 8192), (1024, 1024, 4096)]
+    ``tileweave.tune.configs.choose_fp8_config`` for a large and a small grid and a decode step, each output
+    and scaling."""
+    shapes = [(8192, 14336, 8192), (1024, 1024, 4096), (16, 8192, 28672)]
     return list(dict.fromkeys((choose_fp8_config(m, n, k, out, num_sms=H200_SMS, scaling=scaling), out, scaling)
                               for m, n, k in shapes for out in (torch.bfloat16, torch.float32) for scaling in SCALINGS))
 

@@ -29,9 +29,7 @@ Out-of-range rows, columns and K are zero-filled by TMA on load and clipped on s
 ``fp8_gemm_sm90_ws_kernel`` is the same exact and blockwise loop with the loads in a warp of their own
 (``gl.warp_specialize``): the loader waits for a buffer to be released and refills it, the MMA warps
 wait only for a buffer's arrival and release it once its MMA is done, with no refill in their loop.
-``fp8_gemm_sm90_halves_kernel`` has the loader warp and two MMA warp groups in partitions of their own,
-each owning half of every tile's rows and adding each product once it is done (one product tile per warp
-group); the warp groups are not synchronised with each other, so one adds while the other's MMA runs.
+The kernels of two MMA warp groups, each owning half of a tile's rows, are in ``gemm_fp8_sm90_halves``.
 """
 
 from triton.experimental import gluon
@@ -413,72 +411,4 @@ def fp8_gemm_sm90_ws_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N,
                        HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [1], [24])
-    _drop_barriers(ready, empty, STAGES)
-
-
-# -- two MMA partitions: each warp group its half of the tile's rows, one product at a time ---------------
-
-
-@gluon.jit
-def _half_compute(c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
-                  stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
-                  BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
-    # One warp group: rows HALF * BM/2 ... of each tile. Each K step's product is waited for and added
-    # at once; the other warp group's MMA runs meanwhile, as the two are not synchronised with each other.
-    HM: gl.constexpr = BM // 2
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN, 32])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    k_steps = gl.cdiv(K, BK)
-    zero = gl.zeros((HM, BN), gl.float32, mma_layout)
-    steps = 0
-    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
-                                                  rows_layout, cols_layout)
-        acc = zero
-        for ki in range(k_steps):
-            s = steps % STAGES
-            mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
-            p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
-                              use_acc=False, is_async=True)
-            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
-                                  stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
-            p = warpgroup_mma_wait(0, deps=(p, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            if SCALING == "block":
-                acc += p * _outer(sa, sb, BN)
-            else:
-                acc += p
-            steps += 1
-        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
-                stride_sam, stride_sbn, SCALING, HAS_BIAS)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
-                                stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
-                                BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """The exact and blockwise modes with a loader warp and two MMA warp groups in partitions of their
-    own, each owning half of every tile's rows: a buffer is released when both have read it."""
-    HM: gl.constexpr = BM // 2
-    a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
-    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HM, BN],
-                                        gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
-    ready, empty = _ring_barriers(STAGES, 2)
-    gl.warp_specialize([
-        (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
-                         stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS)),
-        (_half_compute, (c_desc, c_smem, ready, empty, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
-                         stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES, SCALING,
-                         HAS_BIAS)),
-        (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
-    ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)

@@ -144,11 +144,21 @@ shared memory, 3 stages x 48 KB + the TMA store's 64 KB bf16 tile = 208 KB of th
 have on sm_90 (ptxas: 162 registers, no spills). Not yet tuned on a GPU."""
 FP8_MID_TILE = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8)
 """FP8 128 x 128 tiles: 4 stages x 32 KB + the store tile (32 KB bf16, 64 KB fp32) = 160 or 192 KB."""
+FP8_DECODE_ROWS = 64
+"""FP8 GEMMs of this many rows or fewer (decode steps) take ``FP8_DECODE_TILE``, not the Hopper kernel."""
+FP8_DECODE_TILE = GemmConfig(block_m=64, block_n=128, block_k=128, num_stages=4, num_warps=4, flatten=False,
+                             stream_k=True)
+"""FP8 at decode sizes, where reading the weight sets the time: 64 x 128 tiles with every tile's K steps
+dealt out over all SMs (stream-K), so that every SM streams its share of the weight. On the 128 x 128 tiles
+of the Hopper kernel a 1-64 row GEMM has one program per 128 output columns (64 programs for N = 8192),
+each reading all of K."""
 
 
 def choose_fp8_config(m: int, n: int, k: int, out_dtype: torch.dtype | None, *, num_sms: int,
-                      scaling: str | None = None) -> GemmConfig:
-    """The FP8 GEMM's config, whole tiles only: ``FP8_BIG_TILE`` or ``FP8_MID_TILE`` by the wave rule of
+                      scaling: str | None = None, stream_k: bool = True) -> GemmConfig:
+    """The FP8 GEMM's config: up to ``FP8_DECODE_ROWS`` rows ``FP8_DECODE_TILE`` (unless ``stream_k`` is
+    False: whole tiles only, as the fused kernels take); otherwise whole tiles, ``FP8_BIG_TILE`` or
+    ``FP8_MID_TILE`` by the wave rule of
     ``choose_gemm_config`` (``BIG_TILE_COST``), except where 128 x 256 tiles do not fit an sm_90 program:
     blockwise ``scaling`` (each K step's product is a second 128 x 256 fp32 tile beside the
     accumulator: 255 registers and spills, against 190 registers for 128 x 128) and a float32 output
@@ -157,6 +167,8 @@ def choose_fp8_config(m: int, n: int, k: int, out_dtype: torch.dtype | None, *, 
     Worked example: 8192 x 14336 x 8192, tensorwise, bf16 out, is 64 x 56 = 3584 tiles of 128 x 256
     (27 waves on 132 SMs): ``FP8_BIG_TILE``; 1024 x 1024 x 4096 is 32 such tiles (one wave, cost 1.8)
     or 64 of 128 x 128 (one wave, 1.0): ``FP8_MID_TILE``."""
+    if stream_k and m <= FP8_DECODE_ROWS:
+        return FP8_DECODE_TILE
     if scaling == "blockwise" or out_dtype == torch.float32:
         return FP8_MID_TILE
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)
@@ -186,7 +198,7 @@ def choose_gemm_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms: i
     if interpreter:
         return INTERPRETER_CONFIG
     if is_fp8(dtype):
-        return choose_fp8_config(m, n, k, out_dtype, num_sms=num_sms, scaling=scaling)
+        return choose_fp8_config(m, n, k, out_dtype, num_sms=num_sms, scaling=scaling, stream_k=stream_k)
     if dtype == torch.float32:
         return GemmConfig(block_m=128, block_n=128, block_k=32, num_stages=3, num_warps=8)
     big_tiles = math.ceil(m / 128) * math.ceil(n / 256)

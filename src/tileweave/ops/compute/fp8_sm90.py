@@ -30,8 +30,9 @@ def suits(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: Scales | No
     return _rows_ok(a) and _rows_ok(b.t()) and _rows_ok(c) and c.is_contiguous()
 
 
-SMALL_BLOCKWISE = 1 << 38
-"""M * N * K up to which blockwise scaling takes the two-half kernel."""
+SMALL_BLOCKWISE = 1 << 37
+"""M * N * K up to which blockwise scaling takes the two-half kernel with its scales loaded from global
+memory; above it, the staged kernel where its scales' layouts allow (``staged_suits``)."""
 
 
 def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -> dict:
@@ -40,8 +41,10 @@ def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -
     memory for the operand buffers). Where each K step's product is summed in fp32, 128 x 128: exact
     scaling on the kernel with a loader warp (``maxnreg``: eight MMA warps and a loader warp within the
     register file; three live register tiles, the sum, the product being added and the next one in
-    flight); blockwise on the two-half kernel up to ``SMALL_BLOCKWISE`` (one product per warp group, so
-    its scales fit in registers) and on the plain kernel above it (two products in flight)."""
+    flight); blockwise on the two-half kernels (one product per warp group, so its scales fit in
+    registers): up to ``SMALL_BLOCKWISE`` the scales loaded by the warp groups, above it staged by the
+    loader warp (5 buffers, 4 with a float32 output, whose store tiles take the fifth's shared memory),
+    or, for scales TMA cannot read, the plain kernel (two products in flight)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     if scales.kernel_mode == "outer":
@@ -49,6 +52,9 @@ def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -
                 "kernel": "loader"}
     if scales.kernel_mode == "block" and m * n * k <= SMALL_BLOCKWISE:
         return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
+    if staged_suits(scales):
+        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4 if out_dtype == torch.float32 else 5, "GROUP_M": 8,
+                "num_warps": 4, "kernel": "staged"}
     return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
 
 
@@ -68,8 +74,8 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     has one."""
     cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
     if cfg.get("kernel") == "staged" and not staged_suits(scales):
-        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major and scale_b "
-                         "K-major, on 16-byte aligned storage: "
+        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major (a column pitch "
+                         "of a multiple of 16 bytes) and scale_b K-major, on 16-byte aligned storage: "
                          f"got scale_a strides {scales.a_strides}, scale_b strides {scales.b_strides[1:]}")
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
@@ -91,12 +97,14 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
 
 def staged_suits(scales: Scales) -> bool:
     """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_a``
-    M-major and ``scale_b`` K-major (as torch's blockwise scaled matmul takes them), both 16-byte aligned."""
+    M-major with a column pitch of a multiple of 16 bytes, ``scale_b`` K-major (any pitch), both 16-byte
+    aligned (torch's blockwise scaled matmul takes the same layouts)."""
     if scales.kernel_mode != "block":
         return False
-    sam, _ = scales.a_strides
+    sam, sak = scales.a_strides
     _, sbk, _ = scales.b_strides
-    return sam == 1 and sbk == 1 and scales.a.data_ptr() % 16 == 0 and scales.b.data_ptr() % 16 == 0
+    return (sam == 1 and sbk == 1 and (sak * 4) % 16 == 0 and scales.a.data_ptr() % 16 == 0
+            and scales.b.data_ptr() % 16 == 0)
 
 
 def kernel_of(config: dict):
@@ -106,10 +114,10 @@ def kernel_of(config: dict):
     tile's rows) or ``"staged"`` (blockwise on the two-half kernel with each step's scales brought into
     shared memory by the loader warp; ``staged_suits``)."""
     from tileweave.kernels import gemm_fp8_sm90 as k
-    from tileweave.kernels import gemm_fp8_sm90_staged as staged
+    from tileweave.kernels import gemm_fp8_sm90_halves as halves
 
     kernels = {"plain": k.fp8_gemm_sm90_kernel, "loader": k.fp8_gemm_sm90_ws_kernel,
-               "halves": k.fp8_gemm_sm90_halves_kernel, "staged": staged.fp8_gemm_sm90_staged_kernel}
+               "halves": halves.fp8_gemm_sm90_halves_kernel, "staged": halves.fp8_gemm_sm90_staged_kernel}
     return kernels[config.get("kernel", "plain")]
 
 

@@ -11,7 +11,7 @@ import torch
 from tileweave.ops import common
 from tileweave.ops.compute import fp8_sm90, gemm_launch, scaling
 from tileweave.tune.autotune import select_config
-from tileweave.tune.configs import GemmConfig
+from tileweave.tune.configs import FP8_DECODE_ROWS, GemmConfig
 
 
 def _num_sms(device: torch.device) -> int:
@@ -116,7 +116,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
         else:
             wide = matmul(a.float(), b.float(), bias=None if bias is None else bias.float(), config=config)
         return out.copy_(wide)
-    if config is None and fp8_sm90.suits(a, b, out, scales):
+    if config is None and m > FP8_DECODE_ROWS and fp8_sm90.suits(a, b, out, scales):
         hopper = fp8_sm90.launch(a, b, out, bias, scales)
         if cacheable:
             _remember(key, _Plan(hopper, (scales, c_dtype)))
