@@ -24,7 +24,7 @@ VARIANTS = {  # name: (scaling, config)
     "exact_halves": ("tensorwise", dict(BASE, STAGES=4, num_warps=4, kernel="halves")),
     "block_halves": ("blockwise", dict(BASE, STAGES=4, num_warps=4, kernel="halves")),
     "block_plain": ("blockwise", dict(BASE, STAGES=5, num_warps=8, kernel="plain")),
-    "block_staged": ("blockwise", dict(BASE, STAGES=4, num_warps=4, kernel="staged")),
+    "block_staged": ("blockwise", dict(BASE, STAGES=5, num_warps=4, kernel="staged")),
 }
 
 
