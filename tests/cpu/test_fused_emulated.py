@@ -42,7 +42,7 @@ RS_LATE = C(m_chunk=150, k=32, n=24, delay_s=0.2)
 """More rows than one row group (2 x 32 here): several copies and arrival flags per peer."""
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2])  # four ranks: the chunked and one-shot cases below; eight: further down
 def test_all_gather_gemm(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, _three_cases(AG_LATE, world)), "gathered_exact")
 
@@ -95,7 +95,7 @@ def test_all_gather_transport_switches_per_shape(world):
             assert r["err"] < TOL[r["case"]["dtype"]] and r["gathered_exact"], r
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # every step of the two-rank protocol, with one peer more
 def test_all_gather_gemm_graphable(world):
     # Constant-valued flags (what a CUDA-graph replay repeats), eager here: fresh inputs call after
     # call, both transports, a late producer.
@@ -151,7 +151,7 @@ def test_a_graphable_op_refuses_to_pull_when_set_later():
         op.pull = True
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # every step of the two-rank protocol, with one peer more
 def test_gemm_reduce_scatter_graphable(world):
     # The chunked transport on constant-valued flags: several blocks per owner, fresh inputs each call,
     # a late producer; still bitwise repeatable.

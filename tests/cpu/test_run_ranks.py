@@ -138,7 +138,7 @@ def _return_or_raise_at_once(rank, world, raising):
 def test_ranks_that_finish_at_once_do_not_fail_their_peers_start():
     # A rank function that returns (or raises) before any collective: every run reports the functions'
     # own outcome, never a peer's failed start-up.
-    for attempt in range(8):
+    for attempt in range(5):  # each rank the refusing one at least once
         assert run_ranks(2, _return_or_raise_at_once, -1) == [0, 1]
         with pytest.raises(RankFailed) as info:
             run_ranks(3, _return_or_raise_at_once, attempt % 3)

@@ -145,9 +145,10 @@ def h200_fp8_configs() -> list[tuple[GemmConfig, torch.dtype, str]]:
     """``(config, out_dtype, scaling)``: the FP8 GEMM's configs on an H200, the picks of
     ``tileweave.tune.configs.choose_fp8_config`` for a large and a small grid and a decode step, each output
     and scaling."""
-    shapes = [(8192, 14336, 8192), (1024, 1024, 4096), (16, 8192, 28672)]
+    shapes = [(8192, 14336, 8192, (torch.bfloat16, torch.float32)), (1024, 1024, 4096, (torch.bfloat16, torch.float32)),
+              (16, 8192, 28672, (torch.bfloat16, ))]  # a decode step's output is the model's dtype
     return list(dict.fromkeys((choose_fp8_config(m, n, k, out, num_sms=H200_SMS, scaling=scaling), out, scaling)
-                              for m, n, k in shapes for out in (torch.bfloat16, torch.float32) for scaling in SCALINGS))
+                              for m, n, k, outs in shapes for out in outs for scaling in SCALINGS))
 
 
 def h200_fp8_grouped_configs() -> list[tuple[GroupedConfig, bool, bool]]:
