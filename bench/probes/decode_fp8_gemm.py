@@ -1,16 +1,18 @@
-"""The FP8 GEMM at decode sizes (M = 1-256 tokens), where the weight read sets the time: the default route
-(the Hopper kernel, 128-row tiles, one program per 128 x 128 output tile), the Triton kernel on narrow
-tiles with the K steps of every tile dealt out over all SMs (stream-K), torch's scaled matmul, and bf16
-cuBLAS on the same weights. Every variant's output is checked against float64 of the dequantized
-operands first; times are CUDA-graph replays of 20 calls (median of 5). Run by hand from this folder:
+"""The FP8 GEMM at decode sizes (M = 1-256 tokens), where the weight read sets the time: ``default``, the
+route of the tree it runs on (at 87b878f, run29: the Hopper kernel, 128-row tiles, one program per 128 x
+128 output tile; since c2b28f8 up to 64 rows the stream-K tiles), the Triton kernel on narrow tiles with
+the K steps of every tile dealt out over all SMs (stream-K), torch's scaled matmul, and bf16 cuBLAS on
+the same weights. Every variant's output is checked against float64 of the dequantized operands first;
+times are CUDA-graph replays of 20 calls (``fp8_sm90._graph_ms``). Run by hand from this folder:
 ``PYTHONPATH=../../src python3 decode_fp8_gemm.py OUT``."""
 import json
-import statistics
 import sys
 
 import torch
 
 import tileweave
+from fp8_accum import _err  # the probes' error measure and graph timing (run from this folder)
+from fp8_sm90 import _graph_ms
 from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm
 from tileweave.tune.configs import GemmConfig
 
@@ -25,29 +27,6 @@ CONFIGS = {
     "sk16x64": GemmConfig(block_m=16, block_n=64, block_k=128, num_stages=6, num_warps=4, flatten=False,
                           stream_k=True),
 }
-
-
-def _graph_ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 20)
-    return statistics.median(times)
-
-
-def _err(got, ref) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
 
 
 def main(out):
