@@ -66,16 +66,14 @@ def test_staged_is_for_blockwise_only():
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_blockwise_route_by_size_and_scale_layout(out_dtype):
-    # Up to 2^37 multiply-adds the two-half kernel; above, the staged kernel for scales TMA reads (4
-    # buffers with a float32 output, whose store tiles need the fifth's shared memory), else the plain one.
-    small = _operands(1024, 1024, 1024, True, True)[2]
-    assert fp8_sm90.config_for(small, out_dtype, 1024, 1024, 1024)["kernel"] == "halves"
-    m, n, k = 4096, 4096, 8192 + 128
-    big = scaling_mod.dense_scales("matmul", m, n, k, torch.rand(k // 128, m).t() + 0.5,
-                                   torch.rand(n // 128, k // 128).t() + 0.5)
-    config = fp8_sm90.config_for(big, out_dtype, m, n, k)
+@pytest.mark.parametrize("m,n,k", [(1024, 1024, 1024), (4096, 4096, 8192 + 128)])
+def test_blockwise_route_by_scale_layout(out_dtype, m, n, k):
+    # Small or large, the staged kernel for scales TMA reads (4 buffers with a float32 output, whose
+    # store tiles need the fifth's shared memory), else the two-half kernel that loads them itself.
+    staged = scaling_mod.dense_scales("matmul", m, n, k, torch.rand(k // 128, m).t() + 0.5,
+                                      torch.rand(n // 128, k // 128).t() + 0.5)
+    config = fp8_sm90.config_for(staged, out_dtype, m, n, k)
     assert config["kernel"] == "staged" and config["STAGES"] == (4 if out_dtype == torch.float32 else 5)
     row_major = scaling_mod.dense_scales("matmul", m, n, k, torch.rand(m, k // 128) + 0.5,
                                          torch.rand(n // 128, k // 128).t() + 0.5)
-    assert fp8_sm90.config_for(row_major, out_dtype, m, n, k)["kernel"] == "plain"
+    assert fp8_sm90.config_for(row_major, out_dtype, m, n, k)["kernel"] == "halves"

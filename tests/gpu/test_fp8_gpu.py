@@ -129,10 +129,11 @@ def test_matmul_fp8_hopper_kernel_k_steps(scaling, k, fast):
                     reason="the Gluon kernels are for sm_90")
 @pytest.mark.parametrize("kernel", ["plain", "loader", "halves"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
-@pytest.mark.parametrize("k", [128, 384, 1152])
+@pytest.mark.parametrize("k", [128, 384, 512, 1152])
 def test_hopper_kernels_each_config(kernel, scaling, k):
     # Each exact/blockwise kernel launched with its own config, whichever a default route takes: one,
-    # three and nine K steps, M and N off the tile, a float32 output and a bias, more tiles than SMs.
+    # three, four and nine K steps (the two-half kernel takes two a turn: odd and even counts), M and N
+    # off the tile, a float32 output and a bias, more tiles than SMs.
     m, n = 2000, 2000
     a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
     scale_a, scale_b = _scales(scaling, m, n, k)
@@ -148,12 +149,13 @@ def test_hopper_kernels_each_config(kernel, scaling, k):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels are for sm_90")
-@pytest.mark.parametrize("k", [512, 1536, 1792, 2048])
+@pytest.mark.parametrize("k", [384, 512, 1536, 1664, 1792, 2048])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_staged_blockwise_kernel(k, out_dtype):
     # Blockwise with each step's scales brought into shared memory by the loader warp, the warp groups
-    # taking turns: 4 to 16 K steps, M and N off the tile, a bias; 14 K blocks give a weight-scale pitch
-    # TMA could not step over (read as one row of their storage); the buffers config_for gives.
+    # taking turns two steps at a time: 3 to 16 K steps (3 and 13: an odd last step), M and N off the
+    # tile, a bias; 13 and 14 K blocks give a weight-scale pitch TMA could not step over (read as one row
+    # of their storage); the buffers config_for gives.
     m, n = 2000, 2000
     a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
     scale_a, scale_b = _scales("blockwise", m, n, k)

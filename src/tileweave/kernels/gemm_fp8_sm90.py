@@ -74,7 +74,7 @@ def _stream(a_desc, b_desc, bars, a_bufs, b_bufs, loads, steps, lt, lk, t, reach
 @gluon.jit
 def _outer(sa, sb, BN: gl.constexpr):
     # The scale of each element of the tile: a column of row scales when sb is the tile's one scalar.
-    if BN == 128:
+    if 128 % BN == 0:
         return (sa * sb)[:, None]
     else:
         return sa[:, None] * sb[None, :]
@@ -117,7 +117,7 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
                   BN: gl.constexpr):
     # Step kb's scales: scale_a of the tile's rows (1 x 128 blocks), scale_b of its columns' 128-blocks.
     sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam + kb * stride_sak, mask=offs_m < M, other=0.0)
-    if BN == 128:  # the tile is one 128-column block of the weight (its first column is a multiple of 128)
+    if 128 % BN == 0:  # the tile lies in one 128-column block of the weight (its first column a multiple of BN)
         sb = gl.load(sb_ptr + kb * stride_sbk + (off_n // 128) * stride_sbn)
     else:
         sb = gl.load(sb_ptr + kb * stride_sbk + (offs_n // 128) * stride_sbn, mask=offs_n < N, other=0.0)

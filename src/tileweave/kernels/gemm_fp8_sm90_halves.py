@@ -1,16 +1,20 @@
 """The Hopper FP8 GEMM (``gemm_fp8_sm90``) with a loader warp and two MMA warp groups in partitions of
 their own, each owning half of every tile's rows (64 of 128): it waits for each K step's product and
-adds it to its fp32 sum at once (one product tile per warp group, so blockwise scales fit in registers).
+adds it to its fp32 sum at once (one product tile per K step, so blockwise scales fit in registers).
 
-The two warp groups take turns at the tensor cores: half 1 issues step k once half 0's MMA of step k has
-completed, and half 0 issues step k + 1 once half 1 has issued step k. So one half's product runs while
-the other adds its own. (Left to themselves, both issue at once, their MMAs finish together, and both
-add while the tensor cores idle.) Two barriers carry the turns, ``done0`` (half 0's MMA of the step has
-completed) and ``issued1`` (half 1 has issued the step); neither can run two phases ahead of its reader,
-since each half waits for the other's previous signal before it raises its next.
+The two warp groups take turns at the tensor cores, two K steps a turn: half 0 issues the MMAs of
+steps k and k + 1 (two product tiles in flight), then half 1 issues its own of the same steps, then half
+0 the next two once half 1 has issued, and so on. The MMAs run in the order they were issued, so one
+half's pair runs while the other adds the pair it has just received, and the tensor cores always have
+the next pair queued. (Left to themselves, both issue at once, their MMAs finish together, and both
+add while the tensor cores idle; with one step a turn, half 1 waits for half 0's MMA to complete,
+and the tensor cores idle at every hand-over.) Two barriers carry the turns, ``turn0`` and ``turn1``
+(half 0, half 1 has issued its MMAs of the round); neither can run two phases ahead of its reader, since
+each half waits for the other's previous signal before it raises its next. An odd last step of a tile
+is a round of its own.
 
 * ``fp8_gemm_sm90_halves_kernel``: exact and blockwise scaling (``SCALING`` "outer" or "block"); the
-  warp groups load a step's blockwise scales from global memory after issuing its MMA.
+  warp groups load a round's blockwise scales from global memory after issuing its MMAs.
 * ``fp8_gemm_sm90_staged_kernel``: blockwise only, each step's scales brought into shared memory by the
   loader warp with the step's tiles, counted on the same barrier: the step's ``BM`` values of
   ``scale_a`` (M-major, a column pitch of a multiple of 16 bytes) and 32 weight scales of the tile's
@@ -33,51 +37,83 @@ SB_BOX = gl.constexpr(32)
 
 
 @gluon.jit
-def _await_turn(done0, issued1, steps, HALF: gl.constexpr):
-    # Before issuing step `steps`: half 0 after half 1 issued the step before, half 1 after half 0's MMA
-    # of this step completed.
+def _wait_turn(turn0, turn1, rounds, HALF: gl.constexpr):
+    # Before issuing round `rounds`: half 0 once half 1 has issued the round before, half 1 once half 0
+    # has issued this one.
     if HALF == 0:
-        if steps > 0:
-            mbarrier.wait(issued1, (steps - 1) & 1)
+        if rounds > 0:
+            mbarrier.wait(turn1, (rounds - 1) & 1)
     else:
-        mbarrier.wait(done0, steps & 1)
+        mbarrier.wait(turn0, rounds & 1)
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, done0, issued1, steps, zero, HALF: gl.constexpr, HM: gl.constexpr,
-           STAGES: gl.constexpr):
-    # This half's product of the next loaded K step into a fresh register tile, in flight on return.
+def _pass_turn(turn0, turn1, HALF: gl.constexpr):
+    if HALF == 0:
+        mbarrier.arrive(turn0, count=1)
+    else:
+        mbarrier.arrive(turn1, count=1)
+
+
+@gluon.jit
+def _mma(a_bufs, b_bufs, ready, steps, zero, HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr):
+    # This half's product of K step `steps` into a fresh register tile, in flight on return.
     s = steps % STAGES
     mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
-    _await_turn(done0, issued1, steps, HALF)
-    p = warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
-                      use_acc=False, is_async=True)
-    if HALF == 1:
-        mbarrier.arrive(issued1, count=1)
+    return warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: gl.constexpr, HM: gl.constexpr,
+                STAGES: gl.constexpr):
+    # A round of two K steps, `steps` and `steps + 1`: both MMAs in flight on return.
+    s = steps % STAGES
+    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+    _wait_turn(turn0, turn1, rounds, HALF)
+    p0 = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
+    p1 = _mma(a_bufs, b_bufs, ready, steps + 1, zero, HALF, HM, STAGES)
+    _pass_turn(turn0, turn1, HALF)
+    return p0, p1
+
+
+@gluon.jit
+def _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: gl.constexpr, HM: gl.constexpr,
+               STAGES: gl.constexpr):
+    # A round of one K step (a tile's odd last one), in flight on return.
+    s = steps % STAGES
+    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+    _wait_turn(turn0, turn1, rounds, HALF)
+    p = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
+    _pass_turn(turn0, turn1, HALF)
     return p
 
 
 @gluon.jit
-def _complete(p, empty, done0, steps, HALF: gl.constexpr, STAGES: gl.constexpr):
-    # Wait for this half's MMA of step `steps`, pass the turn and release the step's buffer.
-    p = warpgroup_mma_wait(0, deps=(p, ))
-    if HALF == 0:
-        mbarrier.arrive(done0, count=1)
+def _release(empty, steps, STAGES: gl.constexpr):
     mbarrier.arrive(empty.index(steps % STAGES), count=1)
-    return p
 
 
 @gluon.jit
 def _turn_barriers():
-    done0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    issued1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(done0, count=1)
-    mbarrier.init(issued1, count=1)
-    return done0, issued1
+    turn0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turn1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn0, count=1)
+    mbarrier.init(turn1, count=1)
+    return turn0, turn1
 
 
 @gluon.jit
-def _half_compute(c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+def _scaled(p, sa, sb, SCALING: gl.constexpr, BN: gl.constexpr):
+    # A step's product as it is added: times its block scales (blockwise), else as it is.
+    if SCALING == "block":
+        return p * _outer(sa, sb, BN)
+    else:
+        return p
+
+
+@gluon.jit
+def _half_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                   stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -92,20 +128,33 @@ def _half_compute(c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, 
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros((HM, BN), gl.float32, mma_layout)
     steps = 0
+    rounds = 0
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
                                                   rows_layout, cols_layout)
         acc = zero
-        for ki in range(k_steps):
-            p = _issue(a_bufs, b_bufs, ready, done0, issued1, steps, zero, HALF, HM, STAGES)
-            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+        for ki in range(0, k_steps - 1, 2):
+            p0, p1 = _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
+            sa0, sb0 = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki,
+                                    stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
+            sa1, sb1 = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, ki + 1,
+                                    stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
+            p0, p1 = warpgroup_mma_wait(0, deps=(p0, p1))
+            _release(empty, steps, STAGES)
+            _release(empty, steps + 1, STAGES)
+            acc += _scaled(p0, sa0, sb0, SCALING, BN)
+            acc += _scaled(p1, sa1, sb1, SCALING, BN)
+            steps += 2
+            rounds += 1
+        if k_steps % 2 == 1:
+            p = _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
+            sa, sb = _step_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, k_steps - 1,
                                   stride_sam, stride_sak, stride_sbk, stride_sbn, SCALING, BN)
-            p = _complete(p, empty, done0, steps, HALF, STAGES)
-            if SCALING == "block":
-                acc += p * _outer(sa, sb, BN)
-            else:
-                acc += p
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            _release(empty, steps, STAGES)
+            acc += _scaled(p, sa, sb, SCALING, BN)
             steps += 1
+            rounds += 1
         _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
                 stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
@@ -130,19 +179,19 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
     c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
-    done0, issued1 = _turn_barriers()
+    turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
-        (_half_compute, (c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
+        (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
                          M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
                          SCALING, HAS_BIAS)),
-        (_half_compute, (c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
+        (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
                          M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
                          SCALING, HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
-    mbarrier.invalidate(done0)
-    mbarrier.invalidate(issued1)
+    mbarrier.invalidate(turn0)
+    mbarrier.invalidate(turn1)
 
 
 # -- blockwise with the scales staged in shared memory ----------------------------------------------------
@@ -175,7 +224,19 @@ def _staged_loader(a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_buf
 
 
 @gluon.jit
-def _staged_compute(c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr, sb_ptr,
+def _staged_scale(sa_bufs, sb_bufs, steps, at, pick, HALF: gl.constexpr, HM: gl.constexpr, BM: gl.constexpr,
+                  STAGES: gl.constexpr, rows_layout: gl.constexpr, pick_layout: gl.constexpr):
+    # Step `steps`' scale of each of this half's rows, read from the step's buffers (before their release):
+    # scale_a of the rows times the weight scale at `at`, picked from the four loaded from `at` rounded down.
+    s = steps % STAGES
+    sa = sa_bufs.index(s).reshape((BM, )).slice(HALF * HM, HM).load(rows_layout)
+    four = sb_bufs.index(s).slice(0, 4, dim=1).load(pick_layout)
+    sb = gl.sum(gl.sum(gl.where(pick == at % 4, four, 0.0), axis=1), axis=0)
+    return (sa * sb)[:, None]
+
+
+@gluon.jit
+def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr, sb_ptr,
                     bias_ptr, M, N, K, stride_sam, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                     HAS_BIAS: gl.constexpr):
@@ -192,21 +253,34 @@ def _staged_compute(c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs
     k_steps = gl.cdiv(K, BK)
     zero = gl.zeros((HM, BN), gl.float32, mma_layout)
     steps = 0
+    rounds = 0
     for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         off_m, off_n, offs_m, offs_n = _tile_rows(t, num_pid_m, num_pid_n, HALF * HM, HM, BM, BN, GROUP_M,
                                                   rows_layout, cols_layout)
+        at = off_n // 128 * stride_sbn  # where the tile's weight scales start
         acc = zero
-        for ki in range(k_steps):
-            s = steps % STAGES
-            p = _issue(a_bufs, b_bufs, ready, done0, issued1, steps, zero, HALF, HM, STAGES)
-            sa = sa_bufs.index(s).reshape((BM, )).slice(HALF * HM, HM).load(rows_layout)
-            at = off_n // 128 * stride_sbn + ki
-            four = sb_bufs.index(s).slice(0, 4, dim=1).load(pick_layout)
-            sb = gl.sum(gl.sum(gl.where(pick == at % 4, four, 0.0), axis=1), axis=0)
-            scale = (sa * sb)[:, None]  # in registers before the buffer is released
-            p = _complete(p, empty, done0, steps, HALF, STAGES)
+        for ki in range(0, k_steps - 1, 2):
+            p0, p1 = _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
+            scale0 = _staged_scale(sa_bufs, sb_bufs, steps, at + ki, pick, HALF, HM, BM, STAGES, rows_layout,
+                                   pick_layout)
+            scale1 = _staged_scale(sa_bufs, sb_bufs, steps + 1, at + ki + 1, pick, HALF, HM, BM, STAGES,
+                                   rows_layout, pick_layout)
+            p0, p1 = warpgroup_mma_wait(0, deps=(p0, p1))
+            _release(empty, steps, STAGES)
+            _release(empty, steps + 1, STAGES)
+            acc += p0 * scale0
+            acc += p1 * scale1
+            steps += 2
+            rounds += 1
+        if k_steps % 2 == 1:
+            p = _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
+            scale = _staged_scale(sa_bufs, sb_bufs, steps, at + k_steps - 1, pick, HALF, HM, BM, STAGES,
+                                  rows_layout, pick_layout)
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            _release(empty, steps, STAGES)
             acc += p * scale
             steps += 1
+            rounds += 1
         _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
                 stride_sam, stride_sbn, "block", HAS_BIAS)
     tma.store_wait(0)
@@ -230,17 +304,17 @@ def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, SB_BOX], plain)
     c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
-    done0, issued1 = _turn_barriers()
+    turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
-        (_staged_compute, (c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
+        (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
                            HAS_BIAS)),
-        (_staged_compute, (c_desc, c_smem, ready, empty, done0, issued1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
+        (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
                            HAS_BIAS)),
         (_staged_loader, (a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_bufs, sa_bufs, sb_bufs, M, N, K,
                           stride_sbn, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
-    mbarrier.invalidate(done0)
-    mbarrier.invalidate(issued1)
+    mbarrier.invalidate(turn0)
+    mbarrier.invalidate(turn1)

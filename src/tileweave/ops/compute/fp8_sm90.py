@@ -30,31 +30,26 @@ def suits(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: Scales | No
     return _rows_ok(a) and _rows_ok(b.t()) and _rows_ok(c) and c.is_contiguous()
 
 
-SMALL_BLOCKWISE = 1 << 37
-"""M * N * K up to which blockwise scaling takes the two-half kernel with its scales loaded from global
-memory; above it, the staged kernel where its scales' layouts allow (``staged_suits``)."""
-
-
 def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -> dict:
     """Tile, buffers, warps and ``kernel`` (``kernel_of``) of an ``[M, K] @ [K, N]`` call. Fast
     accumulation: 128 x 256 (a 16-bit output: a float32 tile of 128 x 256 leaves too little shared
     memory for the operand buffers). Where each K step's product is summed in fp32, 128 x 128: exact
     scaling on the kernel with a loader warp (``maxnreg``: eight MMA warps and a loader warp within the
     register file; three live register tiles, the sum, the product being added and the next one in
-    flight); blockwise on the two-half kernels (one product per warp group, so its scales fit in
-    registers): up to ``SMALL_BLOCKWISE`` the scales loaded by the warp groups, above it staged by the
-    loader warp (5 buffers, 4 with a float32 output, whose store tiles take the fifth's shared memory),
-    or, for scales TMA cannot read, the plain kernel (two products in flight)."""
+    flight); blockwise on the two-half kernels (one product per warp group and K step, so its scales fit
+    in registers): the staged one where TMA can read the scales (``staged_suits``; 5 buffers, 4 with a
+    float32 output, whose store tiles take the fifth's shared memory), else the one whose warp groups
+    load them."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     if scales.kernel_mode == "outer":
         return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "maxnreg": 168,
                 "kernel": "loader"}
-    if scales.kernel_mode == "block" and m * n * k <= SMALL_BLOCKWISE:
-        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     if staged_suits(scales):
         return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4 if out_dtype == torch.float32 else 5, "GROUP_M": 8,
                 "num_warps": 4, "kernel": "staged"}
+    if scales.kernel_mode == "block":
+        return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 4, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     return {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
 
 

@@ -1,0 +1,133 @@
+"""Blockwise FP8 GEMM, the `gemm` suite's weakest rows: narrower tiles, and how the two warp groups of
+the two-half kernel take turns.
+
+Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [turns|routes]``. For suite
+shapes where 128 x 128 tiles leave part of the last wave of SMs idle, and a few where they do not, next
+to ``torch.nn.functional.scaled_mm`` and the default route (``matmul``), all on the same inputs (1 x 128
+activation blocks, 128 x 128 weight blocks, bf16 output): "turns", the two-half kernel on 128 x 128 and
+on 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1 issuing once
+half 0 has issued rather than completed; two K steps per turn); "routes" (``variants``), the library's
+two kernels on 4 and 5 buffers. Every output is checked against float64 of the dequantised inputs
+before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
+rounds, each in a rotated order, and the median of the rounds is reported; two seconds of bf16 GEMMs
+first bring the clocks up. Writes ``OUT/fp8_narrow_tiles_<set>.json`` and prints a table."""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tileweave  # noqa: E402
+from fp8_accum import _err, _ms  # noqa: E402
+from halves_turns import halves_variant_kernel  # noqa: E402
+from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm  # noqa: E402
+from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod  # noqa: E402
+from tileweave.runtime import triton_launch  # noqa: E402
+
+# (M, N, K): the wave-bound rows first, then rows whose tiles fill their waves
+SHAPES = ((4096, 768, 4096), (2048, 1280, 8192), (4096, 1280, 8192), (1024, 5120, 8192), (2048, 3584, 4096),
+          (1024, 7168, 8192), (16384, 768, 4096), (8192, 1280, 8192), (4096, 3072, 4096), (8192, 8192, 8192),
+          (1024, 4096, 7168), (8192, 8192, 14336))
+TOL = 1e-2
+
+
+def _config(bn, stages, kernel="halves"):
+    return {"BM": 128, "BN": bn, "BK": 128, "GROUP_M": 8, "STAGES": stages, "num_warps": 4, "kernel": kernel}
+
+
+def _library(a8, w8, scales, out, config):
+    fp8_sm90.launch(a8, w8.t(), out, None, scales, config=config)
+
+
+def _variant(a8, w8, scales, out, bn, stages, turn, pair):
+    cfg = _config(bn, stages)
+    grid, tensors, ints, constexprs, options = fp8_sm90.arguments(
+        a8, w8.t(), out, None, scales, config=cfg, programs=torch.cuda.get_device_properties(0).multi_processor_count)
+    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs, turn, pair, **options)
+
+
+def variants(m, n, k, which):
+    """``which`` "turns": the two-half kernel's tiles and buffers and the variants of ``halves_turns``;
+    "routes": the library's two-half and staged kernels on 4 and 5 buffers, and the earlier turn order
+    (one step a turn, half 1 after half 0's MMA completed) from ``halves_turns``."""
+    if which == "routes":
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5), "staged_s4": (128, 4, "staged"),
+                "staged_s5": (128, 5, "staged"), "one_step_done": (128, 4, "done", False)}
+    out = {"route": None, "h128s4": (128, 4), "h64s6": (64, 6), "h64s8": (64, 8)}
+    for turn in ("done", "issued"):
+        for pair in (False, True):
+            if (turn, pair) != ("done", False) and (not pair or (k // 128) % 2 == 0):
+                out[f"{turn}{'_pair' if pair else ''}"] = (128, 4, turn, pair)
+    out["issued_64s6"] = (64, 6, "issued", False)
+    return out
+
+
+def run_shape(m, n, k, which) -> list[dict]:
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a8, sa, a_deq = quantize_rows(x, "blockwise")
+    w8, sb, w_deq = quantize_weight(w, "blockwise")
+    ref = a_deq.double() @ w_deq.double().t()
+    scales = scaling_mod.dense_scales("probe", m, n, k, sa, sb)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    torch_fn, _ = torch_scaled_mm("blockwise")
+    calls = {"torch": lambda: torch_fn(a8, w8.t(), sa, sb, out_dtype=torch.bfloat16)}
+    for name, v in variants(m, n, k, which).items():
+        if v is None:
+            calls[name] = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                                   out=out)
+        elif len(v) <= 3:
+            calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
+        else:
+            calls[name] = lambda v=v: _variant(a8, w8, scales, out, *v)
+    rows = {}
+    for name, fn in calls.items():
+        try:
+            out.fill_(float("nan"))
+            got = fn()
+            got = out if got is None or name != "torch" else got
+            torch.cuda.synchronize()
+            rows[name] = {"err": _err(got.float(), ref), "times": []}
+        except Exception as e:  # noqa: BLE001 - a probe records what fails and goes on
+            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    names = [nm for nm, r in rows.items() if "err" in r and r["err"] < TOL]
+    for r in range(3):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            rows[name]["times"].append(_ms(calls[name]))
+    result = []
+    for name, r in rows.items():
+        ms = statistics.median(r["times"]) if r.get("times") else None
+        result.append({"m": m, "n": n, "k": k, "variant": name, "ms": ms, **{kk: v for kk, v in r.items()}})
+    return result
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    which = sys.argv[2] if len(sys.argv) > 2 else "routes"
+    triton_launch.install_allocator()
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < 2.0:
+        x @ x
+        torch.cuda.synchronize()
+    rows = []
+    for m, n, k in SHAPES:
+        rows += run_shape(m, n, k, which)
+        base = {r["variant"]: r for r in rows if (r["m"], r["n"], r["k"]) == (m, n, k)}
+        t = base["torch"].get("ms") or float("nan")
+        cells = [f"{v}={r['ms']:.4f}({t / r['ms']:.2f})" if r.get("ms")
+                 else f"{v}=fail:{r.get('error', r.get('err'))}" for v, r in base.items()]
+        print(f"{m}x{n}x{k} " + " ".join(cells), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"fp8_narrow_tiles_{which}.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("TILEWEAVE_GIT_COMMIT"), "set": which,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
