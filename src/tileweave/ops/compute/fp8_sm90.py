@@ -69,8 +69,9 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     has one."""
     cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
     if cfg.get("kernel") == "staged" and not staged_suits(scales):
-        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major (a column pitch "
-                         "of a multiple of 16 bytes) and scale_b K-major, on 16-byte aligned storage: "
+        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major or K-major (the "
+                         "other dimension's pitch a multiple of 16 bytes) and scale_b K-major, on 16-byte aligned "
+                         "storage: "
                          f"got scale_a strides {scales.a_strides}, scale_b strides {scales.b_strides[1:]}")
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
@@ -84,22 +85,28 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None)
+                  bias is not None, *((_sa_k_major(scales), ) if cfg.get("kernel") == "staged" else ()))
     options = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {})}
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
 
 
 def staged_suits(scales: Scales) -> bool:
-    """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_a``
-    M-major with a column pitch of a multiple of 16 bytes, ``scale_b`` K-major (any pitch), both 16-byte
-    aligned (torch's blockwise scaled matmul takes the same layouts)."""
+    """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_b``
+    K-major (any pitch), ``scale_a`` M-major (torch's layout) or K-major (``quantize``'s), its other
+    dimension's pitch a multiple of 16 bytes, both 16-byte aligned."""
     if scales.kernel_mode != "block":
         return False
     sam, sak = scales.a_strides
     _, sbk, _ = scales.b_strides
-    return (sam == 1 and sbk == 1 and (sak * 4) % 16 == 0 and scales.a.data_ptr() % 16 == 0
-            and scales.b.data_ptr() % 16 == 0)
+    a_ok = (sam == 1 and (sak * 4) % 16 == 0) or (sak == 1 and (sam * 4) % 16 == 0)
+    return a_ok and sbk == 1 and scales.a.data_ptr() % 16 == 0 and scales.b.data_ptr() % 16 == 0
+
+
+def _sa_k_major(scales: Scales) -> bool:
+    # Which of the staged kernel's two scale_a layouts (M-major where both hold: a single row or column).
+    sam, sak = scales.a_strides
+    return sam != 1 and sak == 1
 
 
 def kernel_of(config: dict):
