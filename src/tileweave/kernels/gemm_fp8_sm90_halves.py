@@ -17,10 +17,11 @@ is a round of its own.
   warp groups load a round's blockwise scales from global memory after issuing its MMAs.
 * ``fp8_gemm_sm90_staged_kernel``: blockwise only, each step's scales brought into shared memory by the
   loader warp with the step's tiles, counted on the same barrier: the step's ``BM`` values of
-  ``scale_a`` (M-major, a column pitch of a multiple of 16 bytes) and 32 weight scales of the tile's
-  128-column block (K-major) from the step's, rounded down to a multiple of 4 (a box's first inner
-  coordinate must sit on 16 bytes, and a 16-byte destination faults: the box is 128 bytes), of which the
-  warp groups pick the step's. The weight scales are read as one row of their storage, so their row
+  ``scale_a`` (M-major, a column pitch of a multiple of 16 bytes; or, ``SA_K_MAJOR``, K-major with a
+  row pitch of a multiple of 16 bytes, four K blocks per row from the step's rounded down to 4) and 32
+  weight scales of the tile's 128-column block (K-major) from the step's, rounded down to a multiple of 4
+  (a box's first inner coordinate must sit on 16 bytes, and a 16-byte destination faults: the box is 128
+  bytes), of which the warp groups pick the step's. The weight scales are read as one row of their storage, so their row
   pitch needs no alignment (a box that runs past a row reads the next row's scales, which no step uses).
   The launcher (``ops.compute.fp8_sm90.staged_suits``) routes other layouts elsewhere.
 """
