@@ -1,13 +1,14 @@
-"""Blockwise FP8 GEMM, the `gemm` suite's weakest rows: narrower tiles, and how the two warp groups of
-the two-half kernel take turns.
+"""FP8 GEMM on the Hopper kernels, the `gemm` suite's weakest blockwise rows: narrower tiles, and how the
+two warp groups of the two-half kernel take turns.
 
-Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [turns|routes]``. For suite
-shapes where 128 x 128 tiles leave part of the last wave of SMs idle, and a few where they do not, next
-to ``torch.nn.functional.scaled_mm`` and the default route (``matmul``), all on the same inputs (1 x 128
-activation blocks, 128 x 128 weight blocks, bf16 output): "turns", the two-half kernel on 128 x 128 and
-on 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1 issuing once
-half 0 has issued rather than completed; two K steps per turn); "routes" (``variants``), the library's
-two kernels on 4 and 5 buffers. Every output is checked against float64 of the dequantised inputs
+Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [turns|routes|kmajor|exact]``.
+For suite shapes where 128 x 128 tiles leave part of the last wave of SMs idle, and a few where they do
+not, next to torch's scaled matmul and the default route (``matmul``), all on the same inputs (bf16
+output): "turns", blockwise (1 x 128 activation blocks, 128 x 128 weight blocks) on the two-half kernel
+with 128 x 128 and 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1
+issuing once half 0 has issued rather than completed; two K steps per turn); "routes", "kmajor",
+"exact" (``variants``): the library's kernels on 4 and 5 buffers, blockwise with either ``scale_a``
+layout, and tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
 before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
 rounds, each in a rotated order, and the median of the rounds is reported; two seconds of bf16 GEMMs
 first bring the clocks up. Writes ``OUT/fp8_narrow_tiles_<set>.json`` and prints a table."""
@@ -52,10 +53,15 @@ def _variant(a8, w8, scales, out, bn, stages, turn, pair):
 def variants(m, n, k, which):
     """``which`` "turns": the two-half kernel's tiles and buffers and the variants of ``halves_turns``;
     "routes": the library's two-half and staged kernels on 4 and 5 buffers, and the earlier turn order
-    (one step a turn, half 1 after half 0's MMA completed) from ``halves_turns``."""
-    if which == "routes":
+    (one step a turn, half 1 after half 0's MMA completed) from ``halves_turns``; "kmajor": the same
+    with ``scale_a`` K-major (``quantize``'s layout; torch gets its own M-major copy); "exact":
+    tensorwise and rowwise with each K step summed in fp32, the default route (the loader-warp kernel)
+    against the two-half kernel's turns."""
+    if which in ("routes", "kmajor"):
         return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5), "staged_s4": (128, 4, "staged"),
                 "staged_s5": (128, 5, "staged"), "one_step_done": (128, 4, "done", False)}
+    if which == "exact":
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
     out = {"route": None, "h128s4": (128, 4), "h64s6": (64, 6), "h64s8": (64, 8)}
     for turn in ("done", "issued"):
         for pair in (False, True):
@@ -65,17 +71,20 @@ def variants(m, n, k, which):
     return out
 
 
-def run_shape(m, n, k, which) -> list[dict]:
+def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
     torch.manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    a8, sa, a_deq = quantize_rows(x, "blockwise")
-    w8, sb, w_deq = quantize_weight(w, "blockwise")
+    a8, sa, a_deq = quantize_rows(x, scaling)
+    w8, sb, w_deq = quantize_weight(w, scaling)
     ref = a_deq.double() @ w_deq.double().t()
+    torch_sa = sa
+    if which == "kmajor":
+        sa = sa.contiguous()
     scales = scaling_mod.dense_scales("probe", m, n, k, sa, sb)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    torch_fn, _ = torch_scaled_mm("blockwise")
-    calls = {"torch": lambda: torch_fn(a8, w8.t(), sa, sb, out_dtype=torch.bfloat16)}
+    torch_fn, _ = torch_scaled_mm(scaling)
+    calls = {"torch": lambda: torch_fn(a8, w8.t(), torch_sa, sb, out_dtype=torch.bfloat16)}
     for name, v in variants(m, n, k, which).items():
         if v is None:
             calls[name] = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
@@ -102,7 +111,8 @@ def run_shape(m, n, k, which) -> list[dict]:
     result = []
     for name, r in rows.items():
         ms = statistics.median(r["times"]) if r.get("times") else None
-        result.append({"m": m, "n": n, "k": k, "variant": name, "ms": ms, **{kk: v for kk, v in r.items()}})
+        result.append({"m": m, "n": n, "k": k, "scaling": scaling, "variant": name, "ms": ms,
+                       **{kk: v for kk, v in r.items()}})
     return result
 
 
@@ -116,13 +126,14 @@ def main() -> None:
         x @ x
         torch.cuda.synchronize()
     rows = []
-    for m, n, k in SHAPES:
-        rows += run_shape(m, n, k, which)
-        base = {r["variant"]: r for r in rows if (r["m"], r["n"], r["k"]) == (m, n, k)}
-        t = base["torch"].get("ms") or float("nan")
-        cells = [f"{v}={r['ms']:.4f}({t / r['ms']:.2f})" if r.get("ms")
-                 else f"{v}=fail:{r.get('error', r.get('err'))}" for v, r in base.items()]
-        print(f"{m}x{n}x{k} " + " ".join(cells), flush=True)
+    for scaling in (("tensorwise", "rowwise") if which == "exact" else ("blockwise", )):
+        for m, n, k in SHAPES:
+            rows += run_shape(m, n, k, which, scaling)
+            base = {r["variant"]: r for r in rows if (r["m"], r["n"], r["k"], r["scaling"]) == (m, n, k, scaling)}
+            t = base["torch"].get("ms") or float("nan")
+            cells = [f"{v}={r['ms']:.4f}({t / r['ms']:.2f})" if r.get("ms")
+                     else f"{v}=fail:{r.get('error', r.get('err'))}" for v, r in base.items()]
+            print(f"{scaling} {m}x{n}x{k} " + " ".join(cells), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"fp8_narrow_tiles_{which}.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(0), "commit": os.environ.get("TILEWEAVE_GIT_COMMIT"), "set": which,
