@@ -1,10 +1,12 @@
 """Variants of the two-half FP8 kernel (``tileweave.kernels.gemm_fp8_sm90_halves``) for
 ``fp8_narrow_tiles.py``: how the two MMA warp groups hand the tensor cores to each other.
 
-``TURN``: ``"done"`` is the library's order (half 1 issues step k once half 0's MMA of step k has
-completed); ``"issued"`` lets half 1 issue step k as soon as half 0 has issued it (the MMAs queue in
-that order). ``PAIR``: each warp group issues two K steps (two product tiles in flight) per turn, so
-the turns hand over half as often; ``K`` must be a whole number of pairs of steps.
+``TURN``: ``"done"`` is the library's order up to 639ab22 (half 1 issues step k once half 0's MMA of
+step k has completed); ``"issued"`` lets half 1 issue step k as soon as half 0 has issued it (the MMAs
+queue in that order). ``PAIR``: each warp group issues two K steps (two product tiles in flight) per
+turn, so the turns hand over half as often; ``K`` must be a whole number of pairs of steps. The library
+took ``"issued"`` with pairs in f817753 (NOTES.md, entry 147); ``"done"`` without pairs stays here for
+comparison.
 """
 
 from triton.experimental import gluon

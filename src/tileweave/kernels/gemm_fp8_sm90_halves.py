@@ -38,9 +38,10 @@ SB_BOX = gl.constexpr(32)
 
 
 @gluon.jit
-def _wait_turn(turn0, turn1, rounds, HALF: gl.constexpr):
-    # Before issuing round `rounds`: half 0 once half 1 has issued the round before, half 1 once half 0
-    # has issued this one.
+def _take_turn(ready, turn0, turn1, steps, rounds, HALF: gl.constexpr, STAGES: gl.constexpr):
+    # Before issuing round `rounds`, once its first K step (`steps`) has arrived: half 0 once half 1 has
+    # issued the round before, half 1 once half 0 has issued this one.
+    mbarrier.wait(ready.index(steps % STAGES), (steps // STAGES) & 1)
     if HALF == 0:
         if rounds > 0:
             mbarrier.wait(turn1, (rounds - 1) & 1)
@@ -69,9 +70,7 @@ def _mma(a_bufs, b_bufs, ready, steps, zero, HALF: gl.constexpr, HM: gl.constexp
 def _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: gl.constexpr, HM: gl.constexpr,
                 STAGES: gl.constexpr):
     # A round of two K steps, `steps` and `steps + 1`: both MMAs in flight on return.
-    s = steps % STAGES
-    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
-    _wait_turn(turn0, turn1, rounds, HALF)
+    _take_turn(ready, turn0, turn1, steps, rounds, HALF, STAGES)
     p0 = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
     p1 = _mma(a_bufs, b_bufs, ready, steps + 1, zero, HALF, HM, STAGES)
     _pass_turn(turn0, turn1, HALF)
@@ -82,9 +81,7 @@ def _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: 
 def _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: gl.constexpr, HM: gl.constexpr,
                STAGES: gl.constexpr):
     # A round of one K step (a tile's odd last one), in flight on return.
-    s = steps % STAGES
-    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
-    _wait_turn(turn0, turn1, rounds, HALF)
+    _take_turn(ready, turn0, turn1, steps, rounds, HALF, STAGES)
     p = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
     _pass_turn(turn0, turn1, HALF)
     return p
