@@ -7,7 +7,8 @@ source "$(dirname "$0")/env.sh"
 # cores about 5 minutes (emulated ranks fork from a server that has imported torch once).
 workers=()
 if [ "${TEST_WORKERS:-auto}" != 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
-  workers=(-n "${TEST_WORKERS:-auto}")
+  # loadgroup: tests that share a module fixture (an xdist_group) run on one worker, which builds it once.
+  workers=(-n "${TEST_WORKERS:-auto}" --dist loadgroup)
 fi
 "$PY" -m pytest -q -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/cpu "$@"
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

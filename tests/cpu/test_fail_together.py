@@ -18,6 +18,8 @@ from tileweave.ops import common
 from tileweave.ops.moe import MoEAllGatherGemm, MoEGemmReduceScatter, moe_plan
 from tileweave.testing.emulated import run_ranks
 
+pytestmark = pytest.mark.xdist_group("fail_together")  # its module fixtures built once (scripts/test.sh)
+
 WORLD = 2
 TC, K, E, HID, F_LOC = 4, 2, 4, 16, 8  # tokens per rank, top-k, experts, hidden, expert width per rank
 FP32_TOL = 1e-5

@@ -26,6 +26,7 @@ from support import walk
 from tileweave.testing.emulated import run_ranks
 
 MAX_FILES = 6
+pytestmark = pytest.mark.xdist_group("op_walk")  # one worker runs the walks (scripts/test.sh: loadgroup)
 
 CASES = [(op, label, path) for op, calls in walk.WALKS.items() for label, _, path in calls]
 
