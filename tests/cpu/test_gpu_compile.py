@@ -4,9 +4,10 @@ The CPU tests run the kernels in Triton's interpreter, which compiles nothing: c
 compiler refuses (an int argument of 1 that Triton passes as a constexpr, a tile that needs more shared
 memory than sm_90 has, a ``tl.dot`` of shapes or dtypes it does not take) would surface only on a GPU.
 Here the launches of a set of op calls on emulated ranks are recorded (``support.launches``) and each is
-compiled as the GPU's JIT would specialise it (``support.gpu_compile``), in a process without the
-interpreter. The calls include ones with the configs and tiles that the launchers pick on an H200,
-which compile in bf16 (the interpreter ran them in fp16: it refuses bf16).
+compiled as the GPU's JIT would specialise it (``support.gpu_compile``; through ptxas for every Gluon
+kernel and one form of each ``tl`` kernel, the rest to PTX), in a process without the interpreter. The
+calls include ones with the configs and tiles that the launchers pick on an H200, which compile in bf16
+(the interpreter ran them in fp16: it refuses bf16).
 """
 
 import json
@@ -49,7 +50,7 @@ def compiled(tmp_path_factory) -> dict:
     src = os.path.dirname(os.path.dirname(tileweave.__file__))
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, tests, env.get("PYTHONPATH")]))
-    env["TRITON_CACHE_DIR"] = str(folder / "cache")  # compiled afresh, so that ptxas reports on each kernel
+    env["TRITON_CACHE_DIR"] = str(folder / "cache")  # compiled afresh, so that ptxas reports on each it assembles
     done = subprocess.run([sys.executable, "-m", "support.gpu_compile", str(path), str(min(2, os.cpu_count() or 1))],
                           env=env, capture_output=True, text=True, timeout=900)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
