@@ -4,7 +4,8 @@ summed into kinds (the GEMMs, quantization, attention, norms and elementwise, th
 step's time with CUDA events. Prints a table; writes block_profile.json to argv[1]. Run by hand:
 ``PYTHONPATH=src python3 bench/probes/fp8_block_profile.py OUT [RECIPES [MODEL [TOKENS]]]``
 (RECIPES comma-separated from bf16, tensorwise, rowwise, blockwise; the suffix ``-fast`` accumulates the
-backward GEMMs on the tensor cores). ``fwd_bwd_ms``: forward + backward alone (no optimizer, gradients
+backward GEMMs on the tensor cores; ``@torch``, e.g. ``blockwise@torch``: the same FP8 block on NCCL and torch's
+scaled matmul, the ``block`` section's ``torch`` variant). ``fwd_bwd_ms``: forward + backward alone (no optimizer, gradients
 set to None first), as the benchmark's block section times it. With ``TILEWEAVE_PROBE_TILES`` naming a
 ``quantize_tiles.json`` of ``fp8_block_parts.py``, the quantize launches take its best tiles."""
 import dataclasses
@@ -15,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tileweave.bench import block_fp8
 from tileweave.nn import BlockConfig, Float8Recipe, TPTransformerBlock
 from tileweave.testing.emulated import run_ranks
 
@@ -23,7 +25,7 @@ WIDTHS = {"8b": dict(hidden=4096, heads=32, kv_heads=8, ffn=14336),
 KINDS = (  # first match wins; kernel names lower-cased
     ("quantize", ("quant", "amax", "_cast", "scale_kernel")),
     ("attention", ("flash", "attention", "fmha", "sdpa")),
-    ("gemm-fp8", ("fp8", "scaled", "sm90_xmma_gemm_e4m3", "e4m3")),
+    ("gemm-fp8", ("fp8", "scaled", "sm90_xmma_gemm_e4m3", "e4m3", "qqtst", "ablk128")),
     ("gemm", ("gemm", "matmul", "nvjet", "cutlass", "xmma", "sm90_")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("norm", ("norm",)),
@@ -61,12 +63,17 @@ def probe(rank, world, recipes, model, tokens, steps=5):
         print(f"quantize tiles: {best}", flush=True)
     out = []
     for name in recipes:
-        recipe = None
-        if name != "bf16":
-            base, fast = name.removesuffix("-fast"), name.endswith("-fast")
+        recipe, ops = None, None
+        scaling, _, theirs = name.partition("@")
+        if scaling != "bf16":
+            base, fast = scaling.removesuffix("-fast"), scaling.endswith("-fast")
             recipe = dataclasses.replace(getattr(Float8Recipe, base)(), backward_fast_accum=fast)
+        if theirs == "torch":
+            mm, why = block_fp8.torch_matmul(scaling, device)
+            assert mm is not None, why
+            ops = block_fp8.fp8_ops(mm)
         torch.manual_seed(0)
-        block = TPTransformerBlock(config, device=device, dtype=torch.bfloat16, fp8=recipe)
+        block = TPTransformerBlock(config, device=device, dtype=torch.bfloat16, fp8=recipe, ops=ops)
         opt = torch.optim.AdamW(block.parameters(), lr=1e-4)
 
         def step():
@@ -117,7 +124,7 @@ def probe(rank, world, recipes, model, tokens, steps=5):
         out.append(entry)
         print(f"{name}: fwd+bwd {entry['fwd_bwd_ms']:.2f} ms, step {entry['step_ms']:.2f} ms (kernel sum {sum(kinds.values()):.2f} ms): "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["kinds_ms"].items()), flush=True)
-        for kname, (ms, count) in entry["kernels"][:18]:
+        for kname, (ms, count) in entry["kernels"][:30]:
             print(f"    {ms:8.3f} ms  x{count:<3d} {kname}", flush=True)
         del block, opt
         torch.cuda.empty_cache()
