@@ -7,9 +7,8 @@ not, next to torch's scaled matmul and the default route (``matmul``), all on th
 output): "turns", blockwise (1 x 128 activation blocks, 128 x 128 weight blocks) on the two-half kernel
 with 128 x 128 and 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1
 issuing once half 0 has issued rather than completed; two K steps per turn); "routes", "kmajor",
-"exact" (``variants``): the library's kernels on 4 and 5 buffers, and on 6 with the halves storing
-from their registers (``direct``: no store tiles), blockwise with either ``scale_a`` layout, and
-tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
+"exact" (``variants``): the library's kernels on 4 and 5 buffers, blockwise with either ``scale_a``
+layout, and tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
 before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
 rounds, each in a rotated order, and the median of the rounds is reported; two seconds of bf16 GEMMs
 first bring the clocks up. Writes ``OUT/fp8_narrow_tiles_<set>.json`` and prints a table."""
@@ -48,8 +47,7 @@ def _variant(a8, w8, scales, out, bn, stages, turn, pair):
     cfg = _config(bn, stages)
     grid, tensors, ints, constexprs, options = fp8_sm90.arguments(
         a8, w8.t(), out, None, scales, config=cfg, programs=torch.cuda.get_device_properties(0).multi_processor_count)
-    # The library kernel's last constexpr (DIRECT) dropped: the variant stores through its tile by TMA.
-    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs[:-1], turn, pair, **options)
+    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs, turn, pair, **options)
 
 
 def variants(m, n, k, which):
@@ -59,14 +57,11 @@ def variants(m, n, k, which):
     with ``scale_a`` K-major (``quantize``'s layout; torch gets its own M-major copy); "exact":
     tensorwise and rowwise with each K step summed in fp32, the default route (the loader-warp kernel)
     against the two-half kernel's turns."""
-    direct = {"halves_s6_direct": dict(_config(128, 6), direct=True),
-              "staged_s6_direct": dict(_config(128, 6, "staged"), direct=True)}
     if which in ("routes", "kmajor"):
         return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5), "staged_s4": (128, 4, "staged"),
-                "staged_s5": (128, 5, "staged"), **direct, "one_step_done": (128, 4, "done", False)}
+                "staged_s5": (128, 5, "staged"), "one_step_done": (128, 4, "done", False)}
     if which == "exact":
-        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
-                "halves_s6_direct": direct["halves_s6_direct"]}
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
     out = {"route": None, "h128s4": (128, 4), "h64s6": (64, 6), "h64s8": (64, 8)}
     for turn in ("done", "issued"):
         for pair in (False, True):
@@ -94,8 +89,6 @@ def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
         if v is None:
             calls[name] = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                    out=out)
-        elif isinstance(v, dict):
-            calls[name] = lambda v=v: _library(a8, w8, scales, out, v)
         elif len(v) <= 3:
             calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
         else:

@@ -30,8 +30,7 @@ def test_staged_takes_m_or_k_major_activation_scales_and_k_major_weight_scales(m
         a, w.t(), torch.empty(m, 384, dtype=torch.bfloat16), None, scales, config=STAGED, programs=132)
     assert fp8_sm90.kernel_of(STAGED).fn.__name__ == "fp8_gemm_sm90_staged_kernel"
     assert grid == min(132, -(-m // 128) * 3) and options == {"num_warps": 4}
-    assert constexprs[-2] is (not a_m_major)  # SA_K_MAJOR: which of the two TMA boxes reads scale_a
-    assert constexprs[-1] is False  # DIRECT: the default stores through the store tiles
+    assert constexprs[-1] is (not a_m_major)  # SA_K_MAJOR: which of the two TMA boxes reads scale_a
 
 
 def _offset(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from tileweave.kernels.gemm_fp8_sm90 import (_drop_barriers, _epilogue, _finish, _operands, _outer, _ring_barriers,
+from tileweave.kernels.gemm_fp8_sm90 import (_drop_barriers, _finish, _operands, _outer, _ring_barriers,
                                              _step_scales, _tile_of, _tile_rows, _ws_loader)
 
 SB_BOX = gl.constexpr(32)
@@ -111,26 +111,10 @@ def _scaled(p, sa, sb, SCALING: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _tile_out(acc, c_desc, c_smem, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
-              stride_sam, stride_sbn, HALF: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-              DIRECT: gl.constexpr):
-    # This half's rows of a tile, stored from the registers (DIRECT) or through its store tile by TMA.
-    if DIRECT:
-        acc = _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_sam, stride_sbn, SCALING,
-                        HAS_BIAS)
-        mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        gl.store(c_ptr + offs_m.to(gl.int64)[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=mask)
-    else:
-        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
-                stride_sam, stride_sbn, SCALING, HAS_BIAS)
-
-
-@gluon.jit
-def _half_compute(c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr,
-                  bias_ptr, M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
+def _half_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                  stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, DIRECT: gl.constexpr):
+                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     # One warp group: rows HALF * BM/2 ... of each tile, each K step's product added once it is done.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,8 +153,8 @@ def _half_compute(c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, 
             acc += _scaled(p, sa, sb, SCALING, BN)
             steps += 1
             rounds += 1
-        _tile_out(acc, c_desc, c_smem, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M,
-                  N, stride_sam, stride_sbn, HALF, SCALING, HAS_BIAS, DIRECT)
+        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
 
 
@@ -187,26 +171,20 @@ def _out_tiles(c_ptr, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr):
 def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
                                 stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                DIRECT: gl.constexpr):
+                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The exact and blockwise modes on two MMA warp groups taking turns (module docstring); a buffer is
-    released when both have read it. ``DIRECT``: each half stores its rows from its registers, which
-    leaves the store tiles' shared memory to the operand buffers."""
+    released when both have read it."""
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
-    if DIRECT:  # no store tiles (the halves store from their registers)
-        c_desc = c_ptr
-        c_smem = c_ptr
-    else:
-        c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
+    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
     turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
-        (_half_compute, (c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr,
-                         bias_ptr, M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
-                         SCALING, HAS_BIAS, DIRECT)),
-        (_half_compute, (c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr,
-                         bias_ptr, M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
-                         SCALING, HAS_BIAS, DIRECT)),
+        (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
+                         M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
+                         SCALING, HAS_BIAS)),
+        (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
+                         M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
+                         SCALING, HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
@@ -272,10 +250,10 @@ def _staged_scale(sa_bufs, sb_bufs, steps, kb, at, pick, HALF: gl.constexpr, HM:
 
 
 @gluon.jit
-def _staged_compute(c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs,
-                    sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
+def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr, sb_ptr,
+                    bias_ptr, M, N, K, stride_sam, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, SA_K_MAJOR: gl.constexpr, DIRECT: gl.constexpr):
+                    HAS_BIAS: gl.constexpr, SA_K_MAJOR: gl.constexpr):
     # One warp group: rows HALF * BM/2 ... of each tile; each step's scales read from shared memory.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -317,8 +295,8 @@ def _staged_compute(c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1
             acc += p * scale
             steps += 1
             rounds += 1
-        _tile_out(acc, c_desc, c_smem, c_ptr, stride_cm, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M,
-                  N, stride_sam, stride_sbn, HALF, "block", HAS_BIAS, DIRECT)
+        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, "block", HAS_BIAS)
     tma.store_wait(0)
 
 
@@ -327,10 +305,9 @@ def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
                                 stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
                                 STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                SA_K_MAJOR: gl.constexpr, DIRECT: gl.constexpr):
+                                SA_K_MAJOR: gl.constexpr):
     """Blockwise scaling (``SCALING`` "block", ``BN`` and ``BK`` 128) on two MMA warp groups taking turns,
-    each step's scales in shared memory (module docstring); ``SA_K_MAJOR``: ``scale_a`` is K-major;
-    ``DIRECT`` as in ``fp8_gemm_sm90_halves_kernel``."""
+    each step's scales in shared memory (module docstring); ``SA_K_MAJOR``: ``scale_a`` is K-major."""
     gl.static_assert(SCALING == "block", "the staged kernel is for blockwise scaling")
     gl.static_assert(BN == 128 and BK == 128, "a tile is one 128 x 128 block of the weight's scales")
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
@@ -344,20 +321,16 @@ def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
         sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], plain)
     sb_desc = tma.make_tensor_descriptor(sb_ptr, [1, sb_len], [gl.cdiv(sb_len, 4) * 4, 1], [1, SB_BOX], plain)
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, SB_BOX], plain)
-    if DIRECT:  # no store tiles (the halves store from their registers)
-        c_desc = c_ptr
-        c_smem = c_ptr
-    else:
-        c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
+    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
     turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
-        (_staged_compute, (c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs,
-                           sb_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SA_K_MAJOR, DIRECT)),
-        (_staged_compute, (c_desc, c_smem, c_ptr, stride_cm, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs,
-                           sb_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SA_K_MAJOR, DIRECT)),
+        (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
+                           sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
+                           HAS_BIAS, SA_K_MAJOR)),
+        (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
+                           sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
+                           HAS_BIAS, SA_K_MAJOR)),
         (_staged_loader, (a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_bufs, sa_bufs, sb_bufs, M, N, K,
                           stride_sbn, BM, BN, BK, GROUP_M, STAGES, SA_K_MAJOR)),
     ], [4, 1], [232, 24])

@@ -84,10 +84,8 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     _, sbk, sbn = scales.b_strides
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
-    kernel = cfg.get("kernel", "plain")
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None, *((_sa_k_major(scales), ) if kernel == "staged" else ()),
-                  *((cfg.get("direct", False), ) if kernel in ("halves", "staged") else ()))
+                  bias is not None, *((_sa_k_major(scales), ) if cfg.get("kernel") == "staged" else ()))
     options = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {})}
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
