@@ -372,21 +372,18 @@ def hopper_fp8_launches() -> list[Launch]:
     halves = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 4, "kernel": "halves"}
     plain = {"BM": 128, "BN": 128, "BK": 128, "STAGES": 5, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     staged = dict(halves, STAGES=4, kernel="staged")
-    for scaling, fast, out, bias, config, a_major in (
-            ("tensorwise", False, torch.bfloat16, None, None, None),
-            ("rowwise", True, torch.bfloat16, None, None, None),
-            ("rowwise", False, torch.float32, torch.zeros(384), None, None),
-            ("blockwise", False, torch.float32, torch.zeros(384), None, None),
-            ("tensorwise", False, torch.bfloat16, None, halves, None),
-            ("blockwise", False, torch.bfloat16, None, plain, None),
-            ("blockwise", False, torch.float32, torch.zeros(384), staged, "m"),
-            ("blockwise", False, torch.bfloat16, None, dict(staged, STAGES=5), "k")):
+    for scaling, fast, out, bias, config in (("tensorwise", False, torch.bfloat16, None, None),
+                                             ("rowwise", True, torch.bfloat16, None, None),
+                                             ("rowwise", False, torch.float32, torch.zeros(384), None),
+                                             ("blockwise", False, torch.float32, torch.zeros(384), None),
+                                             ("tensorwise", False, torch.bfloat16, None, halves),
+                                             ("blockwise", False, torch.bfloat16, None, plain),
+                                             ("blockwise", False, torch.float32, torch.zeros(384), staged)):
         m, n, k = 256, 384, 512
         a, b = _fp8(m, k), _fp8(n, k).t()
         scale_a, scale_b = _fp8_scales(scaling, m, n, k)
-        if a_major is not None:  # the layouts the staged kernel's TMA reads: scale_a M- or K-major, scale_b K-major
-            a_m_major = scale_a.t().contiguous().t()
-            scale_a, scale_b = (a_m_major if a_major == "m" else a_m_major.contiguous()), scale_b.t().contiguous().t()
+        if config is not None and config["kernel"] == "staged":  # the layouts TMA reads: M- and K-major
+            scale_a, scale_b = scale_a.t().contiguous().t(), scale_b.t().contiguous().t()
         scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b, fast_accum=fast)
         config = config or fp8_sm90.config_for(scales, out, m, n, k)
         _, tensors, ints, constexprs, options = fp8_sm90.arguments(
@@ -396,8 +393,7 @@ def hopper_fp8_launches() -> list[Launch]:
         kwargs = (*zip(kernel.arg_names[len(args):], constexprs), *options.items())
         found.append(Launch(f"{kernel.fn.__module__}:{kernel.fn.__name__}",
                             tuple(map(_value, args)), tuple((key, _value(v)) for key, v in kwargs),
-                            f"matmul on sm_90, fp8 {scaling}{' fast' if fast else ''}, {out}"
-                            f"{f', scale_a {a_major}-major' if a_major else ''}"))
+                            f"matmul on sm_90, fp8 {scaling}{' fast' if fast else ''}, {out}"))
     return found
 
 

@@ -17,13 +17,13 @@ is a round of its own.
   warp groups load a round's blockwise scales from global memory after issuing its MMAs.
 * ``fp8_gemm_sm90_staged_kernel``: blockwise only, each step's scales brought into shared memory by the
   loader warp with the step's tiles, counted on the same barrier: the step's ``BM`` values of
-  ``scale_a`` (M-major, a column pitch of a multiple of 16 bytes; or, ``SA_K_MAJOR``, K-major with a
-  row pitch of a multiple of 16 bytes, four K blocks per row from the step's rounded down to 4) and 32
-  weight scales of the tile's 128-column block (K-major) from the step's, rounded down to a multiple of 4
-  (a box's first inner coordinate must sit on 16 bytes, and a 16-byte destination faults: the box is 128
-  bytes), of which the warp groups pick the step's. The weight scales are read as one row of their storage, so their row
-  pitch needs no alignment (a box that runs past a row reads the next row's scales, which no step uses).
-  The launcher (``ops.compute.fp8_sm90.staged_suits``) routes other layouts elsewhere.
+  ``scale_a`` (M-major, torch's layout, with a column pitch of a multiple of 16 bytes) and 32 weight
+  scales of the tile's 128-column block (K-major) from the step's, rounded down to a multiple of 4 (a
+  box's first inner coordinate must sit on 16 bytes, and a 16-byte destination faults: the box is 128
+  bytes), of which the warp groups pick the step's. The weight scales are read as one row of their
+  storage, so their row pitch needs no alignment (a box that runs past a row reads the next row's
+  scales, which no step uses). The launcher (``ops.compute.fp8_sm90.staged_suits``) routes other
+  layouts elsewhere: ``quantize``'s K-major ``scale_a`` to the first kernel.
 """
 
 from triton.experimental import gluon
@@ -198,7 +198,7 @@ def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
 @gluon.jit
 def _staged_loader(a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_bufs, sa_bufs, sb_bufs, M, N, K,
                    stride_sbn, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                   STAGES: gl.constexpr, SA_K_MAJOR: gl.constexpr):
+                   STAGES: gl.constexpr):
     # One warp: every K step's tiles and scales into the ring, each buffer once both halves released it.
     num_pid_m = gl.cdiv(M, BM)
     num_pid_n = gl.cdiv(N, BN)
@@ -215,35 +215,20 @@ def _staged_loader(a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_buf
             mbarrier.expect(bar, nbytes)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k * BK], bar, a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BN, k * BK], bar, b_bufs.index(s))
-            if SA_K_MAJOR:  # the tile's rows, four steps' scales from the step's rounded down to 4
-                tma.async_copy_global_to_shared(sa_desc, [pid_m * BM, k - k % 4], bar, sa_bufs.index(s))
-            else:
-                tma.async_copy_global_to_shared(sa_desc, [k, pid_m * BM], bar, sa_bufs.index(s))
+            tma.async_copy_global_to_shared(sa_desc, [k, pid_m * BM], bar, sa_bufs.index(s))
             at = ((pid_n * BN) // 128) * stride_sbn + k
             tma.async_copy_global_to_shared(sb_desc, [0, at - at % 4], bar, sb_bufs.index(s))
             loads += 1
 
 
 @gluon.jit
-def _staged_scale(sa_bufs, sb_bufs, steps, kb, at, pick, HALF: gl.constexpr, HM: gl.constexpr, BM: gl.constexpr,
-                  STAGES: gl.constexpr, SA_K_MAJOR: gl.constexpr, rows_layout: gl.constexpr,
-                  pick_layout: gl.constexpr):
-    # Step `steps`' (K block `kb`) scale of each of this half's rows, read from the step's buffers (before
-    # their release): scale_a of the rows times the weight scale at `at`, picked from the four loaded from
-    # `at` rounded down (K-major scale_a likewise from its four columns).
+def _staged_scale(sa_bufs, sb_bufs, steps, at, pick, HALF: gl.constexpr, HM: gl.constexpr, BM: gl.constexpr,
+                  STAGES: gl.constexpr, rows_layout: gl.constexpr, pick_layout: gl.constexpr):
+    # Step `steps`' scale of each of this half's rows, read from the step's buffers (before their
+    # release): scale_a of the rows times the weight scale at `at`, picked from the four loaded from `at`
+    # rounded down.
     s = steps % STAGES
-    if SA_K_MAJOR:
-        # Each thread holds the four columns of the rows it holds in the MMA's layout (so the picked column
-        # is already in `rows_layout`): registers the columns and row + 8, lanes 4 apart rows 1, 2, 4,
-        # warps rows 16, 32.
-        rows4: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HM, 4])
-        cols4 = gl.arange(0, 4, layout=gl.SliceLayout(0, rows4))[None, :]
-        four_a = sa_bufs.index(s).slice(HALF * HM, HM).load(rows4)
-        sa = gl.convert_layout(gl.sum(gl.where(cols4 == kb % 4, four_a, 0.0), axis=1), rows_layout)
-    else:
-        sa = sa_bufs.index(s).reshape((BM, )).slice(HALF * HM, HM).load(rows_layout)
+    sa = sa_bufs.index(s).reshape((BM, )).slice(HALF * HM, HM).load(rows_layout)
     four = sb_bufs.index(s).slice(0, 4, dim=1).load(pick_layout)
     sb = gl.sum(gl.sum(gl.where(pick == at % 4, four, 0.0), axis=1), axis=0)
     return (sa * sb)[:, None]
@@ -253,7 +238,7 @@ def _staged_scale(sa_bufs, sb_bufs, steps, kb, at, pick, HALF: gl.constexpr, HM:
 def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr, sb_ptr,
                     bias_ptr, M, N, K, stride_sam, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, SA_K_MAJOR: gl.constexpr):
+                    HAS_BIAS: gl.constexpr):
     # One warp group: rows HALF * BM/2 ... of each tile; each step's scales read from shared memory.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -275,10 +260,10 @@ def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, 
         acc = zero
         for ki in range(0, k_steps - 1, 2):
             p0, p1 = _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
-            scale0 = _staged_scale(sa_bufs, sb_bufs, steps, ki, at + ki, pick, HALF, HM, BM, STAGES, SA_K_MAJOR,
-                                   rows_layout, pick_layout)
-            scale1 = _staged_scale(sa_bufs, sb_bufs, steps + 1, ki + 1, at + ki + 1, pick, HALF, HM, BM, STAGES,
-                                   SA_K_MAJOR, rows_layout, pick_layout)
+            scale0 = _staged_scale(sa_bufs, sb_bufs, steps, at + ki, pick, HALF, HM, BM, STAGES, rows_layout,
+                                   pick_layout)
+            scale1 = _staged_scale(sa_bufs, sb_bufs, steps + 1, at + ki + 1, pick, HALF, HM, BM, STAGES, rows_layout,
+                                   pick_layout)
             p0, p1 = warpgroup_mma_wait(0, deps=(p0, p1))
             _release(empty, steps, STAGES)
             _release(empty, steps + 1, STAGES)
@@ -288,8 +273,8 @@ def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, 
             rounds += 1
         if k_steps % 2 == 1:
             p = _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF, HM, STAGES)
-            scale = _staged_scale(sa_bufs, sb_bufs, steps, k_steps - 1, at + k_steps - 1, pick, HALF, HM, BM,
-                                  STAGES, SA_K_MAJOR, rows_layout, pick_layout)
+            scale = _staged_scale(sa_bufs, sb_bufs, steps, at + k_steps - 1, pick, HALF, HM, BM, STAGES, rows_layout,
+                                  pick_layout)
             p = warpgroup_mma_wait(0, deps=(p, ))
             _release(empty, steps, STAGES)
             acc += p * scale
@@ -304,21 +289,16 @@ def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, 
 def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
                                 stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                SA_K_MAJOR: gl.constexpr):
+                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Blockwise scaling (``SCALING`` "block", ``BN`` and ``BK`` 128) on two MMA warp groups taking turns,
-    each step's scales in shared memory (module docstring); ``SA_K_MAJOR``: ``scale_a`` is K-major."""
+    each step's scales in shared memory (module docstring)."""
     gl.static_assert(SCALING == "block", "the staged kernel is for blockwise scaling")
     gl.static_assert(BN == 128 and BK == 128, "a tile is one 128 x 128 block of the weight's scales")
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
     plain: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     sb_len = (gl.cdiv(N, 128) - 1) * stride_sbn + gl.cdiv(K, BK)  # the weight scales as one row
-    if SA_K_MAJOR:
-        sa_desc = tma.make_tensor_descriptor(sa_ptr, [M, gl.cdiv(K, BK)], [stride_sam, 1], [BM, 4], plain)
-        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BM, 4], plain)
-    else:
-        sa_desc = tma.make_tensor_descriptor(sa_ptr, [gl.cdiv(K, BK), M], [stride_sak, 1], [1, BM], plain)
-        sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], plain)
+    sa_desc = tma.make_tensor_descriptor(sa_ptr, [gl.cdiv(K, BK), M], [stride_sak, 1], [1, BM], plain)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], plain)
     sb_desc = tma.make_tensor_descriptor(sb_ptr, [1, sb_len], [gl.cdiv(sb_len, 4) * 4, 1], [1, SB_BOX], plain)
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, SB_BOX], plain)
     c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
@@ -327,12 +307,12 @@ def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
     gl.warp_specialize([
         (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SA_K_MAJOR)),
+                           HAS_BIAS)),
         (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SA_K_MAJOR)),
+                           HAS_BIAS)),
         (_staged_loader, (a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_bufs, sa_bufs, sb_bufs, M, N, K,
-                          stride_sbn, BM, BN, BK, GROUP_M, STAGES, SA_K_MAJOR)),
+                          stride_sbn, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
     mbarrier.invalidate(turn0)

@@ -37,9 +37,9 @@ def config_for(scales: Scales, out_dtype: torch.dtype, m: int, n: int, k: int) -
     scaling on the kernel with a loader warp (``maxnreg``: eight MMA warps and a loader warp within the
     register file; three live register tiles, the sum, the product being added and the next one in
     flight); blockwise on the two-half kernels (one product per warp group and K step, so its scales fit
-    in registers): the staged one where TMA can read the scales (``staged_suits``; 5 buffers, 4 with a
-    float32 output, whose store tiles take the fifth's shared memory), else the one whose warp groups
-    load them."""
+    in registers): the staged one where TMA can read the scales (``staged_suits``: torch's layouts; 5
+    buffers, 4 with a float32 output, whose store tiles take the fifth's shared memory), else the one
+    whose warp groups load them (``quantize``'s K-major activation scales among them)."""
     if scales.kernel_mode == "outer_fast" and out_dtype != torch.float32:
         return {"BM": 128, "BN": 256, "BK": 128, "STAGES": 3, "GROUP_M": 8, "num_warps": 8, "kernel": "plain"}
     if scales.kernel_mode == "outer":
@@ -69,9 +69,8 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     has one."""
     cfg = config or config_for(scales, c.dtype, a.shape[0], b.shape[1], a.shape[1])
     if cfg.get("kernel") == "staged" and not staged_suits(scales):
-        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major or K-major (the "
-                         "other dimension's pitch a multiple of 16 bytes) and scale_b K-major, on 16-byte aligned "
-                         "storage: "
+        raise ValueError("the 'staged' FP8 kernel takes blockwise scales with scale_a M-major (a column pitch "
+                         "of a multiple of 16 bytes) and scale_b K-major, on 16-byte aligned storage: "
                          f"got scale_a strides {scales.a_strides}, scale_b strides {scales.b_strides[1:]}")
     if cfg.get("kernel", "plain") != "plain" and scales.kernel_mode == "outer_fast":
         raise ValueError(f"the {cfg['kernel']!r} FP8 kernel sums each K step in fp32: it takes exact and "
@@ -85,28 +84,22 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None, *((_sa_k_major(scales), ) if cfg.get("kernel") == "staged" else ()))
+                  bias is not None)
     options = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {})}
     # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
 
 
 def staged_suits(scales: Scales) -> bool:
-    """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_b``
-    K-major (any pitch), ``scale_a`` M-major (torch's layout) or K-major (``quantize``'s), its other
-    dimension's pitch a multiple of 16 bytes, both 16-byte aligned."""
+    """Whether the staged kernel (``kernel_of``) can bring these scales in by TMA: blockwise, ``scale_a``
+    M-major with a column pitch of a multiple of 16 bytes, ``scale_b`` K-major (any pitch), both 16-byte
+    aligned (torch's blockwise scaled matmul takes the same layouts)."""
     if scales.kernel_mode != "block":
         return False
     sam, sak = scales.a_strides
     _, sbk, _ = scales.b_strides
-    a_ok = (sam == 1 and (sak * 4) % 16 == 0) or (sak == 1 and (sam * 4) % 16 == 0)
-    return a_ok and sbk == 1 and scales.a.data_ptr() % 16 == 0 and scales.b.data_ptr() % 16 == 0
-
-
-def _sa_k_major(scales: Scales) -> bool:
-    # Which of the staged kernel's two scale_a layouts (M-major where both hold: a single row or column).
-    sam, sak = scales.a_strides
-    return sam != 1 and sak == 1
+    return (sam == 1 and sbk == 1 and (sak * 4) % 16 == 0 and scales.a.data_ptr() % 16 == 0
+            and scales.b.data_ptr() % 16 == 0)
 
 
 def kernel_of(config: dict):
