@@ -11,7 +11,8 @@ its GEMMs, on one GPU (world size 1, Llama-3-70B widths, M tokens).
    recipe's scalings and accumulation, ``tileweave.matmul`` against torch's scaled matmul, and bf16
    ``torch.mm``.
 
-Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_block_parts.py OUT [M]``."""
+Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_block_parts.py OUT [M [RECIPES [PARTS]]]`` (RECIPES
+comma-separated, all three by default; PARTS ``quantize``, ``gemm`` or both, the default)."""
 import json
 import sys
 
@@ -68,13 +69,13 @@ def record_step(recipe, x, target, batch):
     return calls
 
 
-def quantize_part(m):
+def quantize_part(m, recipes=("tensorwise", "rowwise", "blockwise")):
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(m, CONFIG["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
     target = torch.randn(m, CONFIG["hidden"], device="cuda", dtype=torch.bfloat16, generator=gen)
     real_tiles = quantize_mod.tiles_of
     rows, per_kind = [], {}
-    for name in ("tensorwise", "rowwise", "blockwise"):
+    for name in recipes:
         calls = record_step(getattr(Float8Recipe, name)(), x, target, max(1, m // 4096))
         for t, granularity, kw in calls:
             group = quantize_mod._GROUP[granularity]
@@ -160,17 +161,19 @@ def gemm_part(m):
     return rows
 
 
-def probe(rank, world, out, m):
+def probe(rank, world, out, m, recipes, parts):
     torch.cuda.set_device(rank)
-    q_rows, best = quantize_part(m)
+    q_rows, best = quantize_part(m, recipes) if "quantize" in parts else ([], {})
     with open(f"{out}/quantize_tiles.json", "w") as fh:
         json.dump(best, fh, indent=1)
-    g_rows = gemm_part(m)
+    g_rows = gemm_part(m) if "gemm" in parts else []
     with open(f"{out}/fp8_block_parts.json", "w") as fh:
         json.dump({"quantize": q_rows, "best_tiles": best, "gemm": g_rows}, fh, indent=1)
     dist.barrier()
 
 
 if __name__ == "__main__":
-    run_ranks(1, probe, sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8192, gpus=True,
+    run_ranks(1, probe, sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8192,
+              tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ("tensorwise", "rowwise", "blockwise"),
+              tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ("quantize", "gemm"), gpus=True,
               heap_bytes=64 << 20)

@@ -143,24 +143,30 @@ def test_bfloat16_input_and_a_given_scale():
     assert torch.equal(again.data.view(torch.uint8), first.data.t().contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("scaling,transpose,granularity", [
-    ("tensorwise", True, "tensorwise"),
-    ("rowwise", True, "rowwise"),
-    ("blockwise", True, "blockwise_128x128"),
-    ("blockwise", False, "blockwise_1x128"),
+@pytest.mark.parametrize("scaling,transpose,granularity,rows,cols", [
+    ("tensorwise", True, "tensorwise", 128, 256),
+    ("rowwise", True, "rowwise", 128, 256),
+    ("rowwise", False, "blockwise_1x128", 200, 384),
+    ("blockwise", True, "blockwise_128x128", 128, 256),
+    ("blockwise", True, "blockwise_128x128", 320, 256),
+    ("blockwise", True, "blockwise_1x128", 200, 512),
+    ("blockwise", False, "blockwise_1x128", 128, 256),
+    ("blockwise", False, "rowwise", 136, 384),
 ])
-def test_requantize_a_float8_operand(scaling, transpose, granularity):
+def test_requantize_a_float8_operand(scaling, transpose, granularity, rows, cols):
     # A gathered float8 operand with its row scales (one element, [R, 1] or [R, C/128]) quantized again:
-    # x8 * x_scale in float32, then the reference.
-    gen = _gen("requant", scaling, transpose)
-    rows, cols = 128, 256
+    # x8 * x_scale in float32, then the reference. The input's scales are one per tile, per row or per
+    # column of a tile (read once per row or column), or vary within a row of a tile (the rowwise cast
+    # walks a row 256 columns at a time in the interpreter: two 1 x 128 scales), over several tiles and
+    # off their edges.
+    gen = _gen("requant", scaling, transpose, rows)
     x = _data(gen, rows, cols)
     first = quantize(x, {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}[scaling])
-    got = quantize(first.data, granularity, transpose=transpose, x_scale=first.scale, pad=granularity != "tensorwise"
-                   and granularity != "rowwise")
+    pad = granularity.startswith("blockwise")
+    got = quantize(first.data, granularity, transpose=transpose, x_scale=first.scale, pad=pad)
     s = first.scale if scaling != "blockwise" else first.scale.repeat_interleave(128, 1)
     dequantized = first.data.float() * s
-    assert _same(got, reference(dequantized.t() if transpose else dequantized, granularity, E4M3))
+    assert _same(got, reference(dequantized.t() if transpose else dequantized, granularity, E4M3, pad=pad))
 
 
 def test_quantized_operands_feed_matmul():

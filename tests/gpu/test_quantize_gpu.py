@@ -53,3 +53,62 @@ def test_given_row_amaxes_gpu():
     got = quantize(x, "rowwise", amax=x.abs().amax(1))
     assert torch.equal(got.scale, scale[0])
     assert int((got.data.view(torch.uint8) != q[0].view(torch.uint8)).sum()) == 0
+
+
+MAX = {E4M3: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _reference_2d(x: torch.Tensor, granularity: str, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of float32 ``x [R, C]`` (C a multiple of 128 for blocks, R too for 128 x 128) by torch."""
+    r, c = x.shape
+    top = torch.full((), MAX[dtype], device=x.device)
+    if granularity == "tensorwise":
+        each = scale = x.abs().amax().clamp(min=1e-12) / top
+    elif granularity == "rowwise":
+        each = scale = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / top
+    elif granularity == "blockwise_1x128":
+        scale = x.view(r, c // 128, 128).abs().amax(2).clamp(min=1e-12) / top
+        each = scale.repeat_interleave(128, 1)
+    else:
+        scale = x.view(r // 128, 128, c // 128, 128).abs().amax((1, 3)).clamp(min=1e-12) / top
+        each = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return (x / each).clamp(-MAX[dtype], MAX[dtype]).to(dtype), scale
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "blockwise_1x128", "blockwise_128x128"])
+@pytest.mark.parametrize("dtype", [E4M3, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["as-is", "transposed"])
+def test_quantize_rounds_as_torch_casts_gpu(granularity, dtype, transpose):
+    # Every granularity and format, read as it is or transposed, against torch's cast bit for bit: rows
+    # of magnitudes 2^-30 .. 2^10 (values down in float8's subnormals and below), one all-zero row.
+    gen = torch.Generator(device="cuda").manual_seed(len(granularity) + 7 * transpose)
+    r, c = 1024, 1536
+    x = torch.randn(r, c, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-30, 11, (r, 1), device="cuda", generator=gen).float())
+    x[5] = 0
+    x = x.bfloat16()
+    got = quantize(x.t() if transpose else x, granularity, dtype=dtype, transpose=transpose)
+    q, scale = _reference_2d(x.float(), granularity, dtype)
+    assert torch.equal(got.scale.reshape(scale.shape), scale)
+    assert int((got.data.view(torch.uint8) != q.view(torch.uint8)).sum()) == 0
+
+
+@pytest.mark.parametrize("first,transpose,granularity", [
+    ("tensorwise", True, "tensorwise"), ("rowwise", True, "rowwise"), ("rowwise", False, "blockwise_1x128"),
+    ("blockwise_1x128", True, "blockwise_128x128"), ("blockwise_1x128", True, "blockwise_1x128"),
+    ("blockwise_1x128", False, "rowwise")])
+def test_requantize_float8_gpu(first, transpose, granularity):
+    # A float8 operand with its scales (one, per row, per 1 x 128 block) quantized again, on the tiles
+    # the GPU takes (the input's scales read once per tile, row or column, or per element): against
+    # torch's reductions and cast of the dequantized values.
+    gen = torch.Generator(device="cuda").manual_seed(len(first) + len(granularity) + transpose)
+    r, c = 1024, 1536
+    x = torch.randn(r, c, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-8, 9, (r, 1), device="cuda", generator=gen).float())
+    q8, s8 = quantize(x, first)
+    got = quantize(q8, granularity, transpose=transpose, x_scale=s8)
+    each = s8.repeat_interleave(128, 1) if first == "blockwise_1x128" else s8
+    deq = q8.float() * each
+    q, scale = _reference_2d(deq.t() if transpose else deq, granularity, E4M3)
+    assert torch.equal(got.scale.reshape(scale.shape), scale)
+    assert int((got.data.view(torch.uint8) != q.view(torch.uint8)).sum()) == 0

@@ -29,15 +29,20 @@ multiple of 128 for a blockwise operand whose contraction dimension, the tokens,
 ``X`` may come with scales of its own (``DEQUANT``): ``x = X[r, c] * in_scale[r // IN_GR, c // IN_GC]``
 is quantized again in the new groups (a gathered float8 operand requantized for another GEMM).
 
-The cast rounds in float32 arithmetic to the float8 grid (ties to even, subnormals included) before
-converting, so the conversion itself is exact: the result is the same on every GPU and in Triton's
-interpreter, whose own float8 conversion rounds differently.
+The cast rounds to nearest even, subnormals included: on a GPU by the hardware's conversion; in Triton's
+interpreter, whose own float8 conversion rounds differently, in float32 arithmetic to the float8 grid
+first, so that the conversion itself is exact and gives the GPU's bits.
 """
+
+import os
 
 import triton
 import triton.language as tl
 
 EPS = tl.constexpr(1e-12)
+ROUND_IN_ARITHMETIC = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+"""Round to the float8 grid in float32 arithmetic before converting (in the interpreter: Triton fixes
+its mode at import, as this does)."""
 """The floor of an amax (torchao's), so that an all-zero group gets a finite scale."""
 
 
@@ -66,19 +71,37 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
-          DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr):
-    """The tile ``X[offs_r, offs_c]`` as float32 (zeros outside ``[R, C]``), times its scales if ``DEQUANT``."""
+def _load(x_ptr, in_scale_ptr, offs_r, offs_c, r0, c0, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
+          DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr, IN_ALONG: tl.constexpr = "each"):
+    """The tile ``X[offs_r, offs_c]`` (its first row and column ``r0``, ``c0``) as float32 (zeros outside
+    ``[R, C]``), times its scales if ``DEQUANT``. ``IN_ALONG``: how the input's scales vary over the tile
+    (the launcher knows from their groups and the tile): ``"one"`` a single scale, ``"row"`` one per row
+    (the tile's columns within one group), ``"col"`` one per column (its rows within one group),
+    ``"each"`` any (one load per element)."""
     mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
-    return _load_rows(x_ptr, in_scale_ptr, offs_r.to(tl.int64), offs_c, mask, stride_xr, stride_xc, stride_ir,
-                      stride_ic, DEQUANT, IN_GR, IN_GC)
+    r64 = offs_r.to(tl.int64)
+    if DEQUANT and IN_ALONG != "each":
+        x = tl.load(x_ptr + r64[:, None] * stride_xr + offs_c.to(tl.int64)[None, :] * stride_xc, mask=mask,
+                    other=0.0).to(tl.float32)
+        if IN_ALONG == "one":
+            return x * tl.load(in_scale_ptr)
+        elif IN_ALONG == "row":  # the group of the tile's first column holds them all
+            s = tl.load(in_scale_ptr + (r64 // IN_GR) * stride_ir + (c0 // IN_GC) * stride_ic, mask=offs_r < R,
+                        other=0.0)
+            return x * s[:, None]
+        else:
+            s = tl.load(in_scale_ptr + (r0 // IN_GR).to(tl.int64) * stride_ir + (offs_c // IN_GC) * stride_ic,
+                        mask=offs_c < C, other=0.0)
+            return x * s[None, :]
+    return _load_rows(x_ptr, in_scale_ptr, r64, offs_c, mask, stride_xr, stride_xc, stride_ir, stride_ic,
+                      DEQUANT, IN_GR, IN_GC)
 
 
 @triton.jit
 def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, stride_ir, stride_ic,
                DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr):
-    """The tile ``X[rows, offs_c]`` (int64 row indices) as float32, zeros outside ``mask``, times its scales
-    if ``DEQUANT``."""
+    """The tile ``X[rows, offs_c]`` (int64 row indices) as float32, zeros outside ``mask``, times its scales if
+    ``DEQUANT`` (one load per element)."""
     r64 = rows[:, None]
     c64 = offs_c.to(tl.int64)[None, :]
     x = tl.load(x_ptr + r64 * stride_xr + c64 * stride_xc, mask=mask, other=0.0).to(tl.float32)
@@ -92,7 +115,10 @@ def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, st
 def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-    q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
+    if ROUND_IN_ARITHMETIC:
+        q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
+    else:
+        q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
     tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
              mask=mask)
@@ -101,7 +127,7 @@ def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
 @triton.jit
 def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xb, stride_xr, stride_xc, stride_ir, stride_ic,
                 BR: tl.constexpr, BC: tl.constexpr, DEQUANT: tl.constexpr, IN_GR: tl.constexpr,
-                IN_GC: tl.constexpr, PER_ROW: tl.constexpr = False):
+                IN_GC: tl.constexpr, PER_ROW: tl.constexpr = False, IN_ALONG: tl.constexpr = "each"):
     """``amax_ptr[0] = max(amax_ptr[0], max |X|)`` over this program's ``BR x BC`` tile, or with
     ``PER_ROW`` ``amax_ptr[b * R + r] = max(amax_ptr[b * R + r], max |X[b, r, :]|)`` for each of its rows
     (``amax_ptr`` starts at zero; ``b``: the matrix, the grid's third dimension)."""
@@ -109,8 +135,8 @@ def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xb, stride_xr, strid
     x_ptr += pid_b * stride_xb
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
-              DEQUANT, IN_GR, IN_GC)
+    x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, tl.program_id(0) * BR, tl.program_id(1) * BC, R, C,
+              stride_xr, stride_xc, stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC, IN_ALONG)
     if PER_ROW:
         tl.atomic_max(amax_ptr + pid_b * R + offs_r, tl.max(tl.abs(x), axis=1), mask=offs_r < R)
     else:
@@ -122,7 +148,8 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
                     stride_sb, stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc, stride_sr, stride_sc,
                     GROUP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr,
                     MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr,
-                    IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr):
+                    IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr,
+                    IN_ALONG: tl.constexpr = "each"):
     """``Q [R, C_out]`` and the scales of ``X [R, C]``'s groups (module docstring). The grid: row
     blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all) by
     matrices. ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is
@@ -137,21 +164,21 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
     if GROUP == "row":
         amax = tl.zeros((BR,), dtype=tl.float32)
         for c in range(0, C, BC):
-            x = _load(x_ptr, in_scale_ptr, offs_r, c + tl.arange(0, BC), R, C, stride_xr, stride_xc,
-                      stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC)
+            x = _load(x_ptr, in_scale_ptr, offs_r, c + tl.arange(0, BC), pid_r * BR, c, R, C, stride_xr, stride_xc,
+                      stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC, IN_ALONG)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = _scale_of(amax, FP8_MAX, POW2)
         for c in range(0, C_out, BC):
             offs_c = c + tl.arange(0, BC)
-            x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
-                      DEQUANT, IN_GR, IN_GC)
+            x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, pid_r * BR, c, R, C, stride_xr, stride_xc, stride_ir,
+                      stride_ic, DEQUANT, IN_GR, IN_GC, IN_ALONG)
             _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                         FP8_MAX, MANT, MIN_EXP)
         tl.store(scale_ptr + offs_r * stride_sr, scale, mask=offs_r < R)
     else:
         offs_c = pid_c * BC + tl.arange(0, BC)
-        x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, R, C, stride_xr, stride_xc, stride_ir, stride_ic,
-                  DEQUANT, IN_GR, IN_GC)
+        x = _load(x_ptr, in_scale_ptr, offs_r, offs_c, pid_r * BR, pid_c * BC, R, C, stride_xr, stride_xc,
+                  stride_ir, stride_ic, DEQUANT, IN_GR, IN_GC, IN_ALONG)
         if GROUP == "tensor":
             if SCALE_GIVEN:
                 scale = tl.load(tensor_ptr)

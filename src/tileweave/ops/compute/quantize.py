@@ -137,7 +137,8 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
         # the rows are strided columns (an amax pass over tiles, then the cast), or their amax is given
         group = "row_amax"
     br, bc, warps = tiles_of(group, *strides, interpreter=interp)
-    switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1])
+    switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1],
+                    IN_ALONG=_in_along(in_strides, in_groups, br, bc))
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
         tensor = scale if amax is None else amax
         if group in ("tensor", "row_amax") and tensor is None:
@@ -154,6 +155,19 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
             GROUP=group, BR=br, BC=bc, FP8_MAX=fp8_max, MANT=mant, MIN_EXP=min_exp, POW2=bool(power_of_two),
             SCALE_GIVEN=scale is not None, num_warps=warps, **switches)
     return Quantized(data, out_scale)
+
+
+def _in_along(strides: tuple[int, int], groups: tuple[int, int], br: int, bc: int) -> str:
+    """How an input's scales (``strides`` and ``groups`` per row and column, in the orientation read) vary
+    over a ``br x bc`` tile that starts on a multiple of its size: ``"one"`` (a single scale), ``"row"``
+    (one per row: every tile's columns lie in one group), ``"col"`` (one per column: its rows lie in one
+    group), else ``"each"``."""
+    (stride_r, stride_c), (group_r, group_c) = strides, groups
+    if stride_r == stride_c == 0:
+        return "one"
+    if stride_c == 0 or group_c % bc == 0:
+        return "row"
+    return "col" if stride_r == 0 or group_r % br == 0 else "each"
 
 
 def _across(stride_xr: int, stride_xc: int) -> bool:
