@@ -112,12 +112,37 @@ def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, st
 
 
 @triton.jit
+def _reciprocal(scale):
+    """``1 / scale``, correctly rounded: what ``_cast_scaled`` divides by on a GPU (computed once per scale,
+    on its own shape, before it is broadcast over the tile)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    """Store ``x / scale`` cast to float8 (``scale``: one, ``[BR, 1]`` or ``[1, BC]``)."""
+    _cast_scaled(q_ptr, x, scale, _reciprocal(scale), offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT,
+                 MIN_EXP)
+
+
+@triton.jit
+def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Store ``x / scale`` (``recip``: ``_reciprocal(scale)``) cast to float8, rounded to nearest even. On a
+    GPU the quotient comes from the reciprocal and two FMA corrections, each exact in its remainder,
+    which give the correctly rounded quotient (Markstein's theorem; the form of CUDA's own ``div.rn``
+    fast path, here without its per-element reciprocal and range check: ``|x| <= amax``, so the
+    quotient stays within the format's range and its remainder far from float32's underflow wherever
+    it could round to a nonzero float8); the conversion saturates at the format's largest finite
+    value, as the clamp does."""
     if ROUND_IN_ARITHMETIC:
+        y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
     else:
+        y = x * recip
+        y = tl.fma(tl.fma(-y, scale, x), recip, y)
+        y = tl.fma(tl.fma(-y, scale, x), recip, y)
         q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
     tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
