@@ -111,6 +111,18 @@ def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, st
     return x
 
 
+_QUOTIENT = tl.constexpr("""{
+    .reg .f32 y, e;
+    mul.rn.f32 y, $1, $3;
+    fma.rn.f32 e, y, $2, $1;
+    fma.rn.f32 y, e, $3, y;
+    fma.rn.f32 e, y, $2, $1;
+    fma.rn.f32 $0, e, $3, y;
+}""")
+"""PTX of ``x / s`` from ``$1 = x``, ``$2 = -s`` and ``$3 = 1 / s``: ``y = x * (1 / s)``, corrected twice by
+the exact remainder ``x - y * s`` (``_cast_scaled``)."""
+
+
 @triton.jit
 def _reciprocal(scale):
     """``1 / scale``, correctly rounded: what ``_cast_scaled`` divides by on a GPU (computed once per scale,
@@ -135,14 +147,15 @@ def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, st
     fast path, here without its per-element reciprocal and range check: ``|x| <= amax``, so the
     quotient stays within the format's range and its remainder far from float32's underflow wherever
     it could round to a nonzero float8); the conversion saturates at the format's largest finite
-    value, as the clamp does."""
+    value, as the clamp does. The quotient is written in PTX (``_QUOTIENT``): in Triton's own ops the
+    compiler fused the product that made ``x`` (a dequantized value) into the remainder's FMA, which
+    leaves the remainder inexact and the quotient off by a rounding."""
     if ROUND_IN_ARITHMETIC:
         y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
     else:
-        y = x * recip
-        y = tl.fma(tl.fma(-y, scale, x), recip, y)
-        y = tl.fma(tl.fma(-y, scale, x), recip, y)
+        y = tl.inline_asm_elementwise(_QUOTIENT, "=f,f,f,f", [x, -scale, recip], dtype=tl.float32, is_pure=True,
+                                      pack=1)
         q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
     tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
