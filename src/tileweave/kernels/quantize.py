@@ -117,10 +117,12 @@ _QUOTIENT = tl.constexpr("""{
     fma.rn.f32 e, y, $2, $1;
     fma.rn.f32 y, e, $3, y;
     fma.rn.f32 e, y, $2, $1;
-    fma.rn.f32 $0, e, $3, y;
+    fma.rn.f32 y, e, $3, y;
+    copysign.f32 $0, $1, y;
 }""")
 """PTX of ``x / s`` from ``$1 = x``, ``$2 = -s`` and ``$3 = 1 / s``: ``y = x * (1 / s)``, corrected twice by
-the exact remainder ``x - y * s`` (``_cast_scaled``)."""
+the exact remainder ``x - y * s`` (``_cast_scaled``), then given ``x``'s sign (a correction turns the
+quotient of -0 into +0; elsewhere the sign is already ``x``'s, as ``s > 0``)."""
 
 
 @triton.jit
@@ -147,9 +149,9 @@ def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, st
     fast path, here without its per-element reciprocal and range check: ``|x| <= amax``, so the
     quotient stays within the format's range and its remainder far from float32's underflow wherever
     it could round to a nonzero float8); the conversion saturates at the format's largest finite
-    value, as the clamp does. The quotient is written in PTX (``_QUOTIENT``): in Triton's own ops the
-    compiler fused the product that made ``x`` (a dequantized value) into the remainder's FMA, which
-    leaves the remainder inexact and the quotient off by a rounding."""
+    value, as the clamp does. The quotient is written in PTX (``_QUOTIENT``), so that no product that
+    made ``x`` is fused into the remainder's FMA, and takes ``x``'s sign (-0 stays -0, as torch's
+    division keeps it)."""
     if ROUND_IN_ARITHMETIC:
         y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
