@@ -40,10 +40,10 @@ import triton
 import triton.language as tl
 
 EPS = tl.constexpr(1e-12)
+"""The floor of an amax (torchao's), so that an all-zero group gets a finite scale."""
 ROUND_IN_ARITHMETIC = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 """Round to the float8 grid in float32 arithmetic before converting (in the interpreter: Triton fixes
 its mode at import, as this does)."""
-"""The floor of an amax (torchao's), so that an all-zero group gets a finite scale."""
 
 
 @triton.jit
