@@ -4,9 +4,9 @@ summed into kinds (the GEMMs, quantization, attention, norms and elementwise, th
 step's time with CUDA events. Prints a table; writes block_profile.json to argv[1]. Run by hand:
 ``PYTHONPATH=src python3 bench/probes/fp8_block_profile.py OUT [RECIPES [MODEL [TOKENS]]]``
 (RECIPES comma-separated from bf16, tensorwise, rowwise, blockwise; the suffix ``-fast`` accumulates the
-backward GEMMs on the tensor cores; ``@torch``, e.g. ``blockwise@torch``: the same FP8 block on NCCL and torch's
-scaled matmul, the ``block`` section's ``torch`` variant). ``fwd_bwd_ms``: forward + backward alone (no optimizer, gradients
-set to None first), as the benchmark's block section times it. With ``TILEWEAVE_PROBE_TILES`` naming a
+backward GEMMs on the tensor cores; ``@torch``, e.g. ``blockwise@torch``: the same FP8 block on NCCL and
+torch's scaled matmul, the ``block`` section's ``torch`` variant). ``fwd_bwd_ms``: forward + backward
+alone (no optimizer, gradients set to None first), as the benchmark's block section times it. With ``TILEWEAVE_PROBE_TILES`` naming a
 ``quantize_tiles.json`` of ``fp8_block_parts.py``, the quantize launches take its best tiles."""
 import dataclasses
 import json

@@ -7,7 +7,8 @@ not, next to torch's scaled matmul and the default route (``matmul``), all on th
 output): "turns", blockwise (1 x 128 activation blocks, 128 x 128 weight blocks) on the two-half kernel
 with 128 x 128 and 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1
 issuing once half 0 has issued rather than completed; two K steps per turn); "routes", "kmajor",
-"exact" (``variants``): the library's kernels on 4 and 5 buffers, blockwise with either ``scale_a``
+"exact" (``variants``): the library's kernels on 4 and 5 buffers, and on 6 with each half storing its
+rows in two column halves (``split``: store tiles of half the size), blockwise with either ``scale_a``
 layout, and tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
 before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
 rounds, each in a rotated order, and the median of the rounds is reported; two seconds of bf16 GEMMs
@@ -47,7 +48,8 @@ def _variant(a8, w8, scales, out, bn, stages, turn, pair):
     cfg = _config(bn, stages)
     grid, tensors, ints, constexprs, options = fp8_sm90.arguments(
         a8, w8.t(), out, None, scales, config=cfg, programs=torch.cuda.get_device_properties(0).multi_processor_count)
-    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs, turn, pair, **options)
+    # The library kernel's last constexpr (SPLIT) left out: the variant stores whole half tiles.
+    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs[:-1], turn, pair, **options)
 
 
 def variants(m, n, k, which):
@@ -57,13 +59,17 @@ def variants(m, n, k, which):
     with ``scale_a`` K-major (``quantize``'s layout; torch gets its own M-major copy); "exact":
     tensorwise and rowwise with each K step summed in fp32, the default route (the loader-warp kernel)
     against the two-half kernel's turns."""
+    split = {"halves_s6_split": dict(_config(128, 6), split=2),
+             "staged_s6_split": dict(_config(128, 6, "staged"), split=2)}
     if which == "kmajor":  # the staged kernel reads M-major scale_a only (since it lost on K-major ones)
-        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
+                "halves_s6_split": split["halves_s6_split"]}
     if which == "routes":
         return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5), "staged_s4": (128, 4, "staged"),
-                "staged_s5": (128, 5, "staged"), "one_step_done": (128, 4, "done", False)}
+                "staged_s5": (128, 5, "staged"), **split}
     if which == "exact":
-        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
+                "halves_s6_split": split["halves_s6_split"]}
     out = {"route": None, "h128s4": (128, 4), "h64s6": (64, 6), "h64s8": (64, 8)}
     for turn in ("done", "issued"):
         for pair in (False, True):
@@ -91,6 +97,8 @@ def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
         if v is None:
             calls[name] = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                    out=out)
+        elif isinstance(v, dict):
+            calls[name] = lambda v=v: _library(a8, w8, scales, out, v)
         elif len(v) <= 3:
             calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
         else:
