@@ -10,11 +10,12 @@ executed per PC, 261 all samples, then each stall reason and its "not issued" tw
 (checked: the reasons' samples add up to 261's on every kernel of the report). Another Nsight Compute
 version may number them differently: the check below fails loudly then.
 
-Run on this machine: ``python3 bench/probes/ncu_stalls.py REPORT.ncu-rep KERNEL_SUBSTRING [SASS]`` where
+Run on this machine: ``python3 bench/probes/ncu_stalls.py REPORT.ncu-rep[.gz] KERNEL_SUBSTRING [SASS]`` where
 SASS is ``nvdisasm -c`` of the same kernel compiled here for sm_90 (``support.gpu_compile`` with the
 probe's config): each sampled PC is then shown with its instruction (offsets from the lowest executed
 PC), and every mbarrier wait, named barrier and warp-group MMA wait with its samples. Prints; writes
 nothing."""
+import gzip
 import re
 import struct
 import sys
@@ -59,8 +60,8 @@ def _fields(b: bytes) -> list[tuple[int, object]]:
 
 
 def results(path: str) -> list[bytes]:
-    """The report's top-level messages."""
-    data = open(path, "rb").read()
+    """The report's top-level messages (``path`` may be gzipped: ``.gz``)."""
+    data = (gzip.open if path.endswith(".gz") else open)(path, "rb").read()
     if data[:3] != b"NVR":
         raise ValueError(f"{path} is not an Nsight Compute report")
     blocks, i = [], 10
