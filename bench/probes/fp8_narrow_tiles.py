@@ -1,13 +1,10 @@
-"""FP8 GEMM on the Hopper kernels, the `gemm` suite's weakest blockwise rows: narrower tiles, and how the
-two warp groups of the two-half kernel take turns.
+"""FP8 GEMM on the Hopper kernels, the `gemm` suite's weakest blockwise rows: the two-half kernels' buffers
+and store tiles against the default route.
 
-Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [turns|routes|kmajor|exact]``.
+Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [routes|kmajor|exact]``.
 For suite shapes where 128 x 128 tiles leave part of the last wave of SMs idle, and a few where they do
 not, next to torch's scaled matmul and the default route (``matmul``), all on the same inputs (bf16
-output): "turns", blockwise (1 x 128 activation blocks, 128 x 128 weight blocks) on the two-half kernel
-with 128 x 128 and 128 x 64 tiles (several buffer counts) and the variants of ``halves_turns.py`` (half 1
-issuing once half 0 has issued rather than completed; two K steps per turn); "routes", "kmajor",
-"exact" (``variants``): the library's kernels on 4 and 5 buffers, and on 6 with each half storing its
+output); "routes", "kmajor", "exact" (``variants``): the library's kernels on 4 and 5 buffers, and on 6 with each half storing its
 rows in two column halves (``split``: store tiles of half the size), blockwise with either ``scale_a``
 layout, and tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
 before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
@@ -24,7 +21,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import tileweave  # noqa: E402
 from fp8_accum import _err, _ms  # noqa: E402
-from halves_turns import halves_variant_kernel  # noqa: E402
 from tileweave.bench.fp8 import quantize_rows, quantize_weight, torch_scaled_mm  # noqa: E402
 from tileweave.ops.compute import fp8_sm90, scaling as scaling_mod  # noqa: E402
 from tileweave.runtime import triton_launch  # noqa: E402
@@ -44,21 +40,11 @@ def _library(a8, w8, scales, out, config):
     fp8_sm90.launch(a8, w8.t(), out, None, scales, config=config)
 
 
-def _variant(a8, w8, scales, out, bn, stages, turn, pair):
-    cfg = _config(bn, stages)
-    grid, tensors, ints, constexprs, options = fp8_sm90.arguments(
-        a8, w8.t(), out, None, scales, config=cfg, programs=torch.cuda.get_device_properties(0).multi_processor_count)
-    # The library kernel's last constexpr (SPLIT) left out: the variant stores whole half tiles.
-    halves_variant_kernel[(grid, )](*tensors, *ints, *constexprs[:-1], turn, pair, **options)
-
-
 def variants(m, n, k, which):
-    """``which`` "turns": the two-half kernel's tiles and buffers and the variants of ``halves_turns``;
-    "routes": the library's two-half and staged kernels on 4 and 5 buffers, and the earlier turn order
-    (one step a turn, half 1 after half 0's MMA completed) from ``halves_turns``; "kmajor": the same
-    with ``scale_a`` K-major (``quantize``'s layout; torch gets its own M-major copy); "exact":
-    tensorwise and rowwise with each K step summed in fp32, the default route (the loader-warp kernel)
-    against the two-half kernel's turns."""
+    """``which`` "routes": the library's two-half and staged kernels on 4 and 5 buffers, and on 6 with
+    split store tiles; "kmajor": the two-half kernel with ``scale_a`` K-major (``quantize``'s layout;
+    torch gets its own M-major copy); "exact": tensorwise and rowwise with each K step summed in fp32,
+    the default route (the loader-warp kernel) against the two-half kernel's turns."""
     split = {"halves_s6_split": dict(_config(128, 6), split=2),
              "staged_s6_split": dict(_config(128, 6, "staged"), split=2)}
     if which == "kmajor":  # the staged kernel reads M-major scale_a only (since it lost on K-major ones)
@@ -70,13 +56,7 @@ def variants(m, n, k, which):
     if which == "exact":
         return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
                 "halves_s6_split": split["halves_s6_split"]}
-    out = {"route": None, "h128s4": (128, 4), "h64s6": (64, 6), "h64s8": (64, 8)}
-    for turn in ("done", "issued"):
-        for pair in (False, True):
-            if (turn, pair) != ("done", False) and (not pair or (k // 128) % 2 == 0):
-                out[f"{turn}{'_pair' if pair else ''}"] = (128, 4, turn, pair)
-    out["issued_64s6"] = (64, 6, "issued", False)
-    return out
+    raise ValueError(f"unknown set {which!r}: routes, kmajor or exact")
 
 
 def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
@@ -99,10 +79,8 @@ def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
                                                    out=out)
         elif isinstance(v, dict):
             calls[name] = lambda v=v: _library(a8, w8, scales, out, v)
-        elif len(v) <= 3:
-            calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
         else:
-            calls[name] = lambda v=v: _variant(a8, w8, scales, out, *v)
+            calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
     rows = {}
     for name, fn in calls.items():
         try:

@@ -183,7 +183,7 @@ def _half_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa
 
 
 @gluon.jit
-def _out_tiles(c_ptr, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr = 1):
+def _out_tiles(c_ptr, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr):
     # The output's descriptor (a half tile's box, or 1 / SPLIT of its columns) and one store buffer per half.
     HM: gl.constexpr = BM // 2
     BOX: gl.constexpr = BN // SPLIT
