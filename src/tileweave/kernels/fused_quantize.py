@@ -24,7 +24,7 @@ atomic max into ``amax_ptr``, then ``CAST=True`` casts with its scale and writes
 import triton
 import triton.language as tl
 
-from tileweave.kernels.quantize import _cast_store, _scale_of
+from tileweave.kernels.quantize import _cast_scaled, _cast_store, _reciprocal, _scale_of
 
 
 @triton.jit
@@ -39,7 +39,8 @@ def _cast_blocks(q_ptr, scale_ptr, y, offs_r, c0, R, C, stride_qr, stride_sr, st
     amax = tl.max(tl.reshape(tl.abs(y), (BR, NB, 128)), axis=2)
     scale = _scale_of(amax, FP8_MAX, POW2)
     each = tl.reshape(tl.broadcast_to(scale[:, :, None], (BR, NB, 128)), (BR, BC))
-    _cast_store(q_ptr, y, each, offs_r, offs_c, R, C, stride_qr, 1, FP8_MAX, MANT, MIN_EXP)
+    recip = tl.reshape(tl.broadcast_to(_reciprocal(scale)[:, :, None], (BR, NB, 128)), (BR, BC))
+    _cast_scaled(q_ptr, y, each, recip, offs_r, offs_c, R, C, stride_qr, 1, FP8_MAX, MANT, MIN_EXP)
     blocks = c0 // 128 + tl.arange(0, NB)
     mask = (offs_r < R)[:, None] & (blocks < tl.cdiv(C, 128))[None, :]
     tl.store(scale_ptr + offs_r.to(tl.int64)[:, None] * stride_sr + blocks[None, :] * stride_sc, scale, mask=mask)

@@ -111,13 +111,53 @@ def _load_rows(x_ptr, in_scale_ptr, rows, offs_c, mask, stride_xr, stride_xc, st
     return x
 
 
+_QUOTIENT = tl.constexpr("""{
+    .reg .f32 y, e;
+    mul.rn.f32 y, $1, $3;
+    fma.rn.f32 e, y, $2, $1;
+    fma.rn.f32 y, e, $3, y;
+    fma.rn.f32 e, y, $2, $1;
+    fma.rn.f32 y, e, $3, y;
+    copysign.f32 $0, $1, y;
+}""")
+"""PTX of ``x / s`` from ``$1 = x``, ``$2 = -s`` and ``$3 = 1 / s``: ``y = x * (1 / s)``, corrected twice by
+the exact remainder ``x - y * s`` (``_cast_scaled``), then given ``x``'s sign (a correction turns the
+quotient of -0 into +0; elsewhere the sign is already ``x``'s, as ``s > 0``)."""
+
+
+@triton.jit
+def _reciprocal(scale):
+    """``1 / scale``, correctly rounded: what ``_cast_scaled`` divides by on a GPU (computed once per scale,
+    on its own shape, before it is broadcast over the tile)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
 @triton.jit
 def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    """Store ``x / scale`` cast to float8 (``scale``: one, ``[BR, 1]`` or ``[1, BC]``)."""
+    _cast_scaled(q_ptr, x, scale, _reciprocal(scale), offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT,
+                 MIN_EXP)
+
+
+@triton.jit
+def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
+                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Store ``x / scale`` (``recip``: ``_reciprocal(scale)``) cast to float8, rounded to nearest even. On a
+    GPU the quotient comes from the reciprocal and two FMA corrections, each exact in its remainder,
+    which give the correctly rounded quotient (Markstein's theorem; the form of CUDA's own ``div.rn``
+    fast path, here without its per-element reciprocal and range check: ``|x| <= amax``, so the
+    quotient stays within the format's range and its remainder far from float32's underflow wherever
+    it could round to a nonzero float8); the conversion saturates at the format's largest finite
+    value, as the clamp does. The quotient is written in PTX (``_QUOTIENT``), so that no product that
+    made ``x`` is fused into the remainder's FMA, and takes ``x``'s sign (-0 stays -0, as torch's
+    division keeps it)."""
     if ROUND_IN_ARITHMETIC:
+        y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
         q = _to_fp8_grid(y, MANT, MIN_EXP).to(q_ptr.dtype.element_ty)
     else:
+        y = tl.inline_asm_elementwise(_QUOTIENT, "=f,f,f,f", [x, -scale, recip], dtype=tl.float32, is_pure=True,
+                                      pack=1)
         q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
     tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,

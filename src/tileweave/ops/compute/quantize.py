@@ -50,8 +50,8 @@ EPS = 1e-12
 """The floor of an amax (torchao's): an all-zero group gets a finite scale."""
 
 TILES = {"tensor": (8, 1024, 8), "tensor_t": (32, 128, 4), "row": (1, 2048, 4), "row_amax": (8, 1024, 8),
-         "row_amax_t": (32, 256, 8), "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 16),
-         "128x128_t": (128, 128, 8), "segments": (128, 32, 4)}
+         "row_amax_t": (32, 256, 8), "1x128": (32, 128, 4), "1x128_t": (64, 128, 4), "128x128": (128, 128, 4),
+         "128x128_t": (128, 128, 4), "segments": (128, 32, 4)}
 """Per group kind, ``(BR, BC, num_warps)`` on GPUs; ``<kind>_t``: the input read across a transposed view
 (its contiguous dimension is the tile's rows). A ``"row"`` program owns one row and walks it twice (its
 amax, then the cast: the second read finds the row in cache); a row read across a transposed view takes
