@@ -1,13 +1,12 @@
 """FP8 GEMM on the Hopper kernels, the `gemm` suite's weakest blockwise rows: the two-half kernels' buffers
-and store tiles against the default route.
+against the default route.
 
 Run by hand: ``PYTHONPATH=src python3 bench/probes/fp8_narrow_tiles.py OUT [routes|kmajor|exact]``.
 For suite shapes where 128 x 128 tiles leave part of the last wave of SMs idle, and a few where they do
 not, next to torch's scaled matmul and the default route (``matmul``), all on the same inputs (bf16
-output); "routes", "kmajor", "exact" (``variants``): the library's kernels on 4 and 5 buffers, and on 6 with each half storing its
-rows in two column halves (``split``: store tiles of half the size), blockwise with either ``scale_a``
-layout, and tensorwise and rowwise. Every output is checked against float64 of the dequantised inputs
-before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
+output); "routes", "kmajor", "exact" (``variants``): the library's kernels on 4 and 5 buffers, blockwise
+with either ``scale_a`` layout, and tensorwise and rowwise. Every output is checked against float64 of
+the dequantised inputs before its timing. Times in ms: CUDA events, median of 5 batches of 20 calls; the variants run in three
 rounds, each in a rotated order, and the median of the rounds is reported; two seconds of bf16 GEMMs
 first bring the clocks up. Writes ``OUT/fp8_narrow_tiles_<set>.json`` and prints a table."""
 import json
@@ -41,21 +40,17 @@ def _library(a8, w8, scales, out, config):
 
 
 def variants(m, n, k, which):
-    """``which`` "routes": the library's two-half and staged kernels on 4 and 5 buffers, and on 6 with
-    split store tiles; "kmajor": the two-half kernel with ``scale_a`` K-major (``quantize``'s layout;
-    torch gets its own M-major copy); "exact": tensorwise and rowwise with each K step summed in fp32,
-    the default route (the loader-warp kernel) against the two-half kernel's turns."""
-    split = {"halves_s6_split": dict(_config(128, 6), split=2),
-             "staged_s6_split": dict(_config(128, 6, "staged"), split=2)}
+    """``which`` "routes": the library's two-half and staged kernels on 4 and 5 buffers; "kmajor": the
+    two-half kernel with ``scale_a`` K-major (``quantize``'s layout; torch gets its own M-major copy);
+    "exact": tensorwise and rowwise with each K step summed in fp32, the default route (the loader-warp
+    kernel) against the two-half kernel's turns."""
     if which == "kmajor":  # the staged kernel reads M-major scale_a only (since it lost on K-major ones)
-        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
-                "halves_s6_split": split["halves_s6_split"]}
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
     if which == "routes":
         return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5), "staged_s4": (128, 4, "staged"),
-                "staged_s5": (128, 5, "staged"), **split}
+                "staged_s5": (128, 5, "staged")}
     if which == "exact":
-        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5),
-                "halves_s6_split": split["halves_s6_split"]}
+        return {"route": None, "halves_s4": (128, 4), "halves_s5": (128, 5)}
     raise ValueError(f"unknown set {which!r}: routes, kmajor or exact")
 
 
@@ -77,8 +72,6 @@ def run_shape(m, n, k, which, scaling="blockwise") -> list[dict]:
         if v is None:
             calls[name] = lambda: tileweave.matmul(a8, w8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                    out=out)
-        elif isinstance(v, dict):
-            calls[name] = lambda v=v: _library(a8, w8, scales, out, v)
         else:
             calls[name] = lambda v=v: _library(a8, w8, scales, out, _config(*v))
     rows = {}

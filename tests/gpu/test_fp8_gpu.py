@@ -127,24 +127,20 @@ def test_matmul_fp8_hopper_kernel_k_steps(scaling, k, fast):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon kernels are for sm_90")
-@pytest.mark.parametrize("kernel", ["plain", "loader", "halves", "halves-split"])
+@pytest.mark.parametrize("kernel", ["plain", "loader", "halves"])
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "blockwise"])
 @pytest.mark.parametrize("k", [128, 384, 512, 1152])
 def test_hopper_kernels_each_config(kernel, scaling, k):
     # Each exact/blockwise kernel launched with its own config, whichever a default route takes: one,
     # three, four and nine K steps (the two-half kernel takes two a turn: odd and even counts), M and N
-    # off the tile, a float32 output and a bias, more tiles than SMs; the two-half kernel also storing
-    # its rows in two column halves (with four buffers: a float32 output's split tiles leave no room for
-    # more).
+    # off the tile, a float32 output and a bias, more tiles than SMs.
     m, n = 2000, 2000
     a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
     scale_a, scale_b = _scales(scaling, m, n, k)
     bias = torch.randn(n, device="cuda")
     scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
-    kernel, _, split = kernel.partition("-")
     config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 5, "num_warps": 8, "kernel": kernel,
-              **({"maxnreg": 168} if kernel == "loader" else {}), **({"num_warps": 4} if kernel == "halves" else {}),
-              **({"STAGES": 4, "split": 2} if split else {})}
+              **({"maxnreg": 168} if kernel == "loader" else {}), **({"num_warps": 4} if kernel == "halves" else {})}
     out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
     fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
     ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()
@@ -155,13 +151,11 @@ def test_hopper_kernels_each_config(kernel, scaling, k):
                     reason="the Gluon kernels are for sm_90")
 @pytest.mark.parametrize("k", [384, 512, 1536, 1664, 1792, 2048])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split", [1, 2])
-def test_staged_blockwise_kernel(k, out_dtype, split):
+def test_staged_blockwise_kernel(k, out_dtype):
     # Blockwise with each step's scales brought into shared memory by the loader warp, the warp groups
     # taking turns two steps at a time: 3 to 16 K steps (3 and 13: an odd last step), M and N off the
     # tile, a bias; 13 and 14 K blocks give a weight-scale pitch TMA could not step over (read as one row
-    # of their storage); the buffers config_for gives, or with each half storing its rows in two column
-    # halves (split 2) six buffers for a bf16 output.
+    # of their storage); the buffers config_for gives.
     m, n = 2000, 2000
     a, w = _fp8(m, k, seed=k), _fp8(n, k, seed=k + 1)
     scale_a, scale_b = _scales("blockwise", m, n, k)
@@ -169,9 +163,7 @@ def test_staged_blockwise_kernel(k, out_dtype, split):
     scales = scaling_mod.dense_scales("matmul", m, n, k, scale_a, scale_b)
     assert fp8_sm90.staged_suits(scales)
     config = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "STAGES": 4 if out_dtype == torch.float32 else 5,
-              "num_warps": 4, "kernel": "staged", "split": split}
-    if split == 2 and out_dtype == torch.bfloat16:
-        config["STAGES"] = 6
+              "num_warps": 4, "kernel": "staged"}
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
     fp8_sm90.launch(a, w.t(), out, bias, scales, config=config)
     ref = _reference(a, w.t(), scale_a, scale_b) + bias.double()

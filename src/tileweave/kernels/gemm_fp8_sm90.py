@@ -125,23 +125,16 @@ def _block_scales(sa_ptr, sb_ptr, off_n, offs_m, offs_n, M, N, kb, stride_sam, s
 
 
 @gluon.jit
-def _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_sam, stride_sbn, SCALING: gl.constexpr,
-              HAS_BIAS: gl.constexpr):
-    # A tile's sum times its outer scales (blockwise scaled each step), plus the bias.
+def _finish(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N, stride_sam, stride_sbn,
+            SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
+    # A tile's epilogue: the outer scales (blockwise scaled each step), the bias, and the store through
+    # `out` once the previous tile's store has left it.
     if SCALING != "block":
         sa = gl.load(sa_ptr + offs_m.to(gl.int64) * stride_sam, mask=offs_m < M, other=0.0)
         sb = gl.load(sb_ptr + offs_n * stride_sbn, mask=offs_n < N, other=0.0)
         acc = acc * (sa[:, None] * sb[None, :])
     if HAS_BIAS:
         acc = acc + gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[None, :]
-    return acc
-
-
-@gluon.jit
-def _finish(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N, stride_sam, stride_sbn,
-            SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
-    # A tile's epilogue (`_epilogue`), stored through `out` once the previous tile's store has left it.
-    acc = _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
     out.store(acc.to(c_desc.dtype))
     fence_async_shared()

@@ -28,10 +28,10 @@ is a round of its own.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from tileweave.kernels.gemm_fp8_sm90 import (_drop_barriers, _epilogue, _finish, _operands, _outer, _ring_barriers,
+from tileweave.kernels.gemm_fp8_sm90 import (_drop_barriers, _finish, _operands, _outer, _ring_barriers,
                                              _step_scales, _tile_of, _tile_rows, _ws_loader)
 
 SB_BOX = gl.constexpr(32)
@@ -111,34 +111,10 @@ def _scaled(p, sa, sb, SCALING: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _store_half(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N, stride_sam,
-                stride_sbn, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
-    # This half's rows of a tile through its store tile, whole (SPLIT 1) or as two column halves one after
-    # the other (SPLIT 2: a tile of half the shared memory, which leaves room for another operand buffer).
-    if SPLIT == 1:
-        _finish(acc, c_desc, out, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N, stride_sam,
-                stride_sbn, SCALING, HAS_BIAS)
-    else:
-        acc = _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, M, N, stride_sam, stride_sbn, SCALING,
-                        HAS_BIAS)
-        HM: gl.constexpr = acc.shape[0]
-        BN: gl.constexpr = acc.shape[1]
-        left, right = gl.split(gl.permute(gl.reshape(acc, [HM, 2, BN // 2]), [0, 2, 1]))
-        tma.store_wait(0)
-        out.store(left.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], out)
-        tma.store_wait(0)
-        out.store(right.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n + BN // 2], out)
-
-
-@gluon.jit
 def _half_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                   stride_sam, stride_sak, stride_sbk, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                   BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+                  SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     # One warp group: rows HALF * BM/2 ... of each tile, each K step's product added once it is done.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -177,41 +153,38 @@ def _half_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa
             acc += _scaled(p, sa, sb, SCALING, BN)
             steps += 1
             rounds += 1
-        _store_half(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
-                    stride_sam, stride_sbn, SCALING, HAS_BIAS, SPLIT)
+        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, SCALING, HAS_BIAS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _out_tiles(c_ptr, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, SPLIT: gl.constexpr):
-    # The output's descriptor (a half tile's box, or 1 / SPLIT of its columns) and one store buffer per half.
+def _out_tiles(c_ptr, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr):
+    # The output's descriptor (a half tile's box) and one store buffer per half.
     HM: gl.constexpr = BM // 2
-    BOX: gl.constexpr = BN // SPLIT
-    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HM, BOX],
-                                        gl.NVMMASharedLayout.get_default_for([HM, BOX], c_ptr.dtype.element_ty))
-    return c_desc, gl.allocate_shared_memory(c_desc.dtype, [2, HM, BOX], c_desc.layout)
+    c_desc = tma.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [HM, BN],
+                                        gl.NVMMASharedLayout.get_default_for([HM, BN], c_ptr.dtype.element_ty))
+    return c_desc, gl.allocate_shared_memory(c_desc.dtype, [2, HM, BN], c_desc.layout)
 
 
 @gluon.jit
 def fp8_gemm_sm90_halves_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
                                 stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                SPLIT: gl.constexpr):
+                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The exact and blockwise modes on two MMA warp groups taking turns (module docstring); a buffer is
-    released when both have read it. ``SPLIT`` 2: each half stores its rows as two column halves through
-    a store tile of half the size (room for one more buffer)."""
+    released when both have read it."""
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
-    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN, SPLIT)
+    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
     turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
         (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
                          M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
-                         SCALING, HAS_BIAS, SPLIT)),
+                         SCALING, HAS_BIAS)),
         (_half_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_ptr, sb_ptr, bias_ptr,
                          M, N, K, stride_sam, stride_sak, stride_sbk, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
-                         SCALING, HAS_BIAS, SPLIT)),
+                         SCALING, HAS_BIAS)),
         (_ws_loader, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, K, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])
     _drop_barriers(ready, empty, STAGES)
@@ -265,7 +238,7 @@ def _staged_scale(sa_bufs, sb_bufs, steps, at, pick, HALF: gl.constexpr, HM: gl.
 def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr, sb_ptr,
                     bias_ptr, M, N, K, stride_sam, stride_sbn, HALF: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr):
+                    HAS_BIAS: gl.constexpr):
     # One warp group: rows HALF * BM/2 ... of each tile; each step's scales read from shared memory.
     HM: gl.constexpr = BM // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -307,8 +280,8 @@ def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, 
             acc += p * scale
             steps += 1
             rounds += 1
-        _store_half(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
-                    stride_sam, stride_sbn, "block", HAS_BIAS, SPLIT)
+        _finish(acc, c_desc, c_smem.index(HALF), sa_ptr, sb_ptr, bias_ptr, offs_m, offs_n, off_m, off_n, M, N,
+                stride_sam, stride_sbn, "block", HAS_BIAS)
     tma.store_wait(0)
 
 
@@ -316,10 +289,9 @@ def _staged_compute(c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, 
 def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
                                 stride_cm, stride_sam, stride_sak, stride_sbk, stride_sbn,
                                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                SPLIT: gl.constexpr):
+                                STAGES: gl.constexpr, SCALING: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Blockwise scaling (``SCALING`` "block", ``BN`` and ``BK`` 128) on two MMA warp groups taking turns,
-    each step's scales in shared memory (module docstring); ``SPLIT`` as the other kernel's."""
+    each step's scales in shared memory (module docstring)."""
     gl.static_assert(SCALING == "block", "the staged kernel is for blockwise scaling")
     gl.static_assert(BN == 128 and BK == 128, "a tile is one 128 x 128 block of the weight's scales")
     a_desc, b_desc, a_bufs, b_bufs = _operands(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, BM, BN, BK, STAGES)
@@ -329,16 +301,16 @@ def fp8_gemm_sm90_staged_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M
     sa_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], plain)
     sb_desc = tma.make_tensor_descriptor(sb_ptr, [1, sb_len], [gl.cdiv(sb_len, 4) * 4, 1], [1, SB_BOX], plain)
     sb_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, 1, SB_BOX], plain)
-    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN, SPLIT)
+    c_desc, c_smem = _out_tiles(c_ptr, M, N, stride_cm, BM, BN)
     ready, empty = _ring_barriers(STAGES, 2)
     turn0, turn1 = _turn_barriers()
     gl.warp_specialize([
         (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 0, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SPLIT)),
+                           HAS_BIAS)),
         (_staged_compute, (c_desc, c_smem, ready, empty, turn0, turn1, a_bufs, b_bufs, sa_bufs, sb_bufs, sa_ptr,
                            sb_ptr, bias_ptr, M, N, K, stride_sam, stride_sbn, 1, BM, BN, BK, GROUP_M, STAGES,
-                           HAS_BIAS, SPLIT)),
+                           HAS_BIAS)),
         (_staged_loader, (a_desc, b_desc, sa_desc, sb_desc, ready, empty, a_bufs, b_bufs, sa_bufs, sb_bufs, M, N, K,
                           stride_sbn, BM, BN, BK, GROUP_M, STAGES)),
     ], [4, 1], [232, 24])

@@ -84,11 +84,9 @@ def arguments(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Ten
     tensors = (a, weight, c, scales.a, scales.b, scales.a if bias is None else bias)
     ints = (m, n, k, a.stride(0), weight.stride(0), c.stride(0), sam, sak, sbk, sbn)
     constexprs = (cfg["BM"], cfg["BN"], cfg["BK"], cfg["GROUP_M"], cfg["STAGES"], _KERNEL_MODES[scales.kernel_mode],
-                  bias is not None, *((cfg.get("split", 1), ) if cfg.get("kernel") in ("halves", "staged") else ()))
+                  bias is not None)
     options = {"num_warps": cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {})}
-    # "per_sm": programs resident on each SM (their MMAs interleave where one program waits); "split" (the
-    # two-half kernels): 2 stores each half's rows as two column halves through a store tile of half the
-    # shared memory, which leaves room for one more operand buffer (no default config takes it yet).
+    # "per_sm": programs resident on each SM (their MMAs interleave where one program waits).
     return min(tiles, programs * cfg.get("per_sm", 1)), tensors, ints, constexprs, options
 
 
