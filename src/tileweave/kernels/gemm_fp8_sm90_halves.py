@@ -58,10 +58,14 @@ def _pass_turn(turn0, turn1, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _mma(a_bufs, b_bufs, ready, steps, zero, HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr):
-    # This half's product of K step `steps` into a fresh register tile, in flight on return.
+def _mma(a_bufs, b_bufs, ready, steps, zero, HALF: gl.constexpr, HM: gl.constexpr, STAGES: gl.constexpr,
+         ARRIVED: gl.constexpr):
+    # This half's product of K step `steps` into a fresh register tile, in flight on return; its data
+    # waited for first unless ARRIVED (the turn's wait saw it: a second wait on the same barriers costs
+    # a barrier of the warp group's threads).
     s = steps % STAGES
-    mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
+    if not ARRIVED:
+        mbarrier.wait(ready.index(s), (steps // STAGES) & 1)
     return warpgroup_mma(a_bufs.index(s).slice(HALF * HM, HM), b_bufs.index(s).permute((1, 0)), zero,
                          use_acc=False, is_async=True)
 
@@ -71,8 +75,8 @@ def _issue_pair(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: 
                 STAGES: gl.constexpr):
     # A round of two K steps, `steps` and `steps + 1`: both MMAs in flight on return.
     _take_turn(ready, turn0, turn1, steps, rounds, HALF, STAGES)
-    p0 = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
-    p1 = _mma(a_bufs, b_bufs, ready, steps + 1, zero, HALF, HM, STAGES)
+    p0 = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES, True)
+    p1 = _mma(a_bufs, b_bufs, ready, steps + 1, zero, HALF, HM, STAGES, False)
     _pass_turn(turn0, turn1, HALF)
     return p0, p1
 
@@ -82,7 +86,7 @@ def _issue_one(a_bufs, b_bufs, ready, turn0, turn1, steps, rounds, zero, HALF: g
                STAGES: gl.constexpr):
     # A round of one K step (a tile's odd last one), in flight on return.
     _take_turn(ready, turn0, turn1, steps, rounds, HALF, STAGES)
-    p = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES)
+    p = _mma(a_bufs, b_bufs, ready, steps, zero, HALF, HM, STAGES, True)
     _pass_turn(turn0, turn1, HALF)
     return p
 
