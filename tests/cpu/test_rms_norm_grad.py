@@ -1,17 +1,25 @@
 """The RMSNorm's backward (``tileweave.ops.compute.rms_norm.rms_norm_grad``) in Triton's interpreter,
 against float64 autograd of ``x * rsqrt(mean(x^2) + eps) * w`` written here: float32, float16 and
 bfloat16, with and without a weight, rows and columns off the tiles, rows of very different
-magnitudes, strided rows, empty inputs, two calls bit for bit equal, the layer's entry
-(``nn.fused_inputs.rms_norm_backward``), the GPU tile rule, and the refusals by name."""
+magnitudes, strided rows, empty inputs, both kernels (whole rows read once by persistent programs that
+each take several row blocks, and rows walked twice), two calls bit for bit equal on each, the layer's
+entry (``nn.fused_inputs.rms_norm_backward``), the GPU tile rule, and the refusals by name, before any
+launch."""
 
+import re
 import zlib
 
 import pytest
 import torch
 
+from support.recording import recording
 from tileweave.nn.fused_inputs import rms_norm_backward
 from tileweave.ops.compute import rms_norm
 from tileweave.ops.compute.rms_norm import rms_norm_grad
+
+ROWS_KERNEL = "tileweave.kernels.rms_norm:rms_norm_grad_rows_kernel"
+WALK_KERNEL = "tileweave.kernels.rms_norm:rms_norm_grad_kernel"
+DWEIGHT_KERNEL = "tileweave.kernels.rms_norm:rms_norm_dweight_kernel"
 
 EPS = 1e-5
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -100,17 +108,64 @@ def test_strided_rows_and_mixed_dtypes(dtype):
     assert torch.equal(dx, rms_norm_grad(dy.contiguous(), x.contiguous(), w, _rstd(x))[0])
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernels(dy, x, w, rstd, **kwargs):
+    """``_check``'s result and the norm kernel the call launched (the reduction aside)."""
+    with recording() as launched:
+        out = _check(dy, x, w, rstd, **kwargs)
+    norms = [launch.kernel for launch in launched if launch.kernel != DWEIGHT_KERNEL]
+    assert len(norms) == 1 and len(launched) == 1 + (w is not None)
+    return out, norms[0]
+
+
+# (rows, cols, tiles, row blocks per program at most): rows off BR, columns off powers of two, and the
+# persistent loop, each of the interpreter's INTERPRETER_ROW_PROGRAMS programs taking several row blocks
+@pytest.mark.parametrize("rows,cols,tiles,blocks", [
+    (37, 200, None, 2),  # BR = 8: five blocks over four programs, the last one short
+    (300, 70, None, 10),
+    (45, 96, (1, 128, 4), 12),  # one row per block
+    (29, 130, (4, 256, 2), 2),  # BC past next_power_of_2(H)
+    (50, 33, (2, 64, 1), 7),  # 25 blocks over four programs, one warp
+])
+@pytest.mark.parametrize("dtype,weight", [(torch.float32, True), (torch.bfloat16, True), (torch.float16, False)],
+                         ids=["float32", "bfloat16", "float16-no_weight"])
+def test_whole_rows_are_read_once(rows, cols, tiles, blocks, dtype, weight):
+    gen = _gen("whole rows", rows, cols, tiles, dtype, weight)
+    _, kernel = _kernels(*_inputs(gen, rows, cols, dtype, weight), tiles=tiles)
+    assert kernel == ROWS_KERNEL
+    br = rms_norm.INTERPRETER_ROWS if tiles is None else tiles[0]
+    assert _cdiv(_cdiv(rows, br), rms_norm.INTERPRETER_ROW_PROGRAMS) == blocks  # the loop this case runs
+
+
+@pytest.mark.parametrize("rows,cols,tiles", [
+    (37, 200, (4, 64, 4)),  # four column blocks, the last one short
+    (21, 100, (1, 32, 2)),
+    (3, rms_norm.ROW_COLS + 17, None),  # rows wider than ROW_COLS are walked twice by default
+])
+@pytest.mark.parametrize("dtype,weight", [(torch.bfloat16, True), (torch.float32, False)],
+                         ids=["bfloat16", "float32-no_weight"])
+def test_wide_rows_are_walked_twice(rows, cols, tiles, dtype, weight):
+    gen = _gen("two walks", rows, cols, tiles, dtype, weight)
+    _, kernel = _kernels(*_inputs(gen, rows, cols, dtype, weight), tiles=tiles)
+    assert kernel == WALK_KERNEL
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_two_calls_are_equal_bit_for_bit(dtype):
-    dy, x, w, rstd = _inputs(_gen("repeat", dtype), 70, 150, dtype)
-    dx1, dw1 = rms_norm_grad(dy, x, w, rstd)
-    dx2, dw2 = rms_norm_grad(dy, x, w, rstd)
+@pytest.mark.parametrize("tiles", [None, (2, 256, 4), (8, 64, 4)], ids=["whole rows", "whole rows, BR 2", "two walks"])
+def test_two_calls_are_equal_bit_for_bit(dtype, tiles):
+    dy, x, w, rstd = _inputs(_gen("repeat", dtype, tiles), 70, 150, dtype)
+    dx1, dw1 = _check(dy, x, w, rstd, tiles=tiles)
+    dx2, dw2 = rms_norm_grad(dy, x, w, rstd, tiles=tiles)
     assert torch.equal(dx1, dx2) and torch.equal(dw1, dw2)
 
 
 @pytest.mark.parametrize("tiles", [(1, 64, 1), (4, 32, 2), (16, 128, 4)])
 def test_given_tiles(tiles):
-    # the GPU's tiles (choose_tiles) run here too: one row per program, a column block past H, H = 16 x 16
+    # tiles the GPU may run: one row per program, walked twice; a column block past H, walked twice;
+    # whole rows, rounded up to 128 columns (the interpreter's programs, each taking two blocks)
     for dtype in (torch.float32, torch.float16):
         _check(*_inputs(_gen("tiles", tiles, dtype), 21, 100, dtype), tiles=tiles)
 
@@ -133,16 +188,34 @@ def test_layer_entry_is_the_kernel():
     assert rms_norm_backward(dy, x, None, rstd)[1] is None
 
 
-@pytest.mark.parametrize("rows,cols", [(8192, 16384), (8192, 8192), (1000, 16384), (37, 200), (10**6, 4096)])
-def test_gpu_tiles_fill_the_gpu_with_modest_tiles(rows, cols):
+@pytest.mark.parametrize("rows,cols", [(8192, 32768), (1000, 32768), (8192, rms_norm.ROW_COLS + 1), (10**6, 65536)])
+def test_gpu_tiles_of_wide_rows_fill_the_gpu_with_modest_tiles(rows, cols):
     br, bc, warps = rms_norm.choose_tiles(rows, cols)
     assert br & (br - 1) == 0 and bc & (bc - 1) == 0 and br <= rms_norm.MAX_ROWS
+    assert bc < cols  # walked twice
     assert br * bc <= rms_norm.TILE and br * bc <= 32 * warps * 16  # at most 16 elements per thread
     programs = -(-rows // br)
     assert programs >= min(rows, rms_norm.PROGRAMS)  # enough programs, unless rows are that few
-    assert bc >= min(cols, 128)  # whole rows of narrow inputs, else 128 contiguous columns at least
+    assert bc >= 128  # 128 contiguous columns at least
     if rows == 8192:
         assert (br, programs) == (16, 512)
+
+
+@pytest.mark.parametrize("rows,cols", [(8192, 8192), (8192, 5120), (8192, 7168), (8192, 16384), (8192, 2048),
+                                       (1000, 1024), (37, 200), (10**6, 4096), (1, 1), (300, 48)])
+def test_gpu_tiles_of_rows_that_fit_read_them_once(rows, cols):
+    br, bc, warps = rms_norm.choose_tiles(rows, cols)
+    assert br & (br - 1) == 0 and bc & (bc - 1) == 0 and warps & (warps - 1) == 0 and br <= rms_norm.ROW_MAX_ROWS
+    assert cols <= bc < 2 * cols  # whole rows, rounded up to a power of two
+    assert br * bc <= 32 * 32 * warps and warps <= 16  # at most 32 float32 per thread per tensor, 16 warps
+    programs = rms_norm.row_programs(rows, br, bc)
+    blocks = _cdiv(rows, br)
+    assert programs <= min(blocks, rms_norm.ROW_PROGRAMS)
+    assert programs >= min(blocks, rms_norm.ROW_PROGRAMS // 2)  # one program per SM at least, unless too few rows
+    if rows == 8192 and cols <= 8192:
+        assert (br * bc, warps, programs) == (rms_norm.ROW_TILE, 8, 264)
+    if cols == 16384:
+        assert (br, warps, programs) == (1, 16, 132)
 
 
 def _bad(**change):
@@ -176,7 +249,12 @@ def test_refusals_name_the_argument(args, error, match):
         rms_norm_grad(**args)
 
 
-@pytest.mark.parametrize("tiles", [(16, 96, 4), (16, 64), [16, 64, 4], (0, 64, 4)], ids=str)
-def test_refusals_of_tiles(tiles):
-    with pytest.raises(ValueError, match="tiles must be"):
+@pytest.mark.parametrize("tiles,match", [
+    ((16, 96, 4), "three powers of two"), ((16, 64), "three powers of two"), ([16, 64, 4], "three powers of two"),
+    ((0, 64, 4), "three powers of two"), ((1, 64, 64), "num_warps <= 32"), ((2, 2**20, 4), r"BR \* BC <= 2\*\*20"),
+], ids=str)
+def test_refusals_of_tiles(tiles, match):
+    with recording() as launched, \
+            pytest.raises(ValueError, match=f"tiles must .*{match}.*got {re.escape(repr(tiles))}"):
         rms_norm_grad(**_bad(), tiles=tiles)
+    assert launched == []  # refused before any launch
