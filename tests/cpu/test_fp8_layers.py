@@ -16,7 +16,8 @@ TOL = 1e-5  # float32 outputs of float8 products that match the reference's bit 
 # (layer, recipe, M tokens over the group, in_features, out_features, bias, save_gathered, steps); the block's
 # test below adds the tensorwise and rowwise row-parallel layers at two ranks
 CASES = {
-    1: [("row", "rowwise", 40, 128, 72, True, True, 2)],  # the block's test has blockwise at one rank
+    # the block's test has blockwise at one rank; here its weight cast again in backward
+    1: [("row", "rowwise", 40, 128, 72, True, True, 2), ("column", "blockwise-recast", 40, 128, 256, False, True, 1)],
     2: [("column", "tensorwise", 48, 128, 80, True, True, 2), ("column", "rowwise", 48, 128, 80, False, False, 1), ("column", "blockwise", 48, 128, 256, True, True, 1),
         ("row", "blockwise", 48, 256, 128, True, True, 1),
         # the producers fused into the input's cast: a norm with the input gathered again in backward, a SwiGLU

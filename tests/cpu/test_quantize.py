@@ -169,6 +169,41 @@ def test_requantize_a_float8_operand(scaling, transpose, granularity, rows, cols
     assert _same(got, reference(dequantized.t() if transpose else dequantized, granularity, E4M3, pad=pad))
 
 
+@pytest.mark.parametrize("transpose,requantize,rows,cols", [
+    (False, False, 256, 384),   # several blocks each way
+    (True, False, 384, 128),    # x read transposed: the twin is x itself
+    (False, True, 128, 256),    # a float8 x with 1 x 128 scales, quantized again
+])
+def test_twin_is_the_other_orientation(transpose, requantize, rows, cols):
+    # twin=True: the second result is the reference cast of the other orientation, bit for bit, and the
+    # first is what a call without twin gives.
+    gen = _gen("twin", transpose, requantize)
+    x = _data(gen, cols, rows) if transpose else _data(gen, rows, cols)
+    kw = {}
+    if requantize:
+        first = quantize(x, "blockwise_1x128")
+        x, kw = first.data, {"x_scale": first.scale}
+        plain = first.data.float() * first.scale.repeat_interleave(128, 1)
+    else:
+        plain = x
+    q, t = quantize(x, "blockwise_128x128", transpose=transpose, twin=True, **kw)
+    oriented = plain.t() if transpose else plain
+    assert _same(q, reference(oriented, "blockwise_128x128", E4M3))
+    assert t.data.is_contiguous() and t.scale.is_contiguous()
+    assert _same(t, reference(oriented.t().contiguous(), "blockwise_128x128", E4M3))
+
+
+@pytest.mark.parametrize("dtype,rows,cols", [(E4M3, 200, 256), (E5M2, 384, 128), (E4M3, 40, 384)])
+def test_twin_of_row_blocks_is_the_padded_transpose(dtype, rows, cols):
+    # blockwise_1x128 with twin: the first result as without it, the second the reference cast of x.T
+    # with its columns (x's rows) padded with zeros to a multiple of 128, bit for bit.
+    x = _data(_gen("twin-1x128", rows, cols), rows, cols)
+    q, t = quantize(x, "blockwise_1x128", dtype=dtype, twin=True)
+    assert _same(q, reference(x, "blockwise_1x128", dtype))
+    assert t.data.shape == (cols, -(-rows // 128) * 128) and t.data.is_contiguous()
+    assert _same(t, reference(x.t().contiguous(), "blockwise_1x128", dtype, pad=True))
+
+
 def test_quantized_operands_feed_matmul():
     # quantize's scales are matmul's: a [M, K] as it is, b as the transpose of a quantized [N, K].
     gen = _gen("matmul")
@@ -208,6 +243,14 @@ def test_bad_arguments_are_refused_by_name():
         "row amax count": (lambda: quantize(x, "rowwise", amax=torch.ones(7)), "amax must have 8 contiguous"),
         "x_scale on a stack": (lambda: quantize(x8.view(2, 4, 96), "rowwise", x_scale=torch.ones(())),
                                "x_scale applies to a 2-D x"),
+        "twin granularity": (lambda: quantize(torch.randn(128, 128), "rowwise", twin=True),
+                             "twin applies to blockwise granularities"),
+        "twin rows": (lambda: quantize(torch.randn(96, 128), "blockwise_128x128", twin=True),
+                      "rows that are a multiple of 128"),
+        "twin pad": (lambda: quantize(torch.randn(128, 100), "blockwise_1x128", pad=True, twin=True),
+                     "twin applies to blockwise granularities"),
+        "twin stack": (lambda: quantize(torch.randn(2, 128, 128), "blockwise_1x128", twin=True),
+                       "twin applies to blockwise granularities"),
     }
     for name, (call, text) in cases.items():
         with pytest.raises((TypeError, ValueError)) as info:

@@ -112,3 +112,37 @@ def test_requantize_float8_gpu(first, transpose, granularity):
     q, scale = _reference_2d(deq.t() if transpose else deq, granularity, E4M3)
     assert torch.equal(got.scale.reshape(scale.shape), scale)
     assert int((got.data.view(torch.uint8) != q.view(torch.uint8)).sum()) == 0
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["as-is", "transposed"])
+def test_twin_cast_gpu(transpose):
+    # A weight's 128 x 128 cast with its transpose from the same pass (twin=True), as the blockwise layers
+    # keep it for the input gradient: both against torch's cast bit for bit, subnormals included.
+    gen = torch.Generator(device="cuda").manual_seed(11 + transpose)
+    r, c = 1024, 1536
+    x = torch.randn(r, c, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-30, 11, (r, 1), device="cuda", generator=gen).float())
+    x[5] = 0
+    x = x.bfloat16()
+    got, twin = quantize(x.t() if transpose else x, "blockwise_128x128", transpose=transpose, twin=True)
+    for out, ref in ((got, _reference_2d(x.float(), "blockwise_128x128", E4M3)),
+                     (twin, _reference_2d(x.float().t().contiguous(), "blockwise_128x128", E4M3))):
+        assert out.data.is_contiguous() and torch.equal(out.scale.reshape(ref[1].shape), ref[1])
+        assert int((out.data.view(torch.uint8) != ref[0].view(torch.uint8)).sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [1024, 1000])
+def test_twin_of_row_blocks_gpu(rows):
+    # An output gradient's 1 x 128 cast with the 1 x 128 cast of its transpose (the tokens padded to a
+    # multiple of 128) from one pass, against torch's casts bit for bit.
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    c = 1536
+    x = torch.randn(rows, c, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-30, 11, (rows, 1), device="cuda", generator=gen).float())
+    x = x.bfloat16()
+    got, twin = quantize(x, "blockwise_1x128", twin=True)
+    padded = torch.nn.functional.pad(x.float().t(), (0, -rows % 128))
+    for out, ref in ((got, _reference_2d(x.float(), "blockwise_1x128", E4M3)),
+                     (twin, _reference_2d(padded.contiguous(), "blockwise_1x128", E4M3))):
+        assert out.data.is_contiguous() and torch.equal(out.scale.reshape(ref[1].shape), ref[1])
+        assert int((out.data.view(torch.uint8) != ref[0].view(torch.uint8)).sum()) == 0

@@ -143,8 +143,17 @@ def _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
 @triton.jit
 def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                  FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Store ``x / scale`` (``recip``: ``_reciprocal(scale)``) cast to float8, rounded to nearest even. On a
-    GPU the quotient comes from the reciprocal and two FMA corrections, each exact in its remainder,
+    """Store ``x / scale`` (``recip``: ``_reciprocal(scale)``) cast to float8 (``_to_fp8``)."""
+    q = _to_fp8(q_ptr, x, scale, recip, FP8_MAX, MANT, MIN_EXP)
+    mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
+    tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
+             mask=mask)
+
+
+@triton.jit
+def _to_fp8(q_ptr, x, scale, recip, FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x / scale`` (``recip``: ``_reciprocal(scale)``) in ``q_ptr``'s float8 type, rounded to nearest even.
+    On a GPU the quotient comes from the reciprocal and two FMA corrections, each exact in its remainder,
     which give the correctly rounded quotient (Markstein's theorem; the form of CUDA's own ``div.rn``
     fast path, here without its per-element reciprocal and range check: ``|x| <= amax``, so the
     quotient stays within the format's range and its remainder far from float32's underflow wherever
@@ -159,9 +168,7 @@ def _cast_scaled(q_ptr, x, scale, recip, offs_r, offs_c, R, C_out, stride_qr, st
         y = tl.inline_asm_elementwise(_QUOTIENT, "=f,f,f,f", [x, -scale, recip], dtype=tl.float32, is_pure=True,
                                       pack=1)
         q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-    mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
-    tl.store(q_ptr + offs_r.to(tl.int64)[:, None] * stride_qr + offs_c.to(tl.int64)[None, :] * stride_qc, q,
-             mask=mask)
+    return q
 
 
 @triton.jit
@@ -184,16 +191,21 @@ def amax_kernel(x_ptr, in_scale_ptr, amax_ptr, R, C, stride_xb, stride_xr, strid
 
 
 @triton.jit
-def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_out, stride_xb, stride_qb,
-                    stride_sb, stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc, stride_sr, stride_sc,
-                    GROUP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8_MAX: tl.constexpr,
-                    MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr, DEQUANT: tl.constexpr,
-                    IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr,
-                    IN_ALONG: tl.constexpr = "each"):
+def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, twin_ptr, twin_scale_ptr, R, C, C_out,
+                    stride_xb, stride_qb, stride_sb, stride_xr, stride_xc, stride_ir, stride_ic, stride_qr, stride_qc,
+                    stride_sr, stride_sc, GROUP: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                    FP8_MAX: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr, POW2: tl.constexpr,
+                    DEQUANT: tl.constexpr, IN_GR: tl.constexpr, IN_GC: tl.constexpr, SCALE_GIVEN: tl.constexpr,
+                    IN_ALONG: tl.constexpr = "each", TWIN: tl.constexpr = False):
     """``Q [R, C_out]`` and the scales of ``X [R, C]``'s groups (module docstring). The grid: row
     blocks of ``BR`` by column blocks of ``BC`` (one column block for ``"row"``, which walks all) by
     matrices. ``tensor_ptr``: ``"tensor"``'s amax, or its scale with ``SCALE_GIVEN`` (then no scale is
-    written); ``"row_amax"``'s amax per row (``[B * R]``)."""
+    written); ``"row_amax"``'s amax per row (``[B * R]``). ``TWIN`` (one matrix, ``C_out == C``): also the
+    cast of ``X.T`` from the same tile, into ``twin_ptr`` (contiguous) with its scales in
+    ``twin_scale_ptr`` (contiguous): ``"128x128"``, ``[C, R]`` and ``[C / 128, R / 128]``, the same
+    blocks, so the same values and scales transposed; ``"1x128"`` (``BR`` = 128), its own 1 x 128
+    blocks along X's columns, ``[C, R_pad]`` and ``[C, R_pad / 128]``, ``R_pad`` the rows of the grid's
+    tiles (zeros past ``R``)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -240,9 +252,25 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, R, C, C_o
             _cast_store(q_ptr, x, scale[:, None], offs_r, offs_c, R, C_out, stride_qr, stride_qc,
                         FP8_MAX, MANT, MIN_EXP)
             tl.store(scale_ptr + offs_r * stride_sr + pid_c * stride_sc, scale, mask=offs_r < R)
+            if TWIN:  # BR == 128 too: each column of the tile is a 1 x 128 block of X.T (zeros past R)
+                col_scale = _scale_of(tl.max(tl.abs(x), axis=0), FP8_MAX, POW2)
+                qt = _to_fp8(q_ptr, x, col_scale[None, :], _reciprocal(col_scale)[None, :], FP8_MAX, MANT, MIN_EXP)
+                rows_out = tl.num_programs(0) * BR
+                tl.store(twin_ptr + offs_c.to(tl.int64)[None, :] * rows_out + offs_r[:, None], qt,
+                         mask=(offs_c < C)[None, :] & (offs_r < rows_out)[:, None])
+                tl.store(twin_scale_ptr + offs_c * tl.num_programs(0) + pid_r, col_scale, mask=offs_c < C)
         else:  # "128x128": BR == BC == 128, one block
             scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FP8_MAX, POW2)
-            _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
+            if TWIN:  # the block's values stored twice: as they lie, and transposed
+                q = _to_fp8(q_ptr, x, scale, _reciprocal(scale), FP8_MAX, MANT, MIN_EXP)
+                mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
+                r64 = offs_r.to(tl.int64)[:, None]
+                c64 = offs_c.to(tl.int64)[None, :]
+                tl.store(q_ptr + r64 * stride_qr + c64 * stride_qc, q, mask=mask)
+                tl.store(twin_ptr + c64 * R + r64, q, mask=mask)
+                tl.store(twin_scale_ptr + pid_c * tl.num_programs(0) + pid_r, scale)
+            else:
+                _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
             tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
 
 

@@ -72,8 +72,10 @@ model's dtype: its values are cast from float32; the norm's backward runs in one
 and each row's ``rstd`` (``tileweave.ops.compute.rms_norm``), and the SwiGLU's in one kernel from ``gate | up``
 (``tileweave.ops.compute.swiglu``; the MoE layer's from its pre-activations). Every other cast is a pass
 of its own (``tileweave.ops.compute.quantize``): the forward's input of a linear called without a
-producer, the weights (twice per step), the output gradients and the weight gradient's requantized
-operands.
+producer, the weights (twice per step; once with blockwise, whose forward cast also writes the
+transposed operand of the input gradient and keeps it: ``keep_weight_transpose``), the output
+gradients (blockwise, where a layer holds ``dy`` whole, both its casts in one pass: ``grads``) and the
+weight gradient's requantized operands.
 
 ``TPMoE(fp8=...)`` takes the same recipes for its experts' six grouped GEMMs: the forward pair and the
 input gradients as above, per expert, and both weight gradients with their operands quantized along
@@ -119,6 +121,11 @@ class Float8Recipe:
     across K steps, faster, fewer bits kept over a long K."""
     backward_fast_accum: bool = False
     """The same for the two backward GEMMs (torchao keeps them exact: each K step summed in fp32)."""
+    keep_weight_transpose: bool = True
+    """Blockwise: the forward's weight cast also writes the transposed float8 weight that the input
+    gradient's GEMM takes (the same 128 x 128 blocks: bit for bit what a cast in the backward gives),
+    kept for the backward: one byte per weight element held from forward to backward, one read of
+    the weight and one cast less per step. False: the backward casts the weight again."""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -126,7 +133,7 @@ class Float8Recipe:
         if self.grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError("Float8Recipe.grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
                             f"{self.grad_dtype}")
-        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum"):
+        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum", "keep_weight_transpose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Float8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -165,6 +172,25 @@ class Float8Recipe:
         as ``lhs``'s."""
         return quantize(x, _B[self.scaling], transpose=transpose, pad=tokens and self.scaling == "blockwise",
                         power_of_two=self.power_of_two_scales, scale=scale, x_scale=x_scale)
+
+    def weights(self, weight: torch.Tensor) -> tuple[Quantized, Quantized | None]:
+        """The forward GEMM's weight operand ``rhs(weight)`` and, where the recipe keeps it
+        (``keep_weight_transpose``, blockwise), the input gradient's ``rhs(weight, transpose=True)``
+        from the same pass; else None (the backward casts it)."""
+        if self.scaling == "blockwise" and self.keep_weight_transpose:
+            return quantize(weight, _B[self.scaling], power_of_two=self.power_of_two_scales, twin=True)
+        return self.rhs(weight), None
+
+    def grads(self, dy: torch.Tensor) -> tuple[Quantized, Quantized]:
+        """Both backward GEMMs' operands of an output gradient ``dy [M, N]`` held whole: ``lhs(dy,
+        grad=True)`` for the input gradient and ``lhs(dy, grad=True, transpose=True, tokens=True)`` for the
+        weight gradient (tensorwise: with the first's scale); blockwise in one pass over ``dy``."""
+        if self.scaling == "blockwise":
+            return quantize(dy, _A[self.scaling], dtype=self.grad_dtype, power_of_two=self.power_of_two_scales,
+                            twin=True)
+        first = self.lhs(dy, grad=True)
+        scale = first.scale if self.scaling == "tensorwise" else None
+        return first, self.lhs(dy, grad=True, transpose=True, tokens=True, scale=scale)
 
     def expert_tokens(self, x: torch.Tensor, offsets: torch.Tensor, experts: int, *, grad: bool = False,
                       rows: torch.Tensor | None = None, scale=None, x_scale=None) -> Segments:

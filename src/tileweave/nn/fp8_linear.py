@@ -36,8 +36,10 @@ with ``save_gathered=False`` the column layer's backward casts ``q(rms_norm(x_sh
 norm's kernel (the same bits) and gathers that, ``q(dy).T @ q(AG_M(q(rms_norm(x_shard))))`` either way.
 Each ``q`` quantizes along its GEMM's contraction (the recipe's table); a transposed operand is
 quantized in its own orientation, read in place. The weight is quantized each step from the master
-weight (forward: along K; dgrad: along N, the weight read transposed); the tensorwise recipe reuses
-the forward's weight scale and the dgrad's gradient scale where the backward needs the transpose.
+weight (forward: along K; dgrad: along N, the weight read transposed); the blockwise recipe's forward
+cast writes both (``Float8Recipe.keep_weight_transpose``: the same 128 x 128 blocks) and keeps the
+dgrad's for the backward; the tensorwise recipe reuses the forward's weight scale and the dgrad's
+gradient scale where the backward needs the transpose.
 Outputs are in ``out_dtype`` (the input's dtype, or autocast's), ``dx`` in the input's dtype, ``dw``
 in the weight's: master weights and their gradients never pass through a lower precision. All three
 GEMMs run on the layer's ``TPOps``: the two with communication on its ``all_gather_gemm`` and
@@ -52,6 +54,7 @@ from torch import nn
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.fused_inputs import norm_eps, rms_norm_backward, swiglu_backward
 from tileweave.nn.tp_ops import start_gather
+from tileweave.ops.compute.quantize import Quantized
 
 
 def _wgrad(ops, recipe: Float8Recipe, qa, qb, out_dtype: torch.dtype) -> torch.Tensor:
@@ -64,6 +67,19 @@ def _tensor_scale(recipe: Float8Recipe, q) -> torch.Tensor | None:
     """A tensorwise scale to reuse for the transpose of the same tensor; None for the other scalings,
     whose transposed operands have scales of their own."""
     return q.scale if recipe.scaling == "tensorwise" else None
+
+
+def _kept(qwt) -> tuple:
+    """What the forward keeps of the input gradient's weight operand (``Float8Recipe.weights``): its data
+    and scales, or two Nones."""
+    return (None, None) if qwt is None else (qwt.data, qwt.scale)
+
+
+def _weight_t(recipe: Float8Recipe, weight, w_scale, data, scale):
+    """The input gradient's weight operand: the one the forward kept, else cast now."""
+    if data is not None:
+        return Quantized(data, scale)
+    return recipe.rhs(weight, transpose=True, scale=w_scale)
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -80,18 +96,19 @@ class ColumnParallelFP8(torch.autograd.Function):
             qx = recipe.lhs(x_shard)
         else:
             qx, rstd, _ = recipe.normed_lhs(x_shard, norm_weight, norm_eps)
-        qw = recipe.rhs(weight)
+        qw, qwt = recipe.weights(weight)
         fp8 = dict(scale_a=qx.scale, scale_b=qw.scale.t(), out_dtype=out_dtype,
                    use_fast_accum=recipe.forward_fast_accum)
         norm_saved = (x_shard, norm_weight, rstd) if norm_eps is not None else (None, None, None)
         if save_gathered:
             y, gathered, gathered_scales = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype),
                                                                return_gathered=True, **fp8)
-            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw), *norm_saved)
+            ctx.save_for_backward(gathered, gathered_scales, weight, _tensor_scale(recipe, qw), *_kept(qwt),
+                                  *norm_saved)
         else:  # gathered again in backward: the input, or with a norm its float8 rows, cast again from its input
             y = ops.all_gather_gemm(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), **fp8)
             ctx.save_for_backward(x_shard if norm_eps is None else None, None, weight, _tensor_scale(recipe, qw),
-                                  *norm_saved)
+                                  *_kept(qwt), *norm_saved)
         ctx.group, ctx.ops, ctx.recipe, ctx.save_gathered = group, ops, recipe, save_gathered
         ctx.x_dtype, ctx.bias_dtype = x_shard.dtype, None if bias is None else bias.dtype
         ctx.norm, ctx.norm_eps = norm_eps is not None, norm_eps
@@ -99,16 +116,15 @@ class ColumnParallelFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        saved, saved_scales, weight, w_scale, x_norm_in, norm_weight, rstd = ctx.saved_tensors
+        saved, saved_scales, weight, w_scale, wt_data, wt_scale, x_norm_in, norm_weight, rstd = ctx.saved_tensors
         recipe = ctx.recipe
         dy = dy.contiguous()
         pending = None if ctx.save_gathered else _regather(ctx, saved, x_norm_in, norm_weight)
-        qdy = recipe.lhs(dy, grad=True)
-        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
+        qdy, qdyt = recipe.grads(dy)
+        qwt = _weight_t(recipe, weight, w_scale, wt_data, wt_scale)
         dx_shard = ctx.ops.gemm_reduce_scatter(qdy.data, qwt.data.t(), ctx.group, scale_a=qdy.scale,
                                                scale_b=qwt.scale.t(), out_dtype=ctx.x_dtype,
                                                use_fast_accum=recipe.backward_fast_accum)
-        qdyt = recipe.lhs(dy, grad=True, transpose=True, tokens=True, scale=_tensor_scale(recipe, qdy))
         if pending is None:  # the forward's gathered float8 rows, quantized again along the tokens
             qxt = recipe.rhs(saved, transpose=True, tokens=True, x_scale=saved_scales)
         else:  # the input in its dtype, quantized once; or float8 rows with their scales, quantized again
@@ -140,21 +156,22 @@ class RowParallelFP8(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, ops, recipe: Float8Recipe, out_dtype, swiglu):
         # swiglu: x is gate | up, and silu(gate) * up is computed by the kernel that casts it
         qx = recipe.swiglu_lhs(*x.chunk(2, dim=1)) if swiglu else recipe.lhs(x)
-        qw = recipe.rhs(weight)
+        qw, qwt = recipe.weights(weight)
         y_shard = ops.gemm_reduce_scatter(qx.data, qw.data.t(), group, bias=_bias(bias, out_dtype), scale_a=qx.scale,
                                           scale_b=qw.scale.t(), out_dtype=out_dtype,
                                           use_fast_accum=recipe.forward_fast_accum)
-        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw), x if swiglu else None)
+        ctx.save_for_backward(qx.data, qx.scale, weight, _tensor_scale(recipe, qw), *_kept(qwt),
+                              x if swiglu else None)
         ctx.group, ctx.ops, ctx.recipe, ctx.swiglu = group, ops, recipe, swiglu
         ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         return y_shard
 
     @staticmethod
     def backward(ctx, dy_shard):
-        x8, x_scale, weight, w_scale, gate_up = ctx.saved_tensors
+        x8, x_scale, weight, w_scale, wt_data, wt_scale, gate_up = ctx.saved_tensors
         recipe = ctx.recipe
         qdy = recipe.lhs(dy_shard.contiguous(), grad=True)
-        qwt = recipe.rhs(weight, transpose=True, scale=w_scale)
+        qwt = _weight_t(recipe, weight, w_scale, wt_data, wt_scale)
         dx, gathered, gathered_scales = ctx.ops.all_gather_gemm(
             qdy.data, qwt.data.t(), ctx.group, return_gathered=True, scale_a=qdy.scale, scale_b=qwt.scale.t(),
             out_dtype=ctx.x_dtype, use_fast_accum=recipe.backward_fast_accum)

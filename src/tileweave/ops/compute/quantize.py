@@ -64,6 +64,9 @@ INTERPRETER_TILES = {"tensor": (128, 256, 4), "row": (128, 256, 4), "row_amax": 
                      "128x128": (128, 128, 4), "segments": (128, 256, 4)}
 """The same in Triton's interpreter (the CPU tests), whose cost is per program: few, large ones (the
 transposed kinds take their group's)."""
+TWIN_TILES = (128, 128, 4)
+"""``(BR, BC, num_warps)`` of a ``blockwise_1x128`` cast with its twin (``quantize``'s ``twin``): square
+tiles, whose rows and columns are both 1 x 128 blocks, on GPUs and in the interpreter alike."""
 SEGMENT_ALIGN = 16
 """``quantize_segments`` pads each group's rows to a multiple of this many: torch's 2d-2d scaled grouped GEMM
 wants its groups so (16 bytes of float8), and ``grouped_wgrad`` loads whole 16-byte vectors of them."""
@@ -80,7 +83,7 @@ class Quantized(NamedTuple):
 def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.float8_e4m3fn,
              transpose: bool = False, pad: bool = False, power_of_two: bool = False,
              scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-             amax: torch.Tensor | None = None) -> Quantized:
+             amax: torch.Tensor | None = None, twin: bool = False) -> Quantized | tuple[Quantized, Quantized]:
     """``x [R, C]`` (or ``x.T`` with ``transpose``: read through its strides, written contiguous, no
     transpose pass) cast to ``dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) with one scale
     per group of ``granularity`` (module docstring). ``x``: float16, bfloat16 or float32, any strides.
@@ -102,6 +105,13 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     * ``x_scale``: ``x`` is float8 with these scales (``matmul``'s ``scale_a`` forms for ``x`` as
       given: one element, ``[R, 1]`` or ``[R, C/128]``; not for a stack), and ``x * x_scale`` is quantized
       again.
+    * ``twin`` (blockwise, one matrix, without ``pad``): also the cast of the other orientation (``x.T``,
+      or ``x`` with ``transpose``) from the same pass, returned second, bit for bit what a second call
+      would give, for one read of ``x``. ``blockwise_128x128`` (both dimensions multiples of 128): the
+      same blocks, so the first's float8 values and scales transposed (a weight's operand for the
+      forward GEMM and for the input gradient's). ``blockwise_1x128``: ``quantize(x.T, "blockwise_1x128",
+      pad=True)`` (an output gradient's operand for the input gradient and, along the tokens, for
+      the weight gradient's).
 
     No host synchronisation: tensorwise, and rowwise of ``x.T``, are two launches (an amax, then the
     cast; one with ``amax`` or ``scale``), the others one.
@@ -111,18 +121,21 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
     granularity that takes neither, blockwise columns not a multiple of 128 without ``pad``, a float8
     ``x`` without ``x_scale`` (or ``x_scale`` with another ``x``), scales of a wrong dtype, device or shape.
     """
-    group = _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax)
+    group = _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax, twin)
     stack = x.shape[:-2]  # (B,) for a stack of matrices
     rows, cols = (x.shape[-1], x.shape[-2]) if transpose else tuple(x.shape[-2:])
     cols_out = -(-cols // BLOCK) * BLOCK if pad else cols
     device = x.device
     data = torch.empty((*stack, rows, cols_out), dtype=dtype, device=device)
     out_scale = _new_scale(group, stack, rows, cols_out, device) if scale is None else scale
+    rows_pad = -(-rows // BLOCK) * BLOCK if group == "1x128" else rows  # the twin's columns
+    other = Quantized(torch.empty((cols, rows_pad), dtype=dtype, device=device),
+                      _new_scale(group, (), cols, rows_pad, device)) if twin else None
     if rows == 0 or cols == 0:
         data.zero_()
         if scale is None:
             out_scale.fill_(_host_scale(0.0, dtype, power_of_two))
-        return Quantized(data, out_scale)
+        return (Quantized(data, out_scale), other) if twin else Quantized(data, out_scale)
     interp = common.interpreting()
     if x.device.type == "cpu" and not interp:
         raise RuntimeError("quantize on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -137,6 +150,8 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
         # the rows are strided columns (an amax pass over tiles, then the cast), or their amax is given
         group = "row_amax"
     br, bc, warps = tiles_of(group, *strides, interpreter=interp)
+    if twin and group == "1x128":  # a tile's columns are blocks of x.T too
+        br, bc, warps = TWIN_TILES
     switches = dict(DEQUANT=x_scale is not None, IN_GR=in_groups[0], IN_GC=in_groups[1],
                     IN_ALONG=_in_along(in_strides, in_groups, br, bc))
     with torch.cuda.device(device) if x.is_cuda else contextlib.nullcontext():
@@ -149,12 +164,13 @@ def quantize(x: torch.Tensor, granularity: str, *, dtype: torch.dtype = torch.fl
         grid = (triton.cdiv(rows, br), 1 if group == "row" else triton.cdiv(cols_out, bc), batch)
         scale_strides = (0, 0, 0) if out_scale.dim() == 0 else (0,) * (3 - out_scale.dim()) + out_scale.stride()
         quantize_kernel[grid](
-            x, in_scale, data, out_scale, out_scale if tensor is None else tensor, rows, cols, cols_out,
-            stride_xb, data.stride(0) if stack else 0, scale_strides[0], *strides, *in_strides,
+            x, in_scale, data, out_scale, out_scale if tensor is None else tensor,
+            data if other is None else other.data, out_scale if other is None else other.scale, rows, cols,
+            cols_out, stride_xb, data.stride(0) if stack else 0, scale_strides[0], *strides, *in_strides,
             *data.stride()[-2:], *scale_strides[1:],
             GROUP=group, BR=br, BC=bc, FP8_MAX=fp8_max, MANT=mant, MIN_EXP=min_exp, POW2=bool(power_of_two),
-            SCALE_GIVEN=scale is not None, num_warps=warps, **switches)
-    return Quantized(data, out_scale)
+            SCALE_GIVEN=scale is not None, TWIN=twin, num_warps=warps, **switches)
+    return (Quantized(data, out_scale), other) if twin else Quantized(data, out_scale)
 
 
 def _in_along(strides: tuple[int, int], groups: tuple[int, int], br: int, bc: int) -> str:
@@ -182,7 +198,7 @@ def tiles_of(group: str, stride_xr: int, stride_xc: int, *, interpreter: bool) -
     return TILES[f"{group}_t" if _across(stride_xr, stride_xc) else group]
 
 
-def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None) -> str:
+def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None, twin=False) -> str:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3):
@@ -219,6 +235,10 @@ def _check(x, granularity, dtype, transpose, pad, scale, x_scale, amax=None) -> 
             raise ValueError(f"quantize: x_scale applies to a 2-D x, got shape {tuple(x.shape)}")
         _check_scale("x_scale", x_scale, x.device, lambda s: True, "")
     cols = x.shape[-2] if transpose else x.shape[-1]
+    if twin and (not blockwise or pad or x.dim() != 2 or (granularity == "blockwise_128x128" and rows % BLOCK)):
+        raise ValueError(f"quantize: twin applies to blockwise granularities of one matrix without pad (and for "
+                         f"blockwise_128x128 rows that are a multiple of {BLOCK}); got {granularity!r}, pad={pad}, "
+                         f"x of shape {tuple(x.shape)}{' (transposed)' if transpose else ''}")
     if blockwise and not pad and cols % BLOCK:
         what = "rows of x (the columns of x.T)" if transpose else "columns of x"
         raise ValueError(f"quantize: {granularity} needs the {what} to be a multiple of {BLOCK}, got {cols}; "
