@@ -267,7 +267,11 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, twin_ptr,
                 r64 = offs_r.to(tl.int64)[:, None]
                 c64 = offs_c.to(tl.int64)[None, :]
                 tl.store(q_ptr + r64 * stride_qr + c64 * stride_qc, q, mask=mask)
-                tl.store(twin_ptr + c64 * R + r64, q, mask=mask)
+                # read back (from cache) and stored transposed: computed in the layout of the second store
+                # too, the quotient would cost twice
+                tl.debug_barrier()
+                back = tl.load(q_ptr + r64 * stride_qr + c64 * stride_qc, mask=mask)
+                tl.store(twin_ptr + c64 * R + r64, back, mask=mask)
                 tl.store(twin_scale_ptr + pid_c * tl.num_programs(0) + pid_r, scale)
             else:
                 _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
