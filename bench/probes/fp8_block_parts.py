@@ -47,6 +47,18 @@ def candidates(kind):
     return CANDIDATES.get(kind, CANDIDATES.get(kind.removesuffix("_t"), []))
 
 
+def _parts(q):
+    """``quantize``'s result as a tuple: one ``Quantized``, or two with ``twin=True``."""
+    return q if isinstance(q, tuple) else (q, )
+
+
+def _tiles_now(group, strides, kw):
+    """The tiles the library takes for this call: a 1 x 128 cast with its twin takes square ones."""
+    if kw.get("twin") and group == "1x128":
+        return quantize_mod.TWIN_TILES
+    return quantize_mod.tiles_of(group, *strides, interpreter=False)
+
+
 def record_step(recipe, x, target, batch):
     calls = []
     real = fp8_mod.quantize
@@ -80,24 +92,26 @@ def quantize_part(m, recipes=("tensorwise", "rowwise", "blockwise")):
         for t, granularity, kw in calls:
             group = quantize_mod._GROUP[granularity]
             strides = t.stride()[::-1] if kw.get("transpose") else t.stride()
-            kind = kind_of(group, *strides)
-            nbytes = t.numel() * t.element_size() + t.numel()  # read x, write one byte per element
-            base = quantize_mod.quantize(t, granularity, **kw)
+            kind = kind_of(group, *strides) + ("+twin" if kw.get("twin") else "")
+            # read x, write one byte per element (two with a twin)
+            nbytes = t.numel() * t.element_size() + t.numel() * (2 if kw.get("twin") else 1)
+            base = _parts(quantize_mod.quantize(t, granularity, **kw))
             row = {"recipe": name, "granularity": granularity, "kind": kind, "shape": list(t.shape),
                    "dtype": str(t.dtype), "transpose": bool(kw.get("transpose")), "MB": nbytes / 1e6, "tiles": {}}
-            for cand in [real_tiles(group, *strides, interpreter=False)] + candidates(kind):
+            now = _tiles_now(group, strides, kw)
+            for cand in [now] + (candidates(kind) if now != quantize_mod.TWIN_TILES else []):
                 quantize_mod.tiles_of = lambda g, sr, sc, interpreter, c=cand: c
                 try:
-                    got = quantize_mod.quantize(t, granularity, **kw)
-                    same = torch.equal(got.data.view(torch.uint8), base.data.view(torch.uint8)) and \
-                        torch.equal(got.scale, base.scale)
+                    got = _parts(quantize_mod.quantize(t, granularity, **kw))
+                    same = all(torch.equal(g.data.view(torch.uint8), b.data.view(torch.uint8)) and
+                               torch.equal(g.scale, b.scale) for g, b in zip(got, base, strict=True))
                     ms = _ms(lambda: quantize_mod.quantize(t, granularity, **kw)) if same else None
                 except Exception as e:  # a tile that does not compile or fit: recorded, not fatal
                     same, ms = repr(e)[:80], None
                 finally:
                     quantize_mod.tiles_of = real_tiles
                 row["tiles"][str(cand)] = {"ms": ms, "same": same}
-            current = row["tiles"][str(real_tiles(group, *strides, interpreter=False))]["ms"]
+            current = row["tiles"][str(now)]["ms"]
             row["current_ms"], row["current_GBps"] = current, nbytes / current / 1e6 if current else None
             rows.append(row)
             for cand, v in row["tiles"].items():
