@@ -6,8 +6,11 @@ step's time with CUDA events. Prints a table; writes block_profile.json to argv[
 (RECIPES comma-separated from bf16, tensorwise, rowwise, blockwise; the suffix ``-fast`` accumulates the
 backward GEMMs on the tensor cores; ``@torch``, e.g. ``blockwise@torch``: the same FP8 block on NCCL and
 torch's scaled matmul, the ``block`` section's ``torch`` variant). ``fwd_bwd_ms``: forward + backward
-alone (no optimizer, gradients set to None first), as the benchmark's block section times it. With ``TILEWEAVE_PROBE_TILES`` naming a
-``quantize_tiles.json`` of ``fp8_block_parts.py``, the quantize launches take its best tiles."""
+alone (no optimizer, gradients set to None first), as the benchmark's block section times it. With
+``TILEWEAVE_PROBE_TILES`` naming a ``quantize_tiles.json`` of ``fp8_block_parts.py``, the quantize
+launches take its best tiles; with ``TILEWEAVE_PROBE_OPS=1`` the torch ops that launch the kernels are
+listed too, by their own CUDA time and input shapes (which op makes the block's copies and elementwise
+kernels, say)."""
 import dataclasses
 import json
 import os
@@ -107,7 +110,9 @@ def probe(rank, world, recipes, model, tokens, steps=5):
             end.record()
             torch.cuda.synchronize()
             fb_times.append(start.elapsed_time(end))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops_too = os.environ.get("TILEWEAVE_PROBE_OPS") == "1"
+        activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if ops_too else [])
+        with torch.profiler.profile(activities=activities, record_shapes=ops_too) as prof:
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
@@ -121,11 +126,19 @@ def probe(rank, world, recipes, model, tokens, steps=5):
                  "fwd_bwd_ms": sorted(fb_times)[len(fb_times) // 2],
                  "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
                  "kernels": sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]}
+        if ops_too:  # which torch ops launch the kernels, by their own CUDA time and input shapes
+            ops = [(ev.self_device_time_total / 3 / 1e3, ev.count // 3, ev.key, str(ev.input_shapes)[:80])
+                   for ev in prof.key_averages(group_by_input_shape=True)
+                   if ev.device_type == torch.autograd.DeviceType.CPU and ev.key.startswith("aten::")
+                   and ev.self_device_time_total > 0]
+            entry["ops"] = sorted(ops, reverse=True)[:30]
         out.append(entry)
         print(f"{name}: fwd+bwd {entry['fwd_bwd_ms']:.2f} ms, step {entry['step_ms']:.2f} ms (kernel sum {sum(kinds.values()):.2f} ms): "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["kinds_ms"].items()), flush=True)
         for kname, (ms, count) in entry["kernels"][:30]:
             print(f"    {ms:8.3f} ms  x{count:<3d} {kname}", flush=True)
+        for ms, count, op, shapes in entry.get("ops", []):
+            print(f"    op {ms:8.3f} ms  x{count:<3d} {op} {shapes}", flush=True)
         del block, opt
         torch.cuda.empty_cache()
     dist.barrier()
