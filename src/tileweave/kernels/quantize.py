@@ -121,13 +121,13 @@ _QUOTIENT = tl.constexpr("""{
     copysign.f32 $0, $1, y;
 }""")
 """PTX of ``x / s`` from ``$1 = x``, ``$2 = -s`` and ``$3 = 1 / s``: ``y = x * (1 / s)``, corrected twice by
-the exact remainder ``x - y * s`` (``_cast_scaled``), then given ``x``'s sign (a correction turns the
+the exact remainder ``x - y * s`` (``_to_fp8``), then given ``x``'s sign (a correction turns the
 quotient of -0 into +0; elsewhere the sign is already ``x``'s, as ``s > 0``)."""
 
 
 @triton.jit
 def _reciprocal(scale):
-    """``1 / scale``, correctly rounded: what ``_cast_scaled`` divides by on a GPU (computed once per scale,
+    """``1 / scale``, correctly rounded: what ``_to_fp8`` divides by on a GPU (computed once per scale,
     on its own shape, before it is broadcast over the tile)."""
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
 
@@ -261,20 +261,17 @@ def quantize_kernel(x_ptr, in_scale_ptr, q_ptr, scale_ptr, tensor_ptr, twin_ptr,
                 tl.store(twin_scale_ptr + offs_c * tl.num_programs(0) + pid_r, col_scale, mask=offs_c < C)
         else:  # "128x128": BR == BC == 128, one block
             scale = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FP8_MAX, POW2)
-            if TWIN:  # the block's values stored twice: as they lie, and transposed
-                q = _to_fp8(q_ptr, x, scale, _reciprocal(scale), FP8_MAX, MANT, MIN_EXP)
+            _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
+            if TWIN:  # the block read back (from cache) and stored transposed: cast again in the layout of
+                # the second store, as the compiler would do with the values in registers, the quotient
+                # would cost twice
                 mask = (offs_r < R)[:, None] & (offs_c < C_out)[None, :]
                 r64 = offs_r.to(tl.int64)[:, None]
                 c64 = offs_c.to(tl.int64)[None, :]
-                tl.store(q_ptr + r64 * stride_qr + c64 * stride_qc, q, mask=mask)
-                # read back (from cache) and stored transposed: computed in the layout of the second store
-                # too, the quotient would cost twice
                 tl.debug_barrier()
                 back = tl.load(q_ptr + r64 * stride_qr + c64 * stride_qc, mask=mask)
                 tl.store(twin_ptr + c64 * R + r64, back, mask=mask)
                 tl.store(twin_scale_ptr + pid_c * tl.num_programs(0) + pid_r, scale)
-            else:
-                _cast_store(q_ptr, x, scale, offs_r, offs_c, R, C_out, stride_qr, stride_qc, FP8_MAX, MANT, MIN_EXP)
             tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
 
 
