@@ -30,6 +30,7 @@ from tileweave.nn.checkpoint import Reader, check_unused, dict_reader, to_interl
 from tileweave.nn.fp8 import Float8Recipe
 from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear, TPOps
 from tileweave.nn.shards import from_rank_major, gather_shards, to_rank_major
+from tileweave.ops.compute.rope import rope_qkv, rope_qkv_backward
 
 STATE_NAMES = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
@@ -98,16 +99,41 @@ class RopeCache:
         return tables
 
 
-def split_heads(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int, theta: float,
+class _RotaryQKV(torch.autograd.Function):
+    """``rope_qkv`` with its backward: the split, the rotation of q and k and its inverse, and the
+    join of the gradients, one pass each way."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, seq, heads, kv_heads, head_dim):
+        ctx.save_for_backward(cos, sin)
+        ctx.rows = qkv.shape[0]
+        ctx.shape = dict(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        return rope_qkv(qkv, cos, sin, **ctx.shape)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        grads = []
+        for g, n in zip((dq, dk, dv), (ctx.shape["heads"], ctx.shape["kv_heads"], ctx.shape["kv_heads"])):
+            if g is None:  # an output the loss did not use
+                g = torch.zeros((ctx.rows, n * ctx.shape["head_dim"]), dtype=cos.dtype, device=cos.device)
+            grads.append(g if g.stride(-1) == 1 else g.contiguous())
+        return rope_qkv_backward(*grads, cos, sin, **ctx.shape), None, None, None, None, None, None
+
+
+def split_heads(qkv: torch.Tensor, batch: int, heads: int, kv_heads: int, head_dim: int,
                 tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``qkv [B*S, (heads + 2 kv_heads) * head_dim]`` of ``batch`` sequences of S tokens (batch-major;
     per row ``[q | k | v]``) -> ``q [B, heads, S, head_dim]``, ``k, v [B, kv_heads, S, head_dim]``, with
-    ``q`` and ``k`` rotated by ``tables`` (``rope_tables`` of the S tokens' positions)."""
-    seq = qkv.shape[0] // batch
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    q = rope(q.view(batch, seq, heads, head_dim).transpose(1, 2), theta, tables)
-    k = rope(k.view(batch, seq, kv_heads, head_dim).transpose(1, 2), theta, tables)
-    return q, k, v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
+    ``q`` and ``k`` rotated by ``tables`` (``rope_tables`` of the S tokens' positions, in ``qkv``'s
+    dtype). One kernel each way (``tileweave.ops.compute.rope``); the three are views of token-major
+    storage (``[B, S, heads, head_dim]``), the layout attention kernels take as it is."""
+    m = qkv.shape[0]
+    seq = m // batch
+    cos, sin = tables
+    q, k, v = _RotaryQKV.apply(qkv, cos, sin, seq, heads, kv_heads, head_dim)
+    return tuple(t.view(batch, seq, n, head_dim).transpose(1, 2)
+                 for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
 
 
 class TPTransformerBlock(nn.Module):
@@ -177,16 +203,18 @@ class TPTransformerBlock(nn.Module):
 
     def _forward(self, x_shard: torch.Tensor, batch: int, seq_shard: int | None) -> torch.Tensor:
         # seq_shard: rows in rank-major order of [B, S/W] blocks (a sequence-sharded input), else None
-        c, hd = self.config, self.config.head_dim
+        hd = self.config.head_dim
         qkv = self.qkv(x_shard, norm=self.attn_norm)                  # [M, (hl + 2 kvl) hd]
         m = qkv.shape[0]
         if seq_shard is not None:
             qkv = from_rank_major(qkv, self.world, (batch, seq_shard), 1).reshape(m, -1)
         tables = self._rope(m // batch, qkv.device, qkv.dtype)
-        q, k, v = split_heads(qkv, batch, self.local_heads, self.local_kv_heads, hd, c.rope_theta, tables)
-        groups = self.local_heads // self.local_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)  # [B, S, hl, hd]
+        q, k, v = split_heads(qkv, batch, self.local_heads, self.local_kv_heads, hd, tables)
+        # Grouped keys and values go to attention as they are: its kernels share each kv head among its
+        # query heads (no copies repeated per head); the output keeps q's token-major layout.
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.local_heads != self.local_kv_heads)
+        attn = attn.transpose(1, 2)  # [B, S, hl, hd]
         attn = attn.reshape(m, self.local_heads * hd) if seq_shard is None else \
             to_rank_major(attn.reshape(batch, m // batch, -1), self.world, 1)
         h = x_shard + self.o(attn)
