@@ -26,10 +26,9 @@ def way_gqa(q, k, v):
 def inputs(b, s, h, kv, d, token_major):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def make(heads):
-        shape = (b, s, heads, d) if token_major else (b, heads, s, d)
-        t = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-        return (t.transpose(1, 2) if token_major else t).detach().requires_grad_(True)
+    def make(heads):  # the same values either way; token-major: [B, S, heads, D] storage
+        t = torch.randn((b, heads, s, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+        return (t.transpose(1, 2).contiguous().transpose(1, 2) if token_major else t).requires_grad_(True)
     q, k, v = make(h), make(kv), make(kv)
     dy = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     return q, k, v, dy

@@ -79,6 +79,19 @@ def test_swiglu_quantize_is_quantize_of_the_swiglu(granularity, dtype, pow2, row
     assert _same(swiglu_quantize(gate, up, granularity, dtype=dtype, power_of_two=pow2)[0], q)
 
 
+def test_swiglu_sigmoid_in_its_tails():
+    # Gates across the sigmoid's whole range, the clamp's edges at -87 and 87 and past them: the values
+    # bit for bit the documented float32 steps, and within a few float32 units of the exact SwiGLU (0
+    # below g = -87, where the exact one is under 2e-36).
+    edges = torch.tensor([-87.0, 87.0, -86.99, 86.99, -87.01, 87.01, -88.7, -104.0, 89.0, 0.0, -0.0, 1e-30])
+    gate = torch.cat([torch.linspace(-120, 120, 256 * 2 - edges.numel()), edges]).reshape(2, 256)
+    up = 1 + torch.rand(2, 256, generator=_gen("tails"))
+    _, values = swiglu_quantize(gate, up, "rowwise", return_values=True)
+    assert torch.equal(values, swiglu32(gate, up))
+    exact = gate.double() * torch.sigmoid(gate.double()) * up.double()
+    assert bool(((values.double() - exact).abs() <= 4 * 2.0**-23 * exact.abs() + 1e-35).all())
+
+
 def test_bfloat16_inputs_and_values():
     gen = _gen("bf16")
     x = _rows(gen, 20, 256).bfloat16()

@@ -188,11 +188,33 @@ def rms_norm32(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Ten
     return y if w is None else y * w.float()
 
 
+def sigmoid32(g: torch.Tensor) -> torch.Tensor:
+    """The fused SwiGLU's documented float32 sigmoid (``tileweave.kernels.fused_quantize``), step by step
+    in torch's float32 operations on the CPU (each correctly rounded, none fused): ``-g`` held to [-87,
+    87], ``n`` the nearest integer to it over ln 2 (halves up), ``r = (t - n * 0.693359375) + n *
+    2.12194440e-4``, Cephes' degree-6 polynomial for ``exp(r)``, times ``2**n``, then ``1 / (1 + e)``; 0
+    below ``g = -87``."""
+    f = torch.float32
+
+    def c(v: float) -> torch.Tensor:  # a constant as the kernel holds it: rounded to float32
+        return torch.tensor(v, dtype=f)
+    t = torch.clamp(-g, -87.0, 87.0)
+    t = torch.where(torch.isnan(t), torch.zeros_like(t), t)
+    n = torch.floor(t * c(1.44269502) + c(0.5))
+    r = (t - n * c(0.693359375)) + n * c(2.12194440e-4)
+    p = c(1.9875691500e-4) * r + c(1.3981999507e-3)
+    for k in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + c(k)
+    p = (p * (r * r) + r) + c(1.0)
+    two_n = torch.ldexp(torch.ones_like(n), n.to(torch.int32))
+    sig = c(1.0) / (c(1.0) + p * two_n)
+    return torch.where(g < -87.0, torch.zeros_like(sig), sig)
+
+
 def swiglu32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The float32 values that the fused SwiGLU casts: ``(g * float32(1 / (1 + exp(-g)))) * u``, the
-    sigmoid in float64."""
+    """The float32 values that the fused SwiGLU casts: ``(g * sigmoid32(g)) * u``."""
     g = gate.float()
-    return (g * (1 / (1 + torch.exp(-g.double()))).float()) * up.float()
+    return (g * sigmoid32(g)) * up.float()
 
 
 def swiglu_epilogue32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

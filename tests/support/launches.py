@@ -21,6 +21,7 @@ from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES
 from tileweave.ops.compute.quantize import TILES as QUANTIZE_TILES, tiles_of as quantize_tiles
+from tileweave.ops.compute.rope import ROW_ELEMENTS as ROPE_ROW_ELEMENTS, rope_qkv, rope_qkv_backward
 from tileweave.ops.compute.rms_norm import REDUCE_TILES as NORM_REDUCE_TILES, choose_tiles as norm_tiles, rms_norm_grad
 from tileweave.ops.compute.swiglu import BACKWARD_TILES as SWIGLU_BACKWARD_TILES, TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
@@ -65,6 +66,8 @@ def h200_variant(launch: Launch) -> Launch | None:
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         block = "BC" if kernel == "rms_norm_grad_kernel" else "BH"
         kwargs.update(zip(("BR", block, "num_warps"), norm_tiles(*(launch.args[fn.arg_names.index(n)] for n in "MH"))))
+    elif kernel == "rope_heads_kernel":
+        kwargs["BR"] = max(1, ROPE_ROW_ELEMENTS // (2 * kwargs["BH"]))
     elif kernel == "rms_norm_dweight_kernel":
         kwargs.update(zip(("BP", "BC", "num_warps"), NORM_REDUCE_TILES))
     elif kernel in ("oneshot_kernel", "twoshot_kernel"):
@@ -215,6 +218,17 @@ def _norm_calls() -> dict[str, Callable[[], object]]:
         "rms_norm_grad, fp16 x, fp32 dy and weight": lambda: rms_norm_grad(
             _randn(40, 80, dtype=torch.float32), _randn(40, 80), _randn(80, dtype=torch.float32), torch.ones(40)),
     }
+
+
+def _rope_calls() -> dict[str, Callable[[], object]]:
+    # The block's rotary embedding both ways: a 128-wide head (Llama) and an 80-wide one (BH = 64, masked).
+    def both(m, seq, heads, kv, hd):
+        shape = dict(seq=seq, heads=heads, kv_heads=kv, head_dim=hd)
+        cos, sin = _randn(seq, hd // 2), _randn(seq, hd // 2)
+        rope_qkv(_randn(m, (heads + 2 * kv) * hd), cos, sin, **shape)
+        rope_qkv_backward(_randn(m, heads * hd), _randn(m, kv * hd), _randn(m, kv * hd), cos, sin, **shape)
+    return {"rope_qkv and its backward, head_dim 128": lambda: both(64, 32, 4, 2, 128),
+            "rope_qkv and its backward, head_dim 80": lambda: both(40, 20, 2, 1, 80)}
 
 
 def _norm_h200_calls() -> dict[str, Callable[[], object]]:
@@ -412,6 +426,7 @@ def op_launches(rank: int, world: int) -> list[Launch]:
         launches += record(fp8_launches.cast_calls())
         # the H200's tiles first: ptxas reports on each kernel's first form, the widest whole rows here
         launches += record(_norm_h200_calls(), h200=True) + record(_norm_calls())
+        launches += record(_rope_calls())
     if rank == world - 1:
         launches += record(_moe_local_calls()) + record(_moe_local_h200_calls(), h200=True)
         launches += record(fp8_launches.wgrad_h200_calls(), h200=True)

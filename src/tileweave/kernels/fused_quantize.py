@@ -7,11 +7,14 @@ The values, in float32, by a fixed formula:
 
 * RMSNorm of a row ``x [H]``: ``rstd = 1 / sqrt(float32(sum(x * x) / H) + eps)``, the sum of squares
   accumulated in float64 (each square of a float32 is exact there), then ``y = (x * rstd) * w``;
-* SwiGLU: ``h = (g * float32(1 / (1 + exp(-g)))) * u``, the sigmoid in float64.
+* SwiGLU: ``h = (g * sigmoid(g)) * u`` with ``sigmoid(g) = 1 / (1 + e)`` and ``e = exp(-g)`` by a fixed
+  float32 sequence (``_sigmoid``: Cody and Waite's reduction ``-g = n ln 2 + r`` and a degree-6
+  polynomial for ``exp(r)``, Cephes' ``expf``), about 2 units of the last place from the exact sigmoid.
 
-Every other step is a correctly rounded float32 operation, and the float64 steps are rounded once to
-float32: the values do not depend on the tile sizes, the order of the reduction or the GPU, and match
-the interpreter's bit for bit (a float32 ``exp`` or reduction would not). The cast is ``quantize``'s
+Every other step is a correctly rounded float32 operation, and the float64 sum is rounded once to
+float32; the kernels are compiled without contracting a product and a sum into one FMA. So the values do
+not depend on the tile sizes, the order of the reduction or the GPU, and match the interpreter's bit for
+bit (a library ``exp`` or a float32 reduction would not). The cast is ``quantize``'s
 (``tileweave.kernels.quantize``): the same scale and the same rounding to the float8 grid, so a fused
 result equals ``quantize`` of the same values bit for bit.
 
@@ -121,15 +124,36 @@ def rms_norm_quantize_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, rstd_ptr, amax_ptr,
 
 
 @triton.jit
+def _sigmoid(g):
+    """``1 / (1 + exp(-g))`` of float32 ``g`` by correctly rounded float32 steps in a fixed order (module
+    docstring). ``t = -g`` is held to [-87, 87], where ``2**n`` and the result stay normal numbers; below
+    ``g = -87`` the result is 0 (the exact one is under 1.7e-38), and a NaN ``g`` gives some number (its
+    product with ``g`` is NaN)."""
+    t = tl.minimum(tl.maximum(-g, -87.0), 87.0)
+    t = tl.where(t == t, t, 0.0)
+    n = tl.floor(t * 1.44269502 + 0.5)  # nearest to t / ln 2, |n| <= 126
+    # ln 2 = 0.693359375 - 2.12194440e-4: the first has 9 significant bits, so n times it is exact.
+    r = (t - n * 0.693359375) + n * 2.12194440e-4
+    p = 1.9875691500e-4 * r + 1.3981999507e-3
+    p = p * r + 8.3334519073e-3
+    p = p * r + 4.1665795894e-2
+    p = p * r + 1.6666665459e-1
+    p = p * r + 5.0000001201e-1
+    p = (p * (r * r) + r) + 1.0
+    two_n = ((n.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    sig = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + p * two_n)
+    return tl.where(g < -87.0, 0.0, sig)
+
+
+@triton.jit
 def _swiglu(g_ptr, u_ptr, offs_r, offs_c, M, F, stride_gm, stride_um):
-    """``(g * sigmoid(g)) * u`` of the tile at ``offs_r, offs_c`` in float32, the sigmoid in float64
-    (zeros outside ``[M, F]``)."""
+    """``(g * sigmoid(g)) * u`` of the tile at ``offs_r, offs_c`` in float32 (``_sigmoid``; zeros outside
+    ``[M, F]``)."""
     mask = (offs_r < M)[:, None] & (offs_c < F)[None, :]
     r64 = offs_r.to(tl.int64)[:, None]
     g = tl.load(g_ptr + r64 * stride_gm + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_um + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = (1.0 / (1.0 + tl.exp(-g.to(tl.float64)))).to(tl.float32)
-    return (g * sig) * u
+    return (g * _sigmoid(g)) * u
 
 
 @triton.jit

@@ -4,8 +4,8 @@
 bit to ``quantize`` of the same values, without the values ever being written in high precision.
 
 The values are computed by a fixed formula in float32 (the kernel module's docstring: a float64 sum of
-squares and a float64 sigmoid, each rounded once), so they are the same on every GPU and in Triton's
-interpreter. ``rowwise`` and ``blockwise_1x128`` take one launch; ``tensorwise`` two (the amax over the
+squares rounded once, a sigmoid by fixed float32 steps), so they are the same on every GPU and in
+Triton's interpreter. ``rowwise`` and ``blockwise_1x128`` take one launch; ``tensorwise`` two (the amax over the
 whole tensor with an atomic max, then the cast; no host synchronisation).
 """
 
@@ -114,7 +114,8 @@ def swiglu_quantize(gate: torch.Tensor, up: torch.Tensor, granularity: str, *,
         args = (g_in, u_in, data, scale, amax, data if v_out is None else v_out, rows, cols, g_in.stride(0),
                 u_in.stride(0), data.stride(0), *scale_strides, 0 if v_out is None else v_out.stride(0))
         switches = dict(BR=br, BC=bc, FP8_MAX=FP8_MAX[dtype], MANT=_GRID[dtype][0], MIN_EXP=_GRID[dtype][1],
-                        POW2=bool(power_of_two), num_warps=warps)
+                        POW2=bool(power_of_two), num_warps=warps,
+                        enable_fp_fusion=False)  # the sigmoid's fixed steps: no product and sum as one FMA
         with _on(gate):
             if group == "tensor":
                 swiglu_quantize_kernel[grid](*args, GROUP=group, CAST=False, VALUES=False, **switches)
