@@ -224,3 +224,18 @@ def test_grouped_gemm_fp8(scaling):
         except RuntimeError:
             return
         assert _rel(out, theirs.double()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("m,n,k", [(1024, 768, 512), (384, 1280, 8192)])
+def test_weight_grad_matmul_blockwise_gpu(m, n, k):
+    # The FP8 layers' weight-gradient GEMM with blockwise operands (torch's blockwise scaled matmul where
+    # this torch has it): against float64 of the dequantized operands, as tileweave.matmul is.
+    from tileweave.nn.tp_ops import weight_grad_matmul
+    a, b = _fp8(m, k, seed=5), _fp8(n, k, seed=6).t()
+    scale_a = _positive(m, k // 128, seed=7)  # K-major, as the layers' casts write them
+    scale_b = _positive(n // 128, k // 128, seed=8).t()
+    ref = _reference(a, b, scale_a, scale_b)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = weight_grad_matmul(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        assert _rel(got, ref) < TOL[out_dtype], (out_dtype, _rel(got, ref))

@@ -13,6 +13,42 @@ from tileweave.ops.all_gather.op import AllGatherGemm
 from tileweave.ops.compute.matmul import matmul
 
 
+_BLOCK = 128
+
+
+def _torch_blockwise() -> Callable | None:
+    """torch's blockwise scaled matmul (``torch.nn.functional.scaled_mm`` with ``BlockWise1x128`` and
+    ``BlockWise128x128`` scales, torch 2.10 and later), or None."""
+    fn = getattr(torch.nn.functional, "scaled_mm", None)
+    kinds = getattr(torch.nn.functional, "ScalingType", None)
+    if fn is None or kinds is None or not hasattr(kinds, "BlockWise1x128"):
+        return None
+    return lambda a, b, sa, sb, out_dtype: fn(a, b, sa, kinds.BlockWise1x128, sb, kinds.BlockWise128x128,
+                                              output_dtype=out_dtype)
+
+
+_TORCH_BLOCKWISE = _torch_blockwise()
+
+
+def weight_grad_matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, use_fast_accum: bool = False) -> torch.Tensor:
+    """The local GEMM of an FP8 layer's weight gradient, ``(a * scale_a) @ (b * scale_b)`` with
+    ``tileweave.matmul``'s arguments. It hides no communication, so it runs where it is fastest, as the
+    bf16 layers' weight gradients run on cuBLAS: e4m3 operands with blockwise scales (``scale_a [M,
+    K/128]``, ``scale_b [K/128, N/128]``, every dimension a multiple of 128) and a bf16 output on a CUDA
+    device go to torch's blockwise scaled matmul where torch has it (it sums each K block in float32
+    and ignores ``use_fast_accum``); everything else to ``tileweave.matmul``."""
+    m, k = a.shape
+    n = b.shape[1]
+    if (_TORCH_BLOCKWISE is not None and a.is_cuda and a.dtype == b.dtype == torch.float8_e4m3fn
+            and out_dtype == torch.bfloat16 and m % _BLOCK == 0 and k % _BLOCK == 0 and n % _BLOCK == 0
+            and tuple(scale_a.shape) == (m, k // _BLOCK) and tuple(scale_b.shape) == (k // _BLOCK, n // _BLOCK)):
+        # torch takes the 1 x 128 scales M-major (strides (1, M))
+        sa = torch.empty_strided(scale_a.shape, (1, m), dtype=torch.float32, device=a.device).copy_(scale_a)
+        return _TORCH_BLOCKWISE(a, b, sa, scale_b, out_dtype)
+    return matmul(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
 @dataclasses.dataclass(frozen=True)
 class TPOps:
     """The communication GEMMs a TP layer runs on, with the signatures of ``tileweave.ops.functional``:
@@ -25,13 +61,13 @@ class TPOps:
     next call, which saves a copy) and whose ``all_gather`` regathers an input on the copy engines;
     None: the backward takes a fresh gathered tensor and regathers with ``torch.distributed``.
     ``matmul(a, b, *, scale_a, scale_b, out_dtype, use_fast_accum)``: the local GEMM of an ``fp8``
-    layer's weight gradient, float8 operands with ``tileweave.matmul``'s scales (default: tileweave's),
-    so that stand-in ops replace all three GEMMs of a step."""
+    layer's weight gradient, float8 operands with ``tileweave.matmul``'s scales (default:
+    ``weight_grad_matmul``), so that stand-in ops replace all three GEMMs of a step."""
 
     all_gather_gemm: Callable
     gemm_reduce_scatter: Callable
     shared_all_gather: Callable[[dist.ProcessGroup, torch.device], AllGatherGemm] | None = None
-    matmul: Callable = matmul
+    matmul: Callable = weight_grad_matmul
 
 
 TILEWEAVE_OPS = TPOps(all_gather_gemm=functional.all_gather_gemm,
