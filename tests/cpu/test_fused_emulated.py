@@ -31,7 +31,7 @@ def _three_cases(late: C, world: int, **transport) -> list[C]:
     """The cases both ops take, each with the ``transport`` settings given: rows not a tile multiple,
     with bias; odd M in float32 with a row-major b (K not a TMA pitch); ``late``, called twice, the
     last rank late by its ``delay_s``."""
-    return [C(m_chunk=40, k=48, n=56, bias=True, iters=3, **transport),
+    return [C(m_chunk=40, k=48, n=56, bias=True, iters=2, **transport),
             C(m_chunk=17, k=24, n=40, dtype="float32", weight_layout=False, **transport),
             dataclasses.replace(late, iters=2, straggler=world - 1, **transport)]
 
@@ -47,7 +47,7 @@ def test_all_gather_gemm(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, _three_cases(AG_LATE, world)), "gathered_exact")
 
 
-@pytest.mark.parametrize("world,transport", [(2, "chunked"), (4, "chunked"), (2, "oneshot"), (3, "oneshot")])
+@pytest.mark.parametrize("world,transport", [(4, "chunked"), (2, "oneshot"), (3, "oneshot")])
 def test_all_gather_gemm_chunked_and_oneshot(world, transport):
     # cuBLAS per shard as the shards arrive (chunked), or the peers' shards copied out of their gather
     # buffers by one kernel and then one GEMM (the one-shot path); odd calls fill a caller's gathered_out.
@@ -62,7 +62,7 @@ def test_all_gather_gemm_stream_k_tail(world, programs):
     # chunk on 4 programs, leave 2. Late producers, bias, a K that TMA cannot take.
     ring = world == 3
     wider = 32 if ring else 0
-    cases = [C(m_chunk=40, k=200, n=56 + wider, bias=True, iters=3),
+    cases = [C(m_chunk=40, k=200, n=56 + wider, bias=True, iters=2),
              C(m_chunk=64, k=96, n=48 + wider, iters=2, straggler=world - 1, delay_s=0.3),
              C(m_chunk=40, k=130, n=56 + wider, dtype="float32", weight_layout=False)]
     cases = [dataclasses.replace(c, ag_transport="ring" if ring else "mesh") for c in cases]
@@ -99,10 +99,10 @@ def test_all_gather_gemm_graphable(world):
     # Constant-valued flags (what a CUDA-graph replay repeats), eager here: fresh inputs call after
     # call, both transports, a late producer.
     cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, graphable=True),
-        C(m_chunk=32, k=64, n=32, iters=3, straggler=world - 1, delay_s=0.3, graphable=True),
-        C(m_chunk=17, k=24, n=40, dtype="float32", iters=3, ag_transport="chunked", graphable=True),
-        C(m_chunk=32, k=64, n=32, iters=3, straggler=0, delay_s=0.3, ag_transport="chunked", graphable=True),
+        C(m_chunk=40, k=48, n=56, bias=True, iters=2, graphable=True),
+        C(m_chunk=32, k=64, n=32, iters=2, straggler=world - 1, delay_s=0.3, graphable=True),
+        C(m_chunk=17, k=24, n=40, dtype="float32", iters=2, ag_transport="chunked", graphable=True),
+        C(m_chunk=32, k=64, n=32, iters=2, straggler=0, delay_s=0.3, ag_transport="chunked", graphable=True),
     ]
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
@@ -124,7 +124,7 @@ def test_graphable_transport_switches_and_gathers_alone():
 def test_all_gather_gemm_ring_graphable(world):
     # The ring on 0/1 flags: each forward waits for its own READY word, which is reset only after the
     # copy stream is joined; a late rank delays every chunk that passes through it.
-    cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=3, ag_transport="ring", graphable=True),
+    cases = [C(m_chunk=40, k=48, n=56, bias=True, iters=2, ag_transport="ring", graphable=True),
              C(m_chunk=24, k=32, n=40, iters=3, straggler=1, delay_s=0.2, ag_transport="ring", graphable=True)]
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
@@ -155,8 +155,8 @@ def test_gemm_reduce_scatter_graphable(world):
     # The chunked transport on constant-valued flags: several blocks per owner, fresh inputs each call,
     # a late producer; still bitwise repeatable.
     cases = [
-        C(m_chunk=40, k=48, n=56, bias=True, iters=3, transport="chunked", graphable=True),
-        C(m_chunk=150, k=32, n=24, iters=3, transport="chunked", chunk_rows=32, straggler=world - 1,
+        C(m_chunk=40, k=48, n=56, bias=True, iters=2, transport="chunked", graphable=True),
+        C(m_chunk=150, k=32, n=24, iters=2, transport="chunked", chunk_rows=32, straggler=world - 1,
           delay_s=0.2, graphable=True),
     ]
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
@@ -172,13 +172,13 @@ def test_all_gather_gemm_ring(world):
     _check(run_ranks(world, scenarios.all_gather_gemm_check, cases), "gathered_exact")
 
 
-@pytest.mark.parametrize("world,transport", [(2, "chunked"), (4, "chunked"), (2, "oneshot"), (3, "oneshot")])
+@pytest.mark.parametrize("world,transport", [(4, "chunked"), (2, "oneshot"), (3, "oneshot")])
 def test_gemm_reduce_scatter(world, transport):
     cases = _three_cases(RS_LATE, world, transport=transport)
     _check(run_ranks(world, scenarios.gemm_reduce_scatter_check, cases), "deterministic")
 
 
-@pytest.mark.parametrize("world, transport", [(2, "mesh"), (3, "ring"), (4, "mesh")])
+@pytest.mark.parametrize("world, transport", [(3, "ring"), (4, "mesh")])
 def test_all_gather_alone_on_the_copy_engines(world, transport):
     for result in run_ranks(world, scenarios.all_gather_only_check, transport, 3, world - 1):
         assert result["exact"], result
