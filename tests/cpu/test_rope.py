@@ -98,3 +98,20 @@ def test_refusals_name_the_argument():
         rope_qkv_backward(torch.randn(8, 12), torch.randn(7, 6), torch.randn(8, 6), cos, sin, **ok)
     with pytest.raises(ValueError, match="dq must have 2 \\* 6 columns"):
         rope_qkv_backward(torch.randn(8, 6), torch.randn(8, 12), torch.randn(8, 6), cos, sin, **ok)
+
+
+def test_split_heads_with_tables_of_another_dtype():
+    # fp16 projections with float32 tables (the rotation reads them as they are); an unused output's
+    # gradient is taken as zeros in the projection's dtype.
+    gen = torch.Generator().manual_seed(6)
+    batch, seq, heads, kv_heads, hd = 1, 5, 2, 1, 4
+    qkv = torch.randn(batch * seq, (heads + 2 * kv_heads) * hd, generator=gen).half().requires_grad_(True)
+    cos, sin = _tables(gen, seq, hd, torch.float32)
+    q, _, _ = split_heads(qkv, batch, heads, kv_heads, hd, (cos, sin))
+    w = torch.randn(q.shape, generator=gen).half()
+    (q.float() * w.float()).sum().backward()
+    assert qkv.grad.dtype == torch.float16 and qkv.grad[:, heads * hd:].abs().max() == 0
+    x = qkv.detach().double().requires_grad_(True)
+    ref = _reference(x, cos, sin, seq, heads, kv_heads, hd)[0].view(batch, seq, -1, hd).transpose(1, 2)
+    (ref * w.double()).sum().backward()
+    _close(qkv.grad, x.grad, "dqkv")

@@ -106,7 +106,7 @@ class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, seq, heads, kv_heads, head_dim):
         ctx.save_for_backward(cos, sin)
-        ctx.rows = qkv.shape[0]
+        ctx.rows, ctx.dtype = qkv.shape[0], qkv.dtype
         ctx.shape = dict(seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         return rope_qkv(qkv, cos, sin, **ctx.shape)
 
@@ -116,7 +116,7 @@ class _RotaryQKV(torch.autograd.Function):
         grads = []
         for g, n in zip((dq, dk, dv), (ctx.shape["heads"], ctx.shape["kv_heads"], ctx.shape["kv_heads"])):
             if g is None:  # an output the loss did not use
-                g = torch.zeros((ctx.rows, n * ctx.shape["head_dim"]), dtype=cos.dtype, device=cos.device)
+                g = torch.zeros((ctx.rows, n * ctx.shape["head_dim"]), dtype=ctx.dtype, device=cos.device)
             grads.append(g if g.stride(-1) == 1 else g.contiguous())
         return rope_qkv_backward(*grads, cos, sin, **ctx.shape), None, None, None, None, None, None
 
