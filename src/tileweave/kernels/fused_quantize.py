@@ -12,9 +12,10 @@ The values, in float32, by a fixed formula:
   polynomial for ``exp(r)``, Cephes' ``expf``), about 2 units of the last place from the exact sigmoid.
 
 Every other step is a correctly rounded float32 operation, and the float64 sum is rounded once to
-float32; the kernels are compiled without contracting a product and a sum into one FMA. So the values do
-not depend on the tile sizes, the order of the reduction or the GPU, and match the interpreter's bit for
-bit (a library ``exp`` or a float32 reduction would not). The cast is ``quantize``'s
+float32; the SwiGLU's kernel is compiled without contracting a product and a sum into one FMA (the
+norm's float32 steps have no such pair). So the values do not depend on the tile sizes, the order of the
+reduction or the GPU, and match the interpreter's bit for bit (a library ``exp`` or a float32 reduction
+would not). The cast is ``quantize``'s
 (``tileweave.kernels.quantize``): the same scale and the same rounding to the float8 grid, so a fused
 result equals ``quantize`` of the same values bit for bit.
 
