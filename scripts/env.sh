@@ -15,13 +15,13 @@ else
   PY=.venv/bin/python
   if ! "$PY" -c "import torch, triton, numpy, pytest" 2>/dev/null; then
     echo "setting up .venv (CPU torch 2.13.0, triton 3.6.0, numpy<2.4, pytest)..." >&2
-    "$PY" -m pip install -q --disable-pip-version-check --no-compile "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
+    "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" "triton==3.6.0" "numpy<2.4" \
       pytest tqdm matplotlib >&2
   fi
   # Test-only: the reference that the Hugging Face checkpoint tests compare against (tests/cpu/test_models.py);
   # the library itself reads checkpoints without them.
   "$PY" -c "import transformers, safetensors" 2>/dev/null \
-    || "$PY" -m pip install -q --disable-pip-version-check --no-compile "transformers==5.18.0" safetensors >&2
+    || "$PY" -m pip install -q --disable-pip-version-check "transformers==5.18.0" safetensors >&2
   # Optional: spreads the CPU tests over the cores (scripts/test.sh); the tests run without it.
   "$PY" -c "import xdist" 2>/dev/null \
     || "$PY" -m pip install -q --disable-pip-version-check pytest-xdist >/dev/null 2>&1 || true
