@@ -100,3 +100,27 @@ def test_fp8_gemm_all_reduce_gpu():
         for row in rows:
             scaling, policy, out_dtype, norm = row["case"]
             assert row["err"] < tol[out_dtype] and row["same"] and row["path"] == policy, row
+
+
+@pytest.mark.skipif(RANKS < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_local_path_gpu(dtype):
+    """A group of one: the GEMM, then one epilogue kernel (rows of up to 8192 columns at once, wider ones
+    in steps), against float64; with and without bias, residual and norm; decode rows and a prefill's."""
+    base = [C(m=1, k=4096, n=4096, residual=True, norm=True), C(m=8, k=1000, n=8192, bias=True, residual=True),
+            C(m=64, k=512, n=12000, residual=True, norm=True, bias=True), C(m=333, k=256, n=1000, residual=True,
+                                                                             norm=True),
+            C(m=5, k=2048, n=520, bias=True), C(m=3, k=14336, n=4096)]
+    cases = [dataclasses.replace(case, dtype=dtype, policy="auto", iters=2) for case in base]
+    rows = run_ranks(1, scenarios.all_reduce_check, cases, gpus=True)[0]
+    for row in rows:
+        assert row["err"] < row["tol"] and row["path"] == "local", row
+
+
+@pytest.mark.skipif(RANKS < 1, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("norm", [False, True])
+def test_local_path_cuda_graph(norm):
+    result = run_ranks(1, scenarios.cuda_graph_check, "auto", 4, 4096, 4096, norm, gpus=True)[0]
+    assert result["path"] == "local", result
+    assert max(result["errors"]) < result["tol"], result
+    assert result["replayed"] == result["eager"], result

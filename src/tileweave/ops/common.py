@@ -21,13 +21,14 @@ def last_path(op: str) -> str | None:
     """Which path the last call of ``op`` ("all_gather_gemm", "gemm_reduce_scatter", "gemm_all_reduce",
     "moe_all_gather_gemm", "moe_gemm_reduce_scatter", "matmul") took: one of the names that every op
     shares (``tileweave.ops.skeleton.PATHS``: "local", "fused", "chunked", "oneshot", "twoshot",
-    "fallback"), or "triton" for ``matmul``."""
+    "fallback"), or for ``matmul`` "splitk" (a few rows: the decode-shaped GEMM) or "triton" (the tile
+    GEMM)."""
     return _last_path.get(op)
 
 
 def record_path(op: str, path: str) -> None:
-    """Record the path a call of ``op`` took (one of ``tileweave.ops.skeleton.PATHS``, or "triton" for
-    ``matmul``)."""
+    """Record the path a call of ``op`` took (one of ``tileweave.ops.skeleton.PATHS``, or "splitk" or
+    "triton" for ``matmul``)."""
     _last_path[op] = path
 
 

@@ -29,7 +29,8 @@ sum in rank order; NCCL's order is fixed by the group). In Triton's interpreter 
 the unfused path in fp32, since the interpreter's bfloat16 arithmetic is wrong.
 
 Paths (``last_path("gemm_all_reduce")``): ``"oneshot"`` and ``"twoshot"`` (``transports``), ``"fallback"``
-(the GEMM, NCCL's all-reduce, torch's epilogue: ``nccl``), ``"local"`` (a group of one). ``policy="auto"``
+(the GEMM, NCCL's all-reduce, torch's epilogue: ``nccl``), ``"local"`` (a group of one: the GEMM and one
+epilogue kernel, ``local``). ``policy="auto"``
 picks per shape by ``rule.choose_path``, ``"fused"`` the faster of the two fused transports by the same
 estimates, decided at the first call of a signature; rank 0's pick is taken by every rank.
 
@@ -53,7 +54,7 @@ import torch.distributed as dist
 
 from tileweave.runtime import settings
 from tileweave.ops import common
-from tileweave.ops.all_reduce import nccl, rule
+from tileweave.ops.all_reduce import local, nccl, rule
 from tileweave.ops.all_reduce.transports import FusedTransport
 from tileweave.ops.compute import scaling
 from tileweave.ops.skeleton import TPOp
@@ -133,6 +134,8 @@ class GemmAllReduce(TPOp):
             if path in ("oneshot", "twoshot"):
                 self._fused_transport(backend).run(path, a, b, bias, residual, norm_weight, float(eps), y, resid,
                                                    scales)
+            elif path == "local":
+                local.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
             else:
                 nccl.run(backend, a, b, bias, residual, norm_weight, float(eps), y, resid, scales)
         common.record_path(OP, path)

@@ -29,7 +29,7 @@ from tileweave.kernels.gemm_all_reduce import MAX_BLOCKS, oneshot_kernel, twosho
 from tileweave.ops import common
 from tileweave.ops.compute.gemm_launch import wrap_int32
 from tileweave.ops.all_reduce.rule import rows_per_program
-from tileweave.ops.compute.matmul import matmul
+from tileweave.ops.all_reduce.local import partial
 from tileweave.ops.skeleton import ErrorWords, first_launch
 from tileweave.runtime.backend import Backend, HostWord, SymmetricBuffer, TileweaveError
 
@@ -159,14 +159,12 @@ class FusedTransport:
         part = slot[:m * n].view(m, n)
         if b is None:
             part.copy_(a)
-        elif scales is not None:
-            matmul(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=y.dtype, out=part)
-        elif backend.interpreter:
+        elif backend.interpreter and scales is None:
             # torch's GEMM, not tileweave's: interpreted, tileweave.matmul (tested on its own) costs about a
             # second a call, which the emulated ranks' tests of this protocol cannot afford.
             torch.mm(a, b, out=part)
         else:
-            matmul(a, b, out=part)
+            partial(a, b, part, scales)
         programs, bm, bn = tiles(path, m, backend.world_size, backend.num_sms, interpreter=backend.interpreter)
         dummy = y
         constexprs = dict(WORLD=backend.world_size, BM=bm, BN=bn, P=programs,

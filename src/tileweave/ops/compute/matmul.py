@@ -9,9 +9,10 @@ from typing import NamedTuple
 import torch
 
 from tileweave.ops import common
-from tileweave.ops.compute import fp8_sm90, gemm_launch, scaling
+from tileweave.ops.compute import fp8_sm90, gemm_launch, scaling, splitk
 from tileweave.tune.autotune import select_config
 from tileweave.tune.configs import FP8_DECODE_ROWS, GemmConfig
+from tileweave.tune.splitk import choose_splitk_config
 
 
 def _num_sms(device: torch.device) -> int:
@@ -65,6 +66,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
         scales, c_dtype = plan.extra
         if out is None:
             out = torch.empty((a.shape[0], b.shape[1]), dtype=c_dtype, device=a.device)
+        if isinstance(plan.launch, splitk.LaunchPlan):
+            splitk.relaunch(plan.launch, a, b, out, bias)
+            common.record_path("matmul", "splitk")
+            return out
         hopper = isinstance(plan.launch, fp8_sm90.LaunchPlan)
         if hopper and plan.launch.ready():
             fp8_sm90.relaunch(plan.launch, a, b, out, bias, scale_a, scale_b)
@@ -122,6 +127,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, scale_a: torch.Tensor | None = N
             _remember(key, _Plan(hopper, (scales, c_dtype)))
         common.record_path("matmul", "triton")
         return out
+    decode = None if config is not None or scaled else choose_splitk_config(
+        m, n, k, a.dtype, num_sms=_num_sms(a.device), interpreter=common.interpreting())
+    if decode is not None:
+        launched = splitk.launch(a, b, out, bias, decode, num_sms=_num_sms(a.device))
+        if cacheable:
+            _remember(key, _Plan(launched, (None, c_dtype)))
+        common.record_path("matmul", "splitk")
+        return out
     a_copied = a.stride(1) != 1 and a.stride(0) != 1
     if a_copied:
         a = a.contiguous()
@@ -149,7 +162,7 @@ def _remember(key: tuple, plan: _Plan) -> None:
 
 
 class _Plan(NamedTuple):
-    launch: gemm_launch.LaunchPlan | fp8_sm90.LaunchPlan
+    launch: gemm_launch.LaunchPlan | fp8_sm90.LaunchPlan | splitk.LaunchPlan
     extra: tuple
     """(the scales' strides and scaling as first checked, or None; the output dtype)"""
 
