@@ -34,6 +34,7 @@ from tileweave.nn.checkpoint import Reader, to_interleaved
 from tileweave.nn.fp8_weights import Float8Weight, check_scaling, gemm_operands, quantize_weight
 from tileweave.nn.kv_cache import KVCache
 from tileweave.nn.shards import gather_shards
+from tileweave.ops.compute import decode_attention as attention_ops
 from tileweave.ops.compute.matmul import matmul
 from tileweave.ops.functional import all_gather_gemm, gemm_reduce_scatter
 
@@ -339,6 +340,11 @@ class TPDecoderLayer(nn.Module):
         cache.k[index].index_copy_(2, step.slots, k)
         cache.v[index].index_copy_(2, step.slots, v.transpose(1, 2))
         keys = step.allowed.shape[-1]
+        if s == 1 and attention_ops.suits(q, cache.k):
+            # A decode step: over the filled slots only, their count read on the device.
+            out = attention_ops.decode_attention(q[:, :, 0], cache.k[index], cache.v[index], cache.valid, step.slots,
+                                                 limit=keys)
+            return out.reshape(b, hl * hd)
         out = F.scaled_dot_product_attention(q, cache.k[index, :, :, :keys], cache.v[index, :, :, :keys],
                                              attn_mask=step.allowed, enable_gqa=hl != kvl)
         return out.transpose(1, 2).reshape(b * s, hl * hd)
