@@ -8,7 +8,7 @@ import torch
 
 import tileweave
 from tileweave.ops.compute import splitk
-from tileweave.tune.splitk import SPLITK_MAX_ROWS, SplitKConfig, choose_splitk_config
+from tileweave.tune.splitk import SPLITK_MAX_ROWS, SplitKConfig, choose_splitk_config, splitk_pays
 
 TOL = {torch.float16: 2e-3, torch.float32: 1e-5}
 
@@ -70,7 +70,7 @@ def test_rule_routes_few_rows_only():
     assert choose_splitk_config(1, 4096, 4096, torch.float8_e4m3fn, num_sms=sms) is None
     # The worked example of tileweave.tune.splitk: Llama-3-8B o_proj at one token.
     tiles, spans, k_split = choose_splitk_config(1, 4096, 4096, torch.bfloat16, num_sms=sms).grid(1, 4096, 4096, sms)
-    assert (tiles, spans, k_split) == (64, 8, 512)
+    assert (tiles, spans, k_split) == (64, 4, 1024)
     # Never a span of fewer than MIN_STEPS steps: a short K is not split.
     assert SplitKConfig().grid(1, 4096, 256, sms)[1] == 1
 
@@ -83,3 +83,14 @@ def test_bfloat16_in_the_interpreter_is_computed_in_float32():
     out = tileweave.matmul(a, w.t())
     assert out.dtype == torch.bfloat16
     assert _rel(out.float(), a.double() @ w.double().t()) < 1e-2
+
+
+def test_decode_gemms_take_cublas_unless_split_k_pays():
+    # The rule that keeps GEMM + AllReduce's partial never slower than cuBLAS (tileweave.tune.splitk):
+    # Llama-3-70B gate_up at TP 1 and a language-model head at a few tokens on split-K; every
+    # Llama-3-8B and -70B shard of the row-parallel layers, and more than a few rows, on cuBLAS.
+    assert splitk_pays(1, 57344, 8192, torch.bfloat16) and splitk_pays(8, 128256, 4096, torch.float16)
+    for n, k in ((4096, 4096), (4096, 14336), (8192, 8192), (8192, 28672), (28672, 8192), (4096, 1792)):
+        assert not splitk_pays(1, n, k, torch.bfloat16), (n, k)
+    assert not splitk_pays(9, 57344, 8192, torch.bfloat16)
+    assert not splitk_pays(1, 57344, 8192, torch.float32)

@@ -84,6 +84,9 @@ class Options:
     sections: tuple[str, ...] = ("gemm_ar", "layer")
     context: int = 512
     """Tokens in the KV cache before the timed decode step (layer section)."""
+    max_seq: int = 0
+    """Slots of the layer section's KV cache, all of them in the step's keys (as a step replayed from a CUDA
+    graph over a preallocated cache has them); 0: ``context + 1``, the filled slots and the step's own."""
     dtype: str = "bfloat16"
     """The model's dtype (bfloat16 under ``--dtype fp8``; float32 in a smoke run)."""
     scalings: tuple[str, ...] = ()
@@ -103,6 +106,8 @@ def parse_args(argv=None) -> Options:
     p.add_argument("--m", "--tokens", dest="m", default=",".join(map(str, M_VALUES)), help="decode batch sizes")
     p.add_argument("--sections", default="gemm_ar,layer", help="gemm_ar, layer or both")
     p.add_argument("--context", type=int, default=512, help="KV-cache tokens for the layer step")
+    p.add_argument("--max-seq", type=int, default=0,
+                   help="slots of the layer step's KV cache, all in its keys (default: context + 1)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "fp8"),
                    help="the model's dtype; fp8: the bfloat16 rows and beside them each --scaling with float8 "
                         "weights and activations")
@@ -140,10 +145,14 @@ def parse_args(argv=None) -> Options:
         # another model's tensors
         models = ("tiny-fp8",) if scalings else ("tiny", "tiny-fp8")
         m_values, context, dtype = SMOKE_M, 6, "float32"
+        max_seq = 16 if a.max_seq else 0
     else:
-        context, dtype = a.context, "bfloat16" if a.dtype == "fp8" else a.dtype
+        context, dtype, max_seq = a.context, "bfloat16" if a.dtype == "fp8" else a.dtype, a.max_seq
+        if max_seq and max_seq <= context:
+            p.error(f"--max-seq must exceed --context ({context}), got {max_seq}")
     return Options(out=output_dir(a.out, a.smoke), smoke=a.smoke, models=models, m_values=m_values,
-                   sections=sections, context=context, dtype=dtype, scalings=scalings, iters=a.iters, reps=a.reps)
+                   sections=sections, context=context, max_seq=max_seq, dtype=dtype, scalings=scalings,
+                   iters=a.iters, reps=a.reps)
 
 
 def _dims(opts: Options, model: str) -> tuple[int, int, int, int]:
@@ -293,7 +302,7 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group, scal
     for model in opts.models:
         hidden, heads, kv_heads, ffn = _dims(opts, model)
         c = DecoderConfig(vocab=world, hidden=hidden, layers=1, heads=heads, kv_heads=kv_heads, ffn=ffn,
-                          norm_eps=EPS, max_seq=opts.context + 1)
+                          norm_eps=EPS, max_seq=opts.max_seq or opts.context + 1)
         torch.manual_seed(11 + rank)  # this rank's weight shards
         layer = TPDecoderLayer(c, world, rank, group=group, device=device, dtype=dtype)
         ref_layer = TPDecoderLayer(c, world, rank, device=device, dtype=torch.float32)
@@ -313,12 +322,11 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group, scal
             resid = _randn((m, hidden), 40 + m, device, dtype)  # replicated: the same seed on every rank
             normed = rms_norm(resid, layer.attn_norm, EPS)
             # one step at slot `context`, built once: every timed call rewrites that slot
-            step = Step.begin(cache, rope_tables(c, c.max_seq, device, dtype), None, m, 1, opts.context + 1)
+            step = Step.begin(cache, rope_tables(c, c.max_seq, device, dtype), None, m, 1, c.max_seq)
             ref_cache = _context_cache(c, m, kv_heads // world, opts.context, device, torch.float32)
             ref_cache.k.copy_(cache.k)
             ref_cache.v.copy_(cache.v)
-            ref_step = Step.begin(ref_cache, rope_tables(c, c.max_seq, device, torch.float32), None, m, 1,
-                                  opts.context + 1)
+            ref_step = Step.begin(ref_cache, rope_tables(c, c.max_seq, device, torch.float32), None, m, 1, c.max_seq)
             ref = ref_layer.forward_replicated(normed.float(), resid.float(), next_norm.float(), ref_cache, 0,
                                                ref_step, DecoderOps(row_parallel_norm=nccl_row), group)
 
@@ -326,7 +334,8 @@ def layer_cases(opts: Options, rank: int, world: int, device, dtype, group, scal
                 return layer.forward_replicated(normed, resid, next_norm, cache, 0, step,
                                                 DecoderOps(row_parallel_norm=row), group)
 
-            cases.append(Case("layer", f"{model} layer (context {opts.context})", m, run, ref, dtype=label, tol=tol))
+            name = f"{model} layer (context {opts.context}{f', max_seq {c.max_seq}' if opts.max_seq else ''})"
+            cases.append(Case("layer", name, m, run, ref, dtype=label, tol=tol))
     return cases
 
 

@@ -8,8 +8,8 @@ K for ``BN`` columns. ``choose_splitk_config`` sizes the spans so that the grid 
 pays more in its pipeline's fill and its partial's store than it streams).
 
 Worked example: Llama-3-8B's ``o_proj`` at one token, ``[1, 4096] x [4096, 4096]`` bf16 on 132 SMs:
-BM = 16, 4096 / 64 = 64 column tiles; 4 x 132 / 64 = 8.25 spans wanted, K = 4096 has 32 steps of 128,
-so 8 spans of 512 (4 steps each): 512 programs, every SM streaming about 248 KB of the weight.
+BM = 16, 4096 / 64 = 64 column tiles; 2 x 132 / 64 = 4.1 spans wanted, K = 4096 has 32 steps of 128,
+so 4 spans of 1024 (8 steps each): 256 programs, every SM streaming about 248 KB of the weight.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 
 SPLITK_MAX_ROWS = 64
 """GEMMs of at most this many rows take the split-K kernel (``choose_splitk_config``)."""
-PROGRAMS_PER_SM = 4
-"""Programs the grid aims for per SM: small tiles leave room for several resident at once, and more
-loads in flight is what a weight read needs."""
+PROGRAMS_PER_SM = 2
+"""Programs the grid aims for per SM: two small tiles fit an SM at once. On one H100, 2 streamed the
+decode shapes' weights faster than 4 or 8 (more spans: more partials and a longer tail) on most shapes."""
 MIN_STEPS = 4
 """The fewest K steps a span of a split tile takes."""
 
@@ -93,8 +93,10 @@ def choose_splitk_config(m: int, n: int, k: int, dtype: torch.dtype, *, num_sms:
 
 SPLITK_PAYS_ROWS = 8
 """Rows up to which the split-K route can beat cuBLAS (``splitk_pays``)."""
-SPLITK_PAYS_ELEMS = 1 << 27
-"""Weight elements (``K x N``) from which it does."""
+SPLITK_PAYS_ELEMS = 1 << 28
+"""Weight elements (``K x N``) from which it does: on one H100 the split-K route read Llama-3-70B's
+``gate_up`` weight at TP = 1 (470 M elements) 1.03-1.05x faster than cuBLAS at M <= 8, and tied or lost
+on every smaller weight (a language-model head, 525 M, is above the line too)."""
 
 
 def splitk_pays(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
