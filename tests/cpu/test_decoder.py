@@ -53,6 +53,15 @@ def test_decoder_prefill_and_decode_match_reference(world, batch, chunks, steps,
             assert result["tokens"] == result["want"], result
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_decode_steps_over_the_whole_cache_match_reference(world):
+    # Keys spanning every preallocated slot (a CUDA-graph step): the decode attention kernel finds the
+    # filled ones on the device; the logits must be those of the reference all the same.
+    results = run_ranks(world, S.decoder_check, 2, [5], 3, True, 3, False, 1, True)
+    for result in results:
+        assert result["prefill"] < 1e-5 and result["decode"] < 1e-5 and result["same"], result
+
+
 def test_decoder_refuses_bad_inputs():
     for result in run_ranks(2, S.decoder_errors_check):
         assert "vocab=17 must be divisible by the TP group size 2" in result["vocab"], result

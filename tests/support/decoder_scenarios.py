@@ -19,6 +19,7 @@ import tileweave
 from tileweave.nn import inference
 from tileweave.nn.decoder import DecoderConfig, TPDecoder
 from tileweave.nn.linear import ColumnParallelLinear, RowParallelLinear
+from tileweave.nn.shards import gather_shards
 from tileweave.testing.decoder_reference import random_state_dict, reference_generate, reference_logits
 
 
@@ -115,12 +116,15 @@ def small_config(world: int, *, layers: int = 2, max_seq: int = 32) -> DecoderCo
 
 
 def decoder_check(rank: int, world: int, batch: int, chunks: list[int], steps: int,
-                  sequence_parallel: bool = True, seed: int = 0, generate: bool = True, layers: int = 2) -> dict:
+                  sequence_parallel: bool = True, seed: int = 0, generate: bool = True, layers: int = 2,
+                  whole_cache: bool = False) -> dict:
     """The TP decoder (fp32) against the float64 reference: the prompt prefilled in ``chunks`` (lengths;
     a chunk after the first attends to the cache), then ``steps`` decode steps fed the reference's
     greedy tokens (teacher-forced, so that every step's logits are comparable); the worst relative
     error of each kind, whether the logits were bitwise the same on every rank, the ops' paths; then
-    (if ``generate``) ``generate`` from the whole prompt against ``reference_generate``."""
+    (if ``generate``) ``generate`` from the whole prompt against ``reference_generate``. ``whole_cache``:
+    each decode step's keys span every slot of the cache, as a step replayed from a CUDA graph's do
+    (the filled ones found on the device)."""
     device = _device()
     c = small_config(world, layers=layers)
     state = random_state_dict(c, seed=seed)
@@ -144,7 +148,12 @@ def decoder_check(rank: int, world: int, batch: int, chunks: list[int], steps: i
                                                   else ("gemm_all_reduce",)))
         start += length
     for step in range(steps):
-        logits = model.decode(full[:, start].to(device), cache)
+        if whole_cache:
+            shard = model.decode_shard(full[:, start].to(device), cache, cache.max_seq)
+            cache.advance(1)
+            logits = gather_shards(shard, 1, model.group)
+        else:
+            logits = model.decode(full[:, start].to(device), cache)
         out["decode"] = max(out["decode"], _rel_err(logits, ref[:, start]))
         out["same"] &= _same_on_every_rank(logits)
         out["paths"].add("decode " + _last_paths(("gemm_all_reduce",)))

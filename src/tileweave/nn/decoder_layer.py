@@ -340,8 +340,10 @@ class TPDecoderLayer(nn.Module):
         cache.k[index].index_copy_(2, step.slots, k)
         cache.v[index].index_copy_(2, step.slots, v.transpose(1, 2))
         keys = step.allowed.shape[-1]
-        if s == 1 and attention_ops.suits(q, cache.k):
-            # A decode step: over the filled slots only, their count read on the device.
+        if s == 1 and keys > cache.length + 1 and attention_ops.suits(q, cache.k):
+            # A decode step whose keys span slots not yet filled (a step replayed from a CUDA graph over
+            # the whole preallocated cache): over the filled slots only, their count read on the device.
+            # A step whose keys are the filled slots (eager, the host's length) keeps torch's attention.
             out = attention_ops.decode_attention(q[:, :, 0], cache.k[index], cache.v[index], cache.valid, step.slots,
                                                  limit=keys)
             return out.reshape(b, hl * hd)

@@ -28,6 +28,8 @@ ROW_ELEMS = 8192
 that a decode step's few rows are read once, not walked in a loop of dependent loads."""
 ROWS = 2
 """Rows per program (the kernel's smallest block)."""
+INTERPRETED_ROW_ELEMS = 64
+"""Columns per step in Triton's interpreter, so that the CPU tests' rows take several steps."""
 
 
 def partial(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scales: tuple | None) -> torch.Tensor:
@@ -57,7 +59,7 @@ def run(backend: Backend, a: torch.Tensor, b: torch.Tensor | None, bias, residua
         return
     else:
         part = partial(a, b, torch.empty(y.shape, dtype=y.dtype, device=y.device), scales)
-    _epilogue(part, bias, residual, norm_weight, eps, y, resid)
+    epilogue(part, bias, residual, norm_weight, eps, y, resid)
 
 
 @dataclasses.dataclass
@@ -72,15 +74,16 @@ _plans: dict[tuple, _Plan] = {}
 _offsets: dict[torch.device, torch.Tensor] = {}
 
 
-def _epilogue(part, bias, residual, norm_weight, eps: float, y: torch.Tensor, resid: torch.Tensor | None) -> None:
+def epilogue(part, bias, residual, norm_weight, eps: float, y: torch.Tensor, resid: torch.Tensor | None) -> None:
     """``y = part (+ bias) (+ residual)``, or with ``norm_weight`` ``resid`` that and ``y`` its RMSNorm:
-    the one-shot kernel on one rank (contiguous ``[M, N]`` tensors of one dtype, checked by the op)."""
+    the one-shot kernel on one rank (contiguous ``[M, N]`` tensors of one dtype, checked by the op; on the
+    CPU in Triton's interpreter, float16 or float32)."""
     m, n = y.shape
     norm = norm_weight is not None
     key = (m, n, y.dtype, y.device, bias is not None, residual is not None, norm)
     plan = _plans.get(key)
     if plan is None:
-        bn = min(triton.next_power_of_2(n), ROW_ELEMS)
+        bn = min(triton.next_power_of_2(n), ROW_ELEMS if y.is_cuda else INTERPRETED_ROW_ELEMS)
         plan = _Plan(programs=-(-m // ROWS), num_warps=max(4, min(16, ROWS * bn // 1024)),
                      constexprs=dict(WORLD=1, BM=ROWS, BN=bn, P=-(-m // ROWS), HAS_BIAS=bias is not None,
                                      HAS_RESIDUAL=residual is not None, HAS_NORM=norm, CONSTANT=False))
@@ -96,6 +99,9 @@ def _epilogue(part, bias, residual, norm_weight, eps: float, y: torch.Tensor, re
                y if bias is None else bias, y if residual is None else residual, norm_weight if norm else y,
                offsets, offsets)
     ints = (0, 0, 0, m, n, n, n, n, n, float(eps))
+    if not y.is_cuda:
+        oneshot_kernel[(plan.programs,)](*tensors, *ints, **plan.constexprs, num_warps=plan.num_warps)
+        return
     device = y.device.index
     if plan.compiled and torch.cuda.current_device() == device:
         triton_launch.launch_compiled(plan.compiled[0], device, plan.programs,
