@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tileweave.models import from_pretrained
+from tileweave.runtime import settings
 from tileweave.testing.emulated import run_ranks
 
 
@@ -67,7 +68,7 @@ def generate_rank(rank: int, world: int, args: argparse.Namespace) -> dict:
     """One rank: load its slices, generate; the tokens and the times (rank 0 prints the progress)."""
     cuda = torch.cuda.is_available()
     if args.cuda_graph:
-        os.environ["TILEWEAVE_GRAPHABLE"] = "1"  # the decode step's ops must replay in a graph
+        settings.override(settings.GRAPHABLE, "1")  # the decode step's ops must replay in a graph
     start = time.perf_counter()
     model = from_pretrained(args.model, group=dist.group.WORLD, dtype=None if cuda else torch.float32)
     loaded = time.perf_counter()

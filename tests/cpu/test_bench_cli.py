@@ -156,12 +156,16 @@ def test_bad_values_exit_with_usage_error(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_env_guard_forces_multicast_off():
-    env = {"NCCL_NVLS_ENABLE": "1"}
-    notes = cli.ensure_env(env)
-    assert env == cli.REQUIRED_ENV
+def test_env_guard_forces_multicast_off(monkeypatch):
+    import os
+
+    for key in cli.REQUIRED_ENV:
+        monkeypatch.delenv(key, raising=False)  # restored after the test
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    notes = cli.ensure_env()
+    assert {k: os.environ[k] for k in cli.REQUIRED_ENV} == cli.REQUIRED_ENV
     assert len(notes) == 1 and "NCCL_NVLS_ENABLE" in notes[0]
-    assert cli.ensure_env(env) == []
+    assert cli.ensure_env() == []
 
 
 def test_world_checks_name_the_problem():

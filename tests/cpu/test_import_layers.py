@@ -186,3 +186,44 @@ def test_each_layer_imports_only_those_below_it():
             if other != layer and other not in ALLOWED[layer]:
                 found.append(f"{module} imports {target}")
     assert sorted(found) == []
+
+
+ENVIRONMENT_WRITERS = {"tileweave.runtime.settings", "tileweave.testing.emulated"}
+"""The modules that may write the process environment: the settings' one home (``settings.export``, for
+other libraries' variables) and the emulated ranks' launcher (its ranks' own variables)."""
+
+
+def _environ_writes(tree: ast.Module):
+    """Lines that write ``os.environ``: item assignment or deletion, or a mutating method."""
+    def is_environ(node) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ"
+                and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        if any(isinstance(t, ast.Subscript) and is_environ(t.value) for t in targets):
+            yield node.lineno
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_environ(node.func.value)
+                and node.func.attr in ("update", "pop", "popitem", "setdefault", "clear", "__setitem__")):
+            yield node.lineno
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "putenv"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"):
+            yield node.lineno
+
+
+def test_only_the_settings_and_the_rank_launcher_write_the_environment():
+    # The library never configures itself through os.environ: settings are read in runtime/settings.py,
+    # entry points pass arguments (settings.override); other libraries' variables go through
+    # settings.export.
+    found = [f"{module}:{line}" for module, path in MODULES.items() if module not in ENVIRONMENT_WRITERS
+             for line in _environ_writes(ast.parse(path.read_text()))]
+    assert not found, found
+
+
+def test_the_environment_write_check_sees_writes():
+    tree = ast.parse("import os\nos.environ['A'] = '1'\nos.environ.update(B='2')\nx = os.environ.get('C')\n")
+    assert list(_environ_writes(tree)) == [2, 3]

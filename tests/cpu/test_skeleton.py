@@ -61,6 +61,18 @@ def test_settings_parse_and_name_the_variable(monkeypatch):
         assert settings.optional_flag(settings.RS_PULL) is expected
 
 
+@pytest.mark.parametrize("cls", OPS)
+def test_an_entry_points_override_reaches_the_ops_over_the_environment(monkeypatch, cls):
+    # settings.override is how the CLI's --policy reaches the ops without writing os.environ.
+    monkeypatch.setenv(settings.POLICY, "oneshot")
+    settings.override(settings.POLICY, "fallback")
+    try:
+        assert cls().policy == "fallback"
+    finally:
+        settings.override(settings.POLICY, None)
+    assert settings.text(settings.POLICY) == "oneshot"
+
+
 class _Backend:
     rank, interpreter = 1, True
 

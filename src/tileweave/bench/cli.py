@@ -20,7 +20,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from tileweave.bench.suite import (
 from tileweave.bench.timing import TimingConfig
 from tileweave.ops.all_gather.op import TRANSPORTS as AG_TRANSPORTS
 from tileweave.ops.reduce_scatter.op import TRANSPORTS as RS_TRANSPORTS
+from tileweave.runtime import settings
 
 REQUIRED_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
@@ -182,14 +183,10 @@ def _check_filters(ops: Sequence[str], layers: Sequence[str], m_values: Sequence
         select_block_rows(layers=tuple(layers) or None, m_values=tuple(m_values) or None, world_size=world_size)
 
 
-def ensure_env(environ: MutableMapping[str, str] = os.environ) -> list[str]:
-    """Force the no-multicast settings; returns a note for each value that had to change."""
-    notes = []
-    for key, value in REQUIRED_ENV.items():
-        if environ.get(key) not in (None, value):
-            notes.append(f"{key}={environ[key]} overridden to {value}: multicast must stay off")
-        environ[key] = value
-    return notes
+def ensure_env() -> list[str]:
+    """Force the no-multicast settings into the environment (``settings.export``: NCCL and torch read them,
+    in this process and the ranks it starts); returns a note for each value that had to change."""
+    return [f"{note}: multicast must stay off" for note in settings.export(REQUIRED_ENV)]
 
 
 def _free_port() -> int:
@@ -215,6 +212,10 @@ def _worker(local_rank: int, world_size: int, opts: CliOptions, rank_offset: int
     from tileweave.bench.runner import run_rank
 
     rank = rank_offset + local_rank
+    # The shared ops read these when they are made (in this rank's process).
+    settings.override(settings.POLICY, opts.policy)
+    settings.override(settings.RS_TRANSPORT, opts.rs_transport)
+    settings.override(settings.AG_TRANSPORT, opts.ag_transport)
     torch.cuda.set_device(local_rank)
     group = None
     if world_size > 1 or "block" in opts.bench.ops:  # the block's layers need a group, of one rank too
@@ -249,10 +250,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     for note in ensure_env():
         print(f"tileweave bench: {note}", file=sys.stderr)
-    # The ops read these when they are created; spawned ranks inherit them.
-    os.environ["TILEWEAVE_POLICY"] = opts.policy
-    os.environ["TILEWEAVE_RS_TRANSPORT"] = opts.rs_transport
-    os.environ["TILEWEAVE_AG_TRANSPORT"] = opts.ag_transport
     import torch
 
     needs_ranks = any(op in ("ag", "rs", "block") for op in opts.bench.ops)  # one per GPU by default
@@ -284,8 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     import torch.multiprocessing as mp
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    settings.export({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})  # the ranks' rendezvous
     try:
         mp.spawn(_worker, args=(world, opts), nprocs=world, join=True)
     except Exception as e:

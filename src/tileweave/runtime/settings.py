@@ -49,9 +49,35 @@ FAST_LAUNCH = "TILEWEAVE_FAST_LAUNCH"
 CACHE_DIR = "TILEWEAVE_CACHE_DIR"
 
 
+_overrides: dict[str, str] = {}
+
+
+def override(name: str, value: str | None) -> None:
+    """Set tileweave's setting ``name`` for this process as the variable would, over the environment
+    (None: back to the environment's value). For entry points whose options are settings (the CLI's
+    ``--policy``, ``generate --cuda-graph``); libraries pass arguments to the ops instead. Read where the
+    variable is read: the shared ops take their settings when they are made."""
+    if value is None:
+        _overrides.pop(name, None)
+    else:
+        _overrides[name] = value
+
+
+def export(values: dict[str, str]) -> list[str]:
+    """Put ``values`` into this process's environment, where other libraries (NCCL, torch's symmetric
+    memory, torch.distributed's rendezvous) and the processes it starts read them: the one place tileweave
+    writes the environment. Returns a note for each variable that held another value."""
+    notes = []
+    for key, value in values.items():
+        if os.environ.get(key) not in (None, value):
+            notes.append(f"{key}={os.environ[key]} overridden to {value}")
+        os.environ[key] = value
+    return notes
+
+
 def text(name: str) -> str | None:
-    """The variable's value, None when it is unset or empty."""
-    return os.environ.get(name) or None
+    """The setting's value (an ``override``, else the variable's), None when it is unset or empty."""
+    return _overrides.get(name) or os.environ.get(name) or None
 
 
 def flag(name: str, default: bool = False) -> bool:
