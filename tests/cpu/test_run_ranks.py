@@ -144,3 +144,19 @@ def test_ranks_that_finish_at_once_do_not_fail_their_peers_start():
             run_ranks(3, _return_or_raise_at_once, attempt % 3)
         assert f"rank {attempt % 3} refuses" in str(info.value)
         assert "connectFullMesh" not in str(info.value)
+
+
+def test_ranks_return_tensors_by_value():
+    results = run_ranks(2, rank_faults.return_tensors, 5)
+    for rank, (t, d) in enumerate(results):
+        assert t.tolist() == [float(i * (rank + 1)) for i in range(5)]
+        assert d["rank"] == rank and float(d["sum"]) == 10.0 * (rank + 1) and d["view"].tolist() == t.tolist()[1:]
+
+
+def test_every_rank_that_raised_is_named_with_its_error():
+    with pytest.raises(RankFailed) as caught:
+        run_ranks(3, rank_faults.raise_on_every_rank)
+    message = str(caught.value)
+    for rank in range(3):
+        assert f"ValueError: bad input on rank {rank}" in message, message
+    assert "before returning a result" not in message, message

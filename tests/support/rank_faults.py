@@ -25,3 +25,15 @@ def record_pid_and_hang(rank: int, world: int, directory: str) -> None:
         f.write(str(os.getpid()))
     os.replace(path + ".tmp", path)
     time.sleep(600)
+
+
+def return_tensors(rank: int, world: int, n: int):
+    """A tensor and a dict holding one, made in the rank (the parent must get them by value)."""
+    import torch
+
+    t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    return t, {"rank": rank, "sum": t.sum(), "view": t[1:]}
+
+
+def raise_on_every_rank(rank: int, world: int) -> None:
+    raise ValueError(f"bad input on rank {rank}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import re
 import signal
@@ -65,7 +66,9 @@ def _rank_main(rank: int, world_size: int, rendezvous: str, fn: Callable, args: 
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Pickled here, by value: the queue's own pickler would share a tensor's storage through a file
+        # descriptor of this process, which is gone by the time the parent unpickles it.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -172,7 +175,7 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             rank, ok, value = results.get(timeout=wait_s)
         except queue.Empty:
             return False
-        collected[rank] = (ok, value)
+        collected[rank] = (ok, pickle.loads(value) if ok else value)
         return True
 
     def dead() -> list[int]:
@@ -183,10 +186,14 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             if all(ok for ok, _ in collected.values()):
                 continue
             # A rank raised, perhaps because a peer died under it: name the dead too (a death takes a
-            # moment to be seen).
+            # moment to be seen), and take the reports of the others that raised (a rank that has
+            # reported and exited is not dead: its report may still be in the pipe).
             grace = time.monotonic() + 1.0
-            while len(dead()) + len(collected) < world_size and time.monotonic() < grace:
-                time.sleep(0.05)
+            while len(collected) < world_size and time.monotonic() < grace:
+                if not take(0.05) and len(dead()) + len(collected) >= world_size:
+                    break
+            while take(0.2):
+                pass
         elif dead():
             # A rank's result is in the pipe before it exits; take what is there before calling it dead.
             while take(0.5):
