@@ -160,3 +160,21 @@ def test_every_rank_that_raised_is_named_with_its_error():
     for rank in range(3):
         assert f"ValueError: bad input on rank {rank}" in message, message
     assert "before returning a result" not in message, message
+
+
+def test_no_agreement_segment_outlives_its_ranks():
+    # Rank 0 makes the group's agreement segment at its first op; rank 1 raises before mapping it.
+    from tileweave.runtime import agreement, files
+
+    def leftovers() -> set[str]:
+        # Segments not held by a running process (a concurrent run's are; a name without its maker's pid
+        # has no owner to wait for).
+        prefix = agreement.SEGMENT_PREFIX
+        owner = lambda name: name[len(prefix):].split("-")[0]  # noqa: E731
+        return {name for name in os.listdir(files.shm_dir()) if name.startswith(prefix)
+                and not (owner(name).isdigit() and files.process_alive(int(owner(name))))}
+
+    before = leftovers()
+    with pytest.raises(RankFailed, match="rank 1 raises before its first op"):
+        run_ranks(2, rank_faults.raise_before_the_first_op, env={"TILEWEAVE_EMULATED_TIMEOUT_S": "5"})
+    assert leftovers() - before == set()

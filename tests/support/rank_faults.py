@@ -37,3 +37,17 @@ def return_tensors(rank: int, world: int, n: int):
 
 def raise_on_every_rank(rank: int, world: int) -> None:
     raise ValueError(f"bad input on rank {rank}")
+
+
+def raise_before_the_first_op(rank: int, world: int) -> None:
+    """Rank 1 raises at once; the others call an op, whose agreement sets up the group's segment and
+    then waits (bounded) for rank 1."""
+    import torch
+
+    import tileweave
+
+    if rank == 1:
+        raise ValueError("rank 1 raises before its first op")
+    a = torch.randn(4, 8, dtype=torch.float16)
+    b = torch.randn(8, 4, dtype=torch.float16)
+    tileweave.gemm_all_reduce(a, b)

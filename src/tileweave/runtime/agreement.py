@@ -19,18 +19,19 @@ when, so that a wait for it does not count the time it spends compiling that cal
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import mmap
 import os
 import pickle
 import struct
-import tempfile
 import time
 import zlib
 
 import torch.distributed as dist
 
+from tileweave.runtime import files
 from tileweave.runtime.backend import CollectiveTimeout, TileweaveError
 
 SLOT_BYTES = 16 << 10
@@ -99,6 +100,24 @@ class _Segment:
 
 
 _segments: dict[tuple[int, str], _Segment] = {}
+SEGMENT_PREFIX = "tileweave-agreement-"
+"""Agreement segments are ``tileweave-agreement-<pid of rank 0>-<random>`` in shared memory."""
+_owned: dict[str, int] = {}
+"""The segments this process made, by path: their lock's descriptor (held while the process runs)."""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_owned(path: str) -> None:
+    _unlink(path)
+    lock = _owned.pop(path, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def _store(group: dist.ProcessGroup):
@@ -125,8 +144,13 @@ def _segment(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) 
     size = 2 * world * SLOT_BYTES + world * (_PID.size + _SINCE.size)
     name_key = "tileweave/agreement-segment"
     if rank == 0:
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        handle, path = tempfile.mkstemp(prefix="tileweave-agreement-", dir=folder)
+        # Named after this process and locked by it (runtime.files), so that a segment left behind when
+        # a peer never maps it (it raised before its first op) is removed: at this process's exit, or
+        # by the next segment's making once this process is gone.
+        path, lock = files.make_owned(SEGMENT_PREFIX)
+        _owned[path] = lock
+        atexit.register(_remove_owned, path)
+        handle = os.dup(lock)
         os.ftruncate(handle, size)
         store.set(name_key, path)
     else:
@@ -142,7 +166,7 @@ def _segment(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) 
     finally:
         os.close(handle)
     if store.add("tileweave/agreement-mapped", 1) == world:
-        os.unlink(path)
+        _unlink(path)
     segment = _segments[key] = _Segment(memory, rank, world)
     return segment
 

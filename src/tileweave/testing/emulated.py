@@ -9,19 +9,17 @@ interpreter against the emulated backend (``tileweave.runtime.emulated``).
 
 from __future__ import annotations
 
-import fcntl
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import re
 import signal
-import tempfile
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
+from tileweave.runtime import agreement, files
 from tileweave.runtime.emulated import HEAP_BYTES_ENV, HEAP_PATH_ENV
 
 
@@ -96,7 +94,6 @@ HEAP_PREFIX = "tileweave-heap-"
 an exclusive ``flock`` on the file while it runs (the kernel drops it when that process dies, however
 it dies)."""
 
-_HEAP_NAME = re.compile(re.escape(HEAP_PREFIX) + r"(\d+)-[^/]+")
 RENDEZVOUS_SUFFIX = ".rendezvous"
 """A run's rendezvous file is its heap file's name with this suffix (stale with it)."""
 
@@ -161,6 +158,9 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
         _remove_heap(heap_path, heap_lock)
         if os.path.exists(rendezvous):
             os.unlink(rendezvous)
+        # An agreement segment that a rank made and a peer never mapped (it raised before its first op)
+        # outlives its ranks, whose exit runs no cleanup of their own: theirs are gone now.
+        files.remove_stale(agreement.SEGMENT_PREFIX)
         _restore_sigterm(previous_sigterm)
 
 
@@ -237,16 +237,12 @@ def _restore_sigterm(previous) -> None:
 
 
 def _heap_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return files.shm_dir()
 
 
 def _make_heap() -> tuple[str, int]:
     """A new heap file named after this process and locked by it, after removing stale ones."""
-    directory = _heap_dir()
-    remove_stale_heaps(directory)
-    fd, path = tempfile.mkstemp(prefix=f"{HEAP_PREFIX}{os.getpid()}-", dir=directory)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return path, fd
+    return files.make_owned(HEAP_PREFIX, _heap_dir())
 
 
 def _remove_heap(path: str, fd: int) -> None:
@@ -259,43 +255,14 @@ def _remove_heap(path: str, fd: int) -> None:
 
 def remove_stale_heaps(directory: str | None = None) -> list[str]:
     """Delete the heap files (and rendezvous files) of processes that are gone (killed before they could
-    clean up); return their paths. A file counts as stale only when the process its name gives is not running and nobody
-    holds its lock; files named otherwise are left alone."""
-    directory = directory or _heap_dir()
-    removed = []
-    for name in os.listdir(directory):
-        match = _HEAP_NAME.fullmatch(name)
-        if match is None or _process_alive(int(match[1])):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # removed meanwhile, or not ours to read
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass  # locked: its owner lives (in another pid namespace), or another cleaner got there first
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    clean up); return their paths. A file counts as stale only when the process its name gives is not
+    running and nobody holds its lock; files named otherwise are left alone."""
+    return files.remove_stale(HEAP_PREFIX, directory or _heap_dir())
 
 
 def _exit_with_parent(parent_pid: int) -> None:
     """Background thread of a rank: end the rank once the process that started it is gone (it was
     killed and cannot end its ranks itself)."""
-    while _process_alive(parent_pid):
+    while files.process_alive(parent_pid):
         time.sleep(1.0)
     os._exit(70)
