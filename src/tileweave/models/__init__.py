@@ -10,14 +10,13 @@ cannot honour; every tensor's shape is checked against the config.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tileweave.models.config import UnsupportedConfig, checkpoint_dtype, decoder_config
-from tileweave.models.safetensors import Checkpoint
+from tileweave.models.safetensors import Checkpoint, read_json
 from tileweave.nn.checkpoint import shape_error
 from tileweave.nn.decoder import DecoderOps, TPDecoder
 
@@ -45,7 +44,9 @@ def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype:
     the model has no place for, ``KeyError`` for a missing one. Every rank must call it alike.
     """
     directory = Path(path)
-    hf = json.loads((directory / "config.json").read_text())
+    hf = read_json(directory / "config.json")
+    if not isinstance(hf, dict):
+        raise ValueError(f"{directory / 'config.json'}: not a JSON object of config fields")
     config = decoder_config(hf, max_seq=max_seq)
     checkpoint = Checkpoint(directory)
     dtype = dtype or checkpoint_dtype(hf) or torch.float32

@@ -31,6 +31,23 @@ DTYPES = {
 MAX_HEADER = 100_000_000
 
 
+
+def parse_json(data: bytes | str, what: str):
+    """``data`` parsed as JSON; a ``ValueError`` naming ``what`` (the file and part) and where the text
+    stops being JSON otherwise."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not UTF-8 text (byte {exc.start}): a corrupted or truncated file?") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}): a "
+                         "corrupted or truncated file?") from None
+
+
+def read_json(path: Path):
+    """The JSON file at ``path``, parsed; errors name the file (``parse_json``)."""
+    return parse_json(Path(path).read_bytes(), str(path))
+
 class SafetensorsFile:
     """The tensors of one ``.safetensors`` file: ``names``, ``shape(name)``, ``dtype(name)`` and
     ``read(name, dim, start, stop)`` (a slice along one axis, copied into a new tensor)."""
@@ -45,7 +62,9 @@ class SafetensorsFile:
             (n,) = struct.unpack("<Q", head)
             if n > min(MAX_HEADER, size - 8):
                 raise ValueError(f"{self.path}: not a safetensors file (header length {n}, file size {size})")
-            header = json.loads(f.read(n))
+            header = parse_json(f.read(n), f"{self.path}: the safetensors header")
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: the safetensors header is not a JSON object")
         self._data_start = 8 + n
         header.pop("__metadata__", None)
         self._entries = header
@@ -95,7 +114,10 @@ class Checkpoint:
         directory = Path(directory)
         index, single = directory / "model.safetensors.index.json", directory / "model.safetensors"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            index_json = read_json(index)
+            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no \"weight_map\" object of tensor names to file names")
             files = {f: SafetensorsFile(directory / f) for f in sorted(set(weight_map.values()))}
             self._where = {name: files[f] for name, f in weight_map.items()}
             for f in files.values():
