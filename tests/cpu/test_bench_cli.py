@@ -206,6 +206,8 @@ def test_op_takes_sections_of_both_kinds_in_one_list(monkeypatch):
     monkeypatch.setattr(moe, "main", lambda argv: calls.append(("moe", argv)) or 0)
     monkeypatch.setattr(decode, "main", lambda argv: calls.append(("decode", argv)) or 1)
     monkeypatch.setattr(dense_cli, "main", lambda argv: calls.append(("dense", argv)) or 0)
+    for section in (moe, decode):  # the dispatch alone (the options' checks: the test below)
+        monkeypatch.setattr(section, "check_args", lambda argv: None)
     assert bench.main(["--op", "moe,decode", "--smoke"]) == 1  # the worst section's status
     assert calls == [("moe", ["--smoke"]), ("decode", ["--smoke"])]
     calls.clear()
@@ -227,3 +229,24 @@ def test_grouped_smoke_runs_from_a_plain_shell():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no row was timed" in done.stdout and "nan" not in done.stdout, done.stdout
     assert "smoke run: writing to" in done.stderr and not (root / "bench/results/grouped.json").exists()
+
+
+def test_a_bad_option_for_one_section_stops_every_section_before_any_runs(monkeypatch):
+    # --smoke is the moe section's option, not the dense sections': nothing may run (the moe section used
+    # to run and write its files, then the dense CLI refused --smoke).
+    import tileweave.bench as bench
+    from tileweave.bench import moe
+
+    calls = []
+    monkeypatch.setattr(moe, "main", lambda argv: calls.append(argv) or 0)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--op", "gemm,moe", "--smoke"])
+    assert e.value.code == 2 and calls == []
+
+
+def test_quick_block_takes_the_models_of_the_quick_layers():
+    from tileweave.bench.block import select_block_rows
+
+    opts = cli.parse_args(["--op", "block", "--quick"])
+    rows = select_block_rows(layers=opts.bench.layers, m_values=opts.bench.m_values, world_size=1)
+    assert {row.model for row in rows} == {"llama3-8b", "llama3-70b"} and rows

@@ -45,13 +45,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = args[:at] + args[at + 2:]
     own = [op for op in ops if op in SECTIONS]
     dense = [op for op in ops if op not in SECTIONS]
+    dense_args = args if not own else rest + ["--op", ",".join(dense)]
+    # Every section's options are checked before any runs: a bad one must not cost the others' run.
+    for op in own:
+        importlib.import_module(f"tileweave.bench.{op}").check_args(rest)
+    if dense or not own:
+        from tileweave.bench.cli import parse_args
+
+        parse_args(dense_args)
     status = 0
     for op in own:
         status = max(status, importlib.import_module(f"tileweave.bench.{op}").main(rest) or 0)
     if dense or not own:
         from tileweave.bench.cli import main as cli_main
 
-        status = max(status, cli_main(args if not own else rest + ["--op", ",".join(dense)]) or 0)
+        status = max(status, cli_main(dense_args) or 0)
     return status
 
 

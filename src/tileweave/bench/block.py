@@ -70,9 +70,11 @@ class BlockRow:
 
 def select_block_rows(*, layers: tuple[str, ...] | None, m_values: tuple[int, ...] | None,
                       world_size: int) -> list[BlockRow]:
-    """Rows of the block section. ``layers`` filters by model (``llama3-8b``); ``block`` or no filter
-    takes both models. M must split into whole sequences and over the group."""
+    """Rows of the block section. ``layers`` filters by model (``llama3-8b``), a layer's full name
+    (``llama3-8b qkv``, as ``--quick`` chooses for the other sections) naming its model; ``block`` or no
+    filter takes both models. M must split into whole sequences and over the group."""
     keys = {norm_name(f) for f in layers or ()}
+    keys |= {key.split()[0] for key in keys if " " in key}
     models = [name for name in BLOCK_MODELS if not keys or keys & {norm_name(name), norm_name("block")}]
     if not models:
         raise ValueError(f"--layer {' '.join(layers or ())} selects no block model; the block section has "

@@ -95,7 +95,9 @@ class Options:
     reps: int = 5
 
 
-def parse_args(argv=None) -> Options:
+def parse_args(argv=None, *, resolve_out: bool = True) -> Options:
+    """The options, checked (a bad one exits with a usage error); ``resolve_out`` False leaves ``out``
+    as given (no temporary folder made): ``check_args``."""
     p = argparse.ArgumentParser(prog="python -m tileweave.bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
                    help="directory for decode.json and decode.md (default: bench/results; a temporary "
@@ -150,10 +152,15 @@ def parse_args(argv=None) -> Options:
         context, dtype, max_seq = a.context, "bfloat16" if a.dtype == "fp8" else a.dtype, a.max_seq
         if max_seq and max_seq <= context:
             p.error(f"--max-seq must exceed --context ({context}), got {max_seq}")
-    return Options(out=output_dir(a.out, a.smoke), smoke=a.smoke, models=models, m_values=m_values,
+    return Options(out=output_dir(a.out, a.smoke) if resolve_out else a.out, smoke=a.smoke, models=models, m_values=m_values,
                    sections=sections, context=context, max_seq=max_seq, dtype=dtype, scalings=scalings,
                    iters=a.iters, reps=a.reps)
 
+
+
+def check_args(argv) -> None:
+    """Exit with a usage error if ``argv`` is not a valid command line of this section (nothing runs)."""
+    parse_args(argv, resolve_out=False)
 
 def _dims(opts: Options, model: str) -> tuple[int, int, int, int]:
     return (SMOKE_MODELS if opts.smoke else MODELS)[model]

@@ -347,7 +347,7 @@ def cases(models: Sequence[Model], tokens: Sequence[int], routings: Sequence[str
             for s in scalings]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tileweave.bench.grouped", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None,
                         help="directory for grouped.json and grouped.md (default: bench/results; a temporary "
@@ -370,6 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scaling", default=",".join(fp8.SCALINGS),
                         help="with --dtype fp8: comma list from " + ", ".join(fp8.SCALINGS + fp8.FAST)
                         + " (default the first three; '-fast': ours and torch's with use_fast_accum=True)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, tuple]:
+    """``(args, scalings)``, checked: a bad option exits with a usage error."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         scalings = (None, *fp8.parse_scalings(args.scaling)) if args.dtype == "fp8" else (None,)
@@ -378,6 +384,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dtype == "fp8" and args.b_layout != "linear":
         parser.error("--dtype fp8 reads the weights as stacked nn.Linear [E, N, K] (K-major, as FP8 MMAs and "
                      "torch._scaled_grouped_mm want them): leave --b-layout at linear")
+    return args, scalings
+
+
+def check_args(argv) -> None:
+    """Exit with a usage error if ``argv`` is not a valid command line of this section (nothing runs)."""
+    parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, scalings = parse_args(argv)
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -396,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = args.models.split(",")
         unknown = [w for w in wanted if w not in {m.name for m in models}]
         if unknown:
-            parser.error(f"unknown models {unknown}; known: {[m.name for m in models]}")
+            build_parser().error(f"unknown models {unknown}; known: {[m.name for m in models]}")
         models = tuple(m for m in models if m.name in wanted)
     tokens = SMOKE_TOKENS if args.smoke else QUICK_TOKENS if args.quick else TOKENS
     if args.tokens:

@@ -438,6 +438,11 @@ def _torchrun_rank(cfg: MoEBenchConfig) -> list[dict] | None:
     return rows if int(os.environ["RANK"]) == 0 else None
 
 
+
+def check_args(argv) -> None:
+    """Exit with a usage error if ``argv`` is not a valid command line of this section (nothing runs)."""
+    build_parser().parse_args(argv)
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
