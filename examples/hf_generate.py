@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 examples/hf_generate.py DIR --prompt-ids 1,15043  # one process per GPU
 
 DIR holds config.json and model.safetensors (or shards with model.safetensors.index.json) of a Llama,
-Mistral, Qwen2 or Qwen3 model; each rank reads only its slices. Prints the generated token ids. On the
-CPU the model runs in float32 (the Triton interpreter; slow on anything but a tiny model).
+Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE model; each rank reads only its slices. Prints the generated
+token ids. On the CPU the model runs in float32 (the Triton interpreter; slow on anything but a tiny model).
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def _world_size(text: str) -> int:
 def main(argv=None) -> int:
     """``tileweave demo [--world-size W]``; returns the exit code (0: every check passed; 1: a check
     failed or a rank failed; 2: bad options, reported by argparse)."""
-    parser = argparse.ArgumentParser(prog="tileweave demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tileweave demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=_world_size, default=2,
                         help=f"emulated ranks, 1 to {MAX_WORLD_SIZE} (default 2)")
     args = parser.parse_args(argv)

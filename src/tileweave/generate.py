@@ -3,7 +3,7 @@
     tileweave generate --model DIR --prompt-ids 1,15043,3186 --tp 2          # GPUs, else emulated CPU ranks
     torchrun --nproc-per-node 2 -m tileweave generate --model DIR --prompt-ids 1,15043
 
-DIR holds ``config.json`` and safetensors (a Llama, Mistral, Qwen2 or Qwen3 model,
+DIR holds ``config.json`` and safetensors (a Llama, Mistral, Qwen2, Qwen3, Mixtral or Qwen3-MoE model,
 ``tileweave.models.from_pretrained``); each rank reads only its slices. With CUDA GPUs one process per
 GPU (``--tp`` of them, all by default); without, ``--tp`` emulated CPU ranks in float32 (Triton's
 interpreter: only tiny models finish). Prints the new token ids and the prefill and decode speeds;

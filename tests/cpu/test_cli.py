@@ -83,3 +83,31 @@ def test_the_cpu_main_job_checks_every_op_family():
     for family in ("all_gather_gemm", "gemm_reduce_scatter", "moe pair", "gemm_all_reduce+norm"):
         line = next(line for line in done.stdout.splitlines() if line.strip().startswith(family))
         assert " OK " in line and "FAILED" not in line, line
+
+
+def test_help_texts_are_whole_and_name_every_family():
+    # demo --help used to stop mid-sentence (the docstring's first line); generate's help and the
+    # Hugging Face example named four of the families the loader reads.
+    import re
+    from pathlib import Path
+
+    from tileweave import demo, generate
+    from tileweave.models.config import FAMILIES
+
+    import contextlib
+    import io
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+        demo.main(["--help"])
+    assert "with residual and RMSNorm." in " ".join(shown.getvalue().split())
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+             "qwen3_moe": "Qwen3-MoE"}
+    assert set(names) == set(FAMILIES)
+    example = (Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py").read_text()
+    for text in (generate.__doc__, example):
+        flat = " ".join(text.split())
+        for name in names.values():
+            assert re.search(rf"\b{re.escape(name)}\b", flat), name
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "`generate`" in readme.split("lists the subcommands")[1].split("\n")[0]
