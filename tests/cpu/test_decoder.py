@@ -69,3 +69,6 @@ def test_decoder_refuses_bad_inputs():
         assert "tokens must be integer [batch, seq], got torch.float32" in result["dtype"], result
         assert "tokens has batch 3, the cache was made for 2" in result["batch"], result
         assert "0 cached + 5 new tokens exceed max_seq=4" in result["max_seq"], result
+        # an id outside the vocabulary, named on every rank (it was an IndexError on one)
+        assert "token ids must be in [0, vocab=32), got ids from 0 to 32" in result["token_id"], result
+        assert "got ids from -1 to 2" in result["negative_id"], result

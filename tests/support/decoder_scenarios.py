@@ -191,4 +191,6 @@ def decoder_errors_check(rank: int, world: int) -> dict[str, str]:
     attempt("dtype", lambda: model.prefill(torch.zeros(2, 3), cache))
     attempt("batch", lambda: model.prefill(torch.zeros(3, 2, dtype=torch.long), cache))
     attempt("max_seq", lambda: model.prefill(torch.zeros(2, 5, dtype=torch.long), cache))
+    attempt("token_id", lambda: model.prefill(torch.tensor([[1, c.vocab], [0, 2]]), cache))
+    attempt("negative_id", lambda: model.prefill(torch.tensor([[1, -1], [0, 2]]), cache))
     return out

@@ -169,6 +169,13 @@ class TPDecoder(nn.Module):
         """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` (the prompt, or more tokens after it);
         ``attention_mask [B, S]`` marks the real ones (None: all)."""
         batch, seq = self._check(tokens, cache, attention_mask)
+        if tokens.numel():
+            # Prompt ids come from the caller (decode steps feed back the model's own choices): checked
+            # here, where every rank holds the same ids and so raises alike, not as an index error in the
+            # rank whose vocabulary shard the id would fall in.
+            low, high = (int(v) for v in torch.aminmax(tokens))
+            if low < 0 or high >= self.config.vocab:
+                raise ValueError(f"token ids must be in [0, vocab={self.config.vocab}), got ids from {low} to {high}")
         step = Step.begin(cache, self.rope_tables(cache.max_seq), attention_mask, batch, seq, cache.length + seq)
         tokens = tokens.reshape(-1).to(self.embed.device)
         if self.prefill_sequence_parallel and (batch * seq) % self.world == 0:
