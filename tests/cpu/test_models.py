@@ -5,6 +5,7 @@ every config field the model cannot honour refused by name."""
 
 import copy
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,11 @@ def test_config_fields_read():
     c = decoder_config(old_style)
     assert c.rope_theta == 500000.0 and c.rope_scaling.factor == 8.0 and c.max_seq == 256
     mistral = _with(LLAMA, model_type="mistral", sliding_window=128)
-    assert decoder_config(mistral).max_seq == 128  # within the window, sliding-window attention is exact
+    with pytest.warns(UserWarning, match="sliding_window=128 caps max_seq at 128 tokens"):
+        assert decoder_config(mistral).max_seq == 128  # within the window, sliding-window attention is exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a max_seq the caller chose within the window: nothing to say
+        assert decoder_config(mistral, max_seq=100).max_seq == 100
     with pytest.raises(UnsupportedConfig, match="sliding_window=128"):
         decoder_config(mistral, max_seq=200)
     with pytest.raises(UnsupportedConfig, match="max_position_embeddings=256"):

@@ -16,6 +16,7 @@ quantized checkpoints, and logit or embedding scalings these families do not hav
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -76,8 +77,8 @@ def _window(hf: dict, family: str) -> int | None:
 
 def decoder_config(hf: dict, *, max_seq: int | None = None) -> DecoderConfig:
     """The ``DecoderConfig`` of the parsed ``config.json`` ``hf``. ``max_seq``: the longest sequence a
-    KV cache will hold (default: ``max_position_embeddings``, capped by a Mistral ``sliding_window``,
-    within which the window never bites). Raises ``UnsupportedConfig`` naming the field it cannot honour."""
+    KV cache will hold (default: ``max_position_embeddings``, capped, with a warning, by a Mistral
+    ``sliding_window``, within which the window never bites). Raises ``UnsupportedConfig`` naming the field it cannot honour."""
     family = hf.get("model_type")
     if family in MIXTURES_OF_EXPERTS:
         raise _refuse("model_type", family, f"the mixtures of experts supported are {', '.join(MOE_FAMILIES)}")
@@ -100,6 +101,11 @@ def decoder_config(hf: dict, *, max_seq: int | None = None) -> DecoderConfig:
     longest = int(hf.get("max_position_embeddings", 2048))
     if max_seq is None:
         max_seq = min(longest, window) if window else longest
+        if window and window < longest:
+            warnings.warn(f"config.json's sliding_window={window} caps max_seq at {window} tokens (of "
+                          f"max_position_embeddings={longest}): sliding-window attention is not implemented, and "
+                          "sequences up to the window are exact. Pass max_seq= (at most the window) to choose.",
+                          stacklevel=2)
     elif max_seq > longest:
         raise _refuse("max_position_embeddings", longest, f"max_seq={max_seq} is longer")
     elif window and max_seq > window:
