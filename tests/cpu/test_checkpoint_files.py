@@ -42,3 +42,21 @@ def test_an_index_that_is_not_json_or_has_no_weight_map_is_named(tmp_path):
     index.write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: no \"weight_map\""):
         Checkpoint(tmp_path)
+
+
+def test_bfloat16_on_the_cpu_is_refused_before_loading_or_widened_by_default(tmp_path):
+    import torch
+
+    from tileweave.models import model_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                                                      "intermediate_size": 64, "num_hidden_layers": 1,
+                                                      "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                      "max_position_embeddings": 64, "torch_dtype": "bfloat16"}))
+    # No safetensors in the folder: the refusal comes before any file is opened.
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 on the CPU"):
+        from_pretrained(tmp_path, group=None, dtype=torch.bfloat16, device="cpu")
+    hf = {"torch_dtype": "bfloat16"}
+    assert model_dtype(None, hf, torch.device("cpu")) == torch.float32
+    assert model_dtype(None, hf, torch.device("cuda", 0)) == torch.bfloat16
+    assert model_dtype(torch.float16, hf, torch.device("cpu")) == torch.float16

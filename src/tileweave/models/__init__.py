@@ -26,6 +26,20 @@ __all__ = ["Checkpoint", "UnsupportedConfig", "decoder_config", "from_pretrained
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+
+def model_dtype(dtype: torch.dtype | None, hf: dict, device: torch.device) -> torch.dtype:
+    """The dtype ``from_pretrained`` builds the model in: ``dtype``, else the config's, else float32. On
+    the CPU (Triton's interpreter, whose bfloat16 arithmetic is wrong) a bfloat16 config gives float32,
+    and an explicit ``torch.bfloat16`` is refused before anything loads."""
+    if dtype is None:
+        dtype = checkpoint_dtype(hf) or torch.float32
+        return torch.float32 if device.type == "cpu" and dtype == torch.bfloat16 else dtype
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        raise ValueError("from_pretrained: dtype=torch.bfloat16 on the CPU: the CPU runs the kernels in Triton's "
+                         "interpreter, which computes bfloat16 wrongly; use torch.float32 (the default there) "
+                         "or torch.float16")
+    return dtype
+
 def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None, max_seq: int | None = None,
                     ops: DecoderOps | None = None, prefill_sequence_parallel: bool = True,
@@ -33,7 +47,7 @@ def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype:
     """The TP decoder of the checkpoint directory ``path``, this rank's shards loaded.
 
     ``group``: the TP group (None: the default group). ``dtype``: the weights' and activations' dtype
-    (default: the config's ``dtype``, else float32; on the CPU float32 or float16). ``device``: default
+    (``model_dtype``: default the config's ``dtype``, else float32; on the CPU float32 or float16). ``device``: default
     the current CUDA device, else the CPU. ``max_seq``: the longest sequence (prompt and generated
     tokens) a KV cache may hold (``decoder_config``). ``ops``, ``prefill_sequence_parallel``: as
     ``TPDecoder``'s. ``fp8``: ``"rowwise"`` or ``"blockwise"`` quantizes the GEMM weights of each layer
@@ -48,10 +62,10 @@ def from_pretrained(path: str | Path, *, group: dist.ProcessGroup | None, dtype:
     if not isinstance(hf, dict):
         raise ValueError(f"{directory / 'config.json'}: not a JSON object of config fields")
     config = decoder_config(hf, max_seq=max_seq)
-    checkpoint = Checkpoint(directory)
-    dtype = dtype or checkpoint_dtype(hf) or torch.float32
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    dtype = model_dtype(dtype, hf, torch.device(device))
+    checkpoint = Checkpoint(directory)
     owner = f"from_pretrained({str(directory)!r})"
     used: set[str] = set()
 
