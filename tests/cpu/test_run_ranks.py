@@ -178,3 +178,17 @@ def test_no_agreement_segment_outlives_its_ranks():
     with pytest.raises(RankFailed, match="rank 1 raises before its first op"):
         run_ranks(2, rank_faults.raise_before_the_first_op, env={"TILEWEAVE_EMULATED_TIMEOUT_S": "5"})
     assert leftovers() - before == set()
+
+
+def test_a_script_without_the_main_guard_is_told_so(tmp_path):
+    body = "from tileweave.testing.emulated import run_ranks\n\ndef f(rank, world):\n    return rank\n\n"
+    (tmp_path / "bare.py").write_text(body + "print(run_ranks(2, f))\n")
+    (tmp_path / "guarded.py").write_text(body + "if __name__ == '__main__':\n    print(run_ranks(2, f))\n")
+    env = {**os.environ, "PYTHONPATH": SRC}
+    bare = subprocess.run([sys.executable, "bare.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert bare.returncode != 0
+    assert "without 'if __name__ == \"__main__\":'" in bare.stderr.splitlines()[-1], bare.stderr[-2000:]
+    guarded = subprocess.run([sys.executable, "guarded.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert guarded.returncode == 0 and guarded.stdout.strip() == "[0, 1]", guarded.stderr[-2000:]

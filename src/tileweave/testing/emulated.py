@@ -9,11 +9,13 @@ interpreter against the emulated backend (``tileweave.runtime.emulated``).
 
 from __future__ import annotations
 
+import ast
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -114,6 +116,11 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
     when the calling process is gone. A caller killed outright (SIGKILL) leaves its heap and rendezvous
     files behind: the next call removes them (``remove_stale_heaps``).
     """
+    script = _unguarded_script(sys._getframe(1))
+    if script is not None:
+        raise RuntimeError(f"run_ranks is called at the top level of the script {script} without "
+                           "'if __name__ == \"__main__\":'. The ranks import the script to find the function they "
+                           "run, which would start ranks again: put the call under that guard.")
     ctx = _context(gpus)
     heap_path, heap_lock = _make_heap()
     procs: list = []
@@ -163,6 +170,24 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, heap_bytes: int = 16 <<
         files.remove_stale(agreement.SEGMENT_PREFIX)
         _restore_sigterm(previous_sigterm)
 
+
+
+def _unguarded_script(frame) -> str | None:
+    """The path of the script whose top-level code (``frame``) calls ``run_ranks`` outside an
+    ``if __name__ == "__main__":`` block, or None (a guarded call, a call from a function or module)."""
+    if frame.f_code.co_name != "<module>" or frame.f_globals.get("__name__") != "__main__":
+        return None
+    path = frame.f_globals.get("__file__")
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return None  # no source to read (an interactive session): nothing to say
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)
+                and node.lineno <= frame.f_lineno <= (node.end_lineno or node.lineno)):
+            return None
+    return path
 
 def _collect(procs: list, results, timeout_s: float) -> list[Any]:
     """Every rank's result in rank order, or ``RankFailed`` at the first failure, death or the timeout."""
