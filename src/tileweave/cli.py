@@ -34,7 +34,8 @@ def help_text() -> str:
               "given without a subcommand go to that one. 'tileweave SUBCOMMAND --help' lists its options.", "",
               "options:",
               "  -h, --help  show this help and exit",
-              "  --version   print the version and exit"]
+              "  --version   print the version and exit",
+              "  --debug     after the subcommand: an error's whole traceback instead of one line"]
     return "\n".join(lines)
 
 
@@ -74,7 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{USAGE}\ntileweave: unknown subcommand {command!r}; choose from {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
-    return _runner(command)(args)
+    debug = "--debug" in args
+    if debug:
+        args.remove("--debug")
+    try:
+        return _runner(command)(args)
+    except Exception as exc:  # noqa: BLE001 - one line for a user; --debug for the traceback
+        if debug:
+            raise
+        # A failure of the ranks carries every rank's traceback; its summary is each one's last line.
+        message = getattr(exc, "summary", None) or " ".join(str(exc).split()) or type(exc).__name__
+        print(f"tileweave {command}: {type(exc).__name__}: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from tileweave.models import from_pretrained
+from tileweave.models import UnsupportedConfig, decoder_config, from_pretrained
+from tileweave.models.safetensors import read_json
 from tileweave.runtime import settings
 from tileweave.testing.emulated import run_ranks
 
@@ -55,6 +57,19 @@ def parse_args(argv) -> argparse.Namespace:
         p.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         p.error(f"--model {args.model!r} has no config.json")
+    try:
+        # The config is read again by every rank; refused here, no rank starts for it.
+        hf = read_json(os.path.join(args.model, "config.json"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the ranks' own reading of it warns where it applies
+            config = decoder_config(hf if isinstance(hf, dict) else {})
+    except (UnsupportedConfig, ValueError, KeyError) as exc:
+        p.error(f"--model {args.model!r}: {exc}")
+    if max(args.prompt_ids) >= config.vocab:
+        p.error(f"--prompt-ids: id {max(args.prompt_ids)} is outside the model's vocabulary of {config.vocab}")
+    if len(args.prompt_ids) + args.new_tokens > config.max_seq:
+        p.error(f"{len(args.prompt_ids)} prompt ids + --new-tokens {args.new_tokens} exceed the model's "
+                f"max_seq={config.max_seq}")
     gpus = torch.cuda.device_count()
     if args.cuda_graph and not gpus:
         p.error("--cuda-graph needs CUDA GPUs")

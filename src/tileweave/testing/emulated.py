@@ -88,7 +88,12 @@ def gpu_ranks() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or did not finish; the message names each such rank and why."""
+    """A rank raised, died or did not finish; the message names each such rank and why (with the
+    tracebacks), ``summary`` the same in one line (each rank's error without its traceback)."""
+
+    def __init__(self, message: str, summary: str | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary or " ".join(message.split())
 
 
 HEAP_PREFIX = "tileweave-heap-"
@@ -231,8 +236,15 @@ def _collect(procs: list, results, timeout_s: float) -> list[Any]:
             missing = sorted(set(range(world_size)) - set(collected))
             raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s")
         deaths = [f"rank {rank} {_exit_reason(procs[rank].exitcode)} before returning a result" for rank in dead()]
-        failures = [f"rank {rank}:\n{value}" for rank, (ok, value) in sorted(collected.items()) if not ok]
-        raise RankFailed("\n".join(deaths + failures))
+        failed = [(rank, value) for rank, (ok, value) in sorted(collected.items()) if not ok]
+        failures = [f"rank {rank}:\n{value}" for rank, value in failed]
+        # One line: each distinct error (a traceback's last line) with the ranks that raised it.
+        errors: dict[str, list[int]] = {}
+        for rank, value in failed:
+            errors.setdefault(value.strip().splitlines()[-1] if value.strip() else "?", []).append(rank)
+        summary = "; ".join(deaths + [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}: {error}"
+                                      for error, ranks in errors.items()])
+        raise RankFailed("\n".join(deaths + failures), summary)
     return [collected[rank][1] for rank in range(world_size)]
 
 
