@@ -39,3 +39,11 @@ def test_styles_refuse_what_they_cannot_run():
     assert "1-D mesh" in messages["mesh_2d"] and "(1, 2)" in messages["mesh_2d"], messages
     assert "sequence dimension 1" in messages["sequence"] and "(1, 3, 4)" in messages["sequence"], messages
     assert messages["even_ok"] == (1, 6, 2), messages
+
+
+def test_uneven_local_sequence_shards_name_the_argument_on_every_rank():
+    # Each rank's local shard has its own length: the fused op's agreement names the argument that
+    # differs (it used to print two unlabelled tuples).
+    for text in run_ranks(2, scenarios.styles.uneven_local_shards):
+        assert text.startswith("TileweaveError: all_gather_gemm:") and "a_shard rows 3" in text \
+            and "a_shard rows 2" in text, text

@@ -411,7 +411,11 @@ class DenseOp(TPOp):
             return dataclasses.replace(proposal, stream_k=self._stream_k_tail(proposal, m, n, k, backend))
 
         path = auto() if self.policy == "auto" or not backend.peer_access else self.policy
-        config = self._agreed(backend, (self.op_name, *shape, str(dtype), has_bias, path), propose)
+        # Named fields, so that ranks that differ are told which argument differs.
+        names = (f"{self.a_name} rows", "K", "N", "scale_a", "scale_b", "out_dtype", "use_fast_accum")
+        signature = {**{name: repr(value) for name, value in zip(names, shape)}, "dtype": str(dtype),
+                     "bias": "given" if has_bias else "none", "path": repr(path)}
+        config = self._agreed(backend, signature, propose)
         if not (m > 0 and n > 0 and k > 0):
             path = "fallback"
         return path, config

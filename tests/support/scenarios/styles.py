@@ -155,3 +155,17 @@ def styles_refusals_check(rank: int, world: int) -> dict:
     messages["even_ok"] = tuple(linear(x).shape)
     dist.barrier()
     return messages
+
+
+def uneven_local_shards(rank: int, world: int) -> str:
+    """A colwise linear fed local sequence shards of different lengths (rank 0 one token more): the error
+    every rank raises, as text."""
+    mesh = init_device_mesh(device_name(), (world,))
+    linear = nn.Linear(8, 16)
+    parallelize_module(linear, mesh, ColwiseParallel(input_layouts=Shard(1)))
+    x = randn((1, 3 if rank == 0 else 2, 8), torch.float32, "uneven", rank)
+    try:
+        linear(x)
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
