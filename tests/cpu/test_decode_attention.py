@@ -24,12 +24,11 @@ def _reference(q, k, v, valid, slot, limit, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bsz,heads,kvh,dim,max_seq,slot,limit,splits", [
-    (2, 8, 2, 64, 100, 70, 100, None),    # grouped 4:1, several spans
-    (1, 5, 1, 80, 64, 63, 64, 3),         # 5 query heads a group, head size off a power of two
-    (3, 4, 4, 32, 200, 17, 18, 7),        # more spans than blocks filled: empty spans merge as nothing
-    (2, 6, 3, 16, 40, 0, 40, 1),          # the first token: only its own key
+@pytest.mark.parametrize("dtype,bsz,heads,kvh,dim,max_seq,slot,limit,splits", [
+    (torch.float32, 2, 8, 2, 64, 100, 70, 100, None),   # grouped 4:1, several spans
+    (torch.float16, 1, 5, 1, 80, 64, 63, 64, 3),        # 5 query heads a group, head size off a power of two
+    (torch.float32, 3, 4, 4, 32, 200, 17, 18, 7),       # more spans than blocks filled: empty spans merge as nothing
+    (torch.float16, 2, 6, 3, 16, 40, 0, 40, 1),         # the first token: only its own key
 ])
 def test_decode_attention_matches_reference(dtype, bsz, heads, kvh, dim, max_seq, slot, limit, splits):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{bsz},{heads},{kvh},{dim},{slot},{dtype}".encode()))

@@ -11,23 +11,28 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 
 import tileweave
 from tileweave import (AllGatherGemm, GemmAllReduce, GemmConfig, GemmReduceScatter, GroupedConfig, MoEAllGatherGemm,
                        MoEGemmReduceScatter, build_plan, grouped_gemm, moe_plan)
 from tileweave.nn import TPMoE
+from tileweave.ops.all_reduce import local as local_all_reduce
 from tileweave.ops.all_reduce.transports import tiles as all_reduce_tiles
 from tileweave.ops.compute.grouped_gemm import G_BLOCK_MAX, SwiGLU
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.fused_quantize import TILES as FUSED_QUANTIZE_TILES
 from tileweave.ops.compute.quantize import TILES as QUANTIZE_TILES, tiles_of as quantize_tiles
 from tileweave.ops.compute.rope import ROW_ELEMENTS as ROPE_ROW_ELEMENTS, rope_qkv, rope_qkv_backward
+from tileweave.ops.compute import splitk
+from tileweave.ops.compute.decode_attention import BLOCK as ATTENTION_BLOCK, decode_attention
 from tileweave.ops.compute.rms_norm import REDUCE_TILES as NORM_REDUCE_TILES, choose_tiles as norm_tiles, rms_norm_grad
 from tileweave.ops.compute.swiglu import BACKWARD_TILES as SWIGLU_BACKWARD_TILES, TILES as SWIGLU_TILES
 from tileweave.ops.compute.topk_reduce import TILES as TOPK_REDUCE_TILES, topk_reduce
 from tileweave.tune.autotune import CANDIDATES
 from tileweave.tune.configs import choose_fp8_config, choose_gemm_config
 from tileweave.tune.grouped import INTERPRETER_CONFIG as GROUPED_INTERPRETER_CONFIG
+from tileweave.tune.splitk import choose_splitk_config
 from tileweave.tune.grouped import choose_grouped_config, choose_wgrad_config
 
 from support import fp8_launches
@@ -68,8 +73,15 @@ def h200_variant(launch: Launch) -> Launch | None:
         kwargs.update(zip(("BR", block, "num_warps"), norm_tiles(*(launch.args[fn.arg_names.index(n)] for n in "MH"))))
     elif kernel == "rope_heads_kernel":
         kwargs["BR"] = max(1, ROPE_ROW_ELEMENTS // (2 * kwargs["BH"]))
+    elif kernel == "decode_attention_kernel":
+        kwargs["BLOCK"] = ATTENTION_BLOCK  # the interpreter walks the keys in blocks of 16
     elif kernel == "rms_norm_dweight_kernel":
         kwargs.update(zip(("BP", "BC", "num_warps"), NORM_REDUCE_TILES))
+    elif kernel == "oneshot_kernel" and kwargs["WORLD"] == 1:  # GEMM + AllReduce's epilogue in a group of one
+        fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
+        n = launch.args[fn.arg_names.index("n")]
+        kwargs["BN"] = min(triton.next_power_of_2(n), local_all_reduce.ROW_ELEMS)
+        kwargs["num_warps"] = max(4, min(16, kwargs["BM"] * kwargs["BN"] // 1024))
     elif kernel in ("oneshot_kernel", "twoshot_kernel"):
         fn = getattr(importlib.import_module(launch.kernel.split(":")[0]), kernel)
         rows = launch.args[fn.arg_names.index("rows")]
@@ -205,12 +217,38 @@ def _dense_h200_calls() -> dict[str, Callable[[], object]]:
     calls["matmul, fp8 rowwise, e5m2 a, row-major b, H200 config"] = lambda: tileweave.matmul(
         _fp8(256, 256, dtype=E5M2), _fp8(256, 256), config=config, out_dtype=torch.float16,
         **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 256, 256, 256))))
+    # The split-K decode GEMM with the configs it takes on an H200, one per row tile (16, 32, 64 rows), its
+    # spans split (a weight of 256 x 1024) and one span alone (K = 256); TMA reads beside pointer reads.
+    for m in (1, 32, 64):
+        decode = choose_splitk_config(m, 8192, 8192, torch.bfloat16, num_sms=H200_SMS)
+        for n, k, tma in ((256, 1024, False), (64, 256, False), (256, 1024, True)):
+            calls[f"split-K, H200 config {decode.key()}, {m} x {n} x {k}{', TMA' if tma else ''}"] = \
+                lambda config=dataclasses.replace(decode, tma=tma), m=m, n=n, k=k: splitk.launch(
+                    _randn(m, k), _randn(n, k).t(), torch.empty(m, n, dtype=torch.float16), _randn(n), config,
+                    num_sms=H200_SMS)
     return calls
 
 
+def _attention_calls() -> dict[str, Callable[[], object]]:
+    # Decode attention over a cache of 48 slots, 30 filled: Llama's 4 query heads per key/value head of 128,
+    # and 5 per head of 80 (padded tiles), in spans merged by the last program and in one span.
+    def attend(bsz, heads, kv, hd, splits):
+        valid = torch.ones(bsz, 48, dtype=torch.bool)
+        decode_attention(_randn(bsz, heads, hd), _randn(bsz, kv, 48, hd), _randn(bsz, kv, 48, hd), valid,
+                         torch.tensor([29]), limit=48, splits=splits)
+    return {"decode attention, head_dim 128, grouped 4:1, 3 spans": lambda: attend(2, 8, 2, 128, 3),
+            "decode attention, head_dim 80, grouped 5:1, one span": lambda: attend(1, 5, 1, 80, 1)}
+
+
 def _norm_calls() -> dict[str, Callable[[], object]]:
-    # The RMSNorm's backward: one row (M = 1), no weight, strided rows of odd widths, mixed dtypes.
+    # The RMSNorm's backward: one row (M = 1), no weight, strided rows of odd widths, mixed dtypes. GEMM +
+    # AllReduce's epilogue in a group of one on a Llama-3-70B row (whole rows on a GPU) and a narrow one.
+    def local_epilogue(m, n):
+        local_all_reduce.epilogue(_randn(m, n), _randn(n), _randn(m, n), _randn(n), 1e-5, torch.empty(m, n,
+                                  dtype=torch.float16), torch.empty(m, n, dtype=torch.float16))
     return {
+        "gemm_all_reduce's epilogue alone, 3 rows of 8192": lambda: local_epilogue(3, 8192),
+        "gemm_all_reduce's epilogue alone, one row of 200": lambda: local_epilogue(1, 200),
         "rms_norm_grad, one row": lambda: rms_norm_grad(_randn(1, 48), _randn(1, 48), _randn(48), torch.ones(1)),
         "rms_norm_grad, fp32, no weight, strided rows": lambda: rms_norm_grad(
             _randn(21, 136, dtype=torch.float32)[:, :100], _randn(21, 120, dtype=torch.float32)[:, 7:107], None,
@@ -426,7 +464,7 @@ def op_launches(rank: int, world: int) -> list[Launch]:
         launches += record(fp8_launches.cast_calls())
         # the H200's tiles first: ptxas reports on each kernel's first form, the widest whole rows here
         launches += record(_norm_h200_calls(), h200=True) + record(_norm_calls())
-        launches += record(_rope_calls())
+        launches += record(_rope_calls()) + record(_attention_calls())
     if rank == world - 1:
         launches += record(_moe_local_calls()) + record(_moe_local_h200_calls(), h200=True)
         launches += record(fp8_launches.wgrad_h200_calls(), h200=True)

@@ -91,6 +91,8 @@ blockwise scaling always adds each K step in fp32.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -99,8 +101,40 @@ from tileweave.ops.compute.grouped_gemm import SwiGLU
 from tileweave.ops.compute.quantize import Quantized, Segments, quantize, quantize_segments
 
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
+T = TypeVar("T")
 _A = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_1x128"}
 _B = {"tensorwise": "tensorwise", "rowwise": "rowwise", "blockwise": "blockwise_128x128"}
+
+
+_CASTS = "_tileweave_float8_casts"
+"""The attribute of a weight tensor that holds its float8 casts: ``(stamp, {key: cast})``."""
+
+
+def cached_weight_cast(recipe: "Float8Recipe", weight: torch.Tensor, key: object, cast: Callable[[], T]) -> T:
+    """``cast()``, a float8 cast of ``weight`` named ``key``: made at every call, or with
+    ``recipe.cache_weights`` once per state of ``weight`` and kept on it. The state is the weight's
+    version counter (bumped by every in-place change through the tensor: the optimizer's step,
+    ``copy_``), its storage, shape, strides and dtype: any change makes every kept cast of it stale. Never
+    kept under CUDA-graph capture (a replay would not see the weight change)."""
+    if not recipe.cache_weights or (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return cast()
+    stamp = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype, weight.device)
+    entry = weight.__dict__.get(_CASTS)
+    if entry is None or entry[0] != stamp:
+        entry = weight.__dict__[_CASTS] = (stamp, {})
+    casts = entry[1]
+    full = (recipe, key)
+    if full not in casts:
+        casts[full] = cast()
+    return casts[full]
+
+
+def refresh_weight_casts(module: torch.nn.Module) -> None:
+    """Drop the float8 casts kept on ``module``'s parameters (``Float8Recipe.cache_weights``): the next
+    forward casts them again. Needed only after a change the version counter does not see (through
+    ``weight.data``)."""
+    for param in module.parameters():
+        param.__dict__.pop(_CASTS, None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,13 +161,23 @@ class Float8Recipe:
     kept for the backward: one byte per weight element held from forward to backward, one read of
     the weight and one cast less per step. False: the backward casts the weight again."""
 
+    cache_weights: bool = False
+    """Cast each weight once per state of it, not at every forward and backward: the float8 weights (each
+    orientation a GEMM takes) are kept on the weight tensor and reused until it changes, across the
+    micro-batches of a step and from the forward to the backward (``cached_weight_cast``). Costs, per
+    weight, one byte per element and orientation held (plus scales) for as long as the weight lives. A
+    change through the parameter (the optimizer's step, ``copy_``, a new tensor) is seen by its version
+    counter and storage; one through ``weight.data`` is not: call ``refresh_weight_casts(module)`` after
+    such a change."""
+
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"Float8Recipe.scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
         if self.grad_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError("Float8Recipe.grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got "
                             f"{self.grad_dtype}")
-        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum", "keep_weight_transpose"):
+        for name in ("power_of_two_scales", "forward_fast_accum", "backward_fast_accum", "keep_weight_transpose",
+                     "cache_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Float8Recipe.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -177,9 +221,12 @@ class Float8Recipe:
         """The forward GEMM's weight operand ``rhs(weight)`` and, where the recipe keeps it
         (``keep_weight_transpose``, blockwise), the input gradient's ``rhs(weight, transpose=True)``
         from the same pass; else None (the backward casts it)."""
-        if self.scaling == "blockwise" and self.keep_weight_transpose:
-            return quantize(weight, _B[self.scaling], power_of_two=self.power_of_two_scales, twin=True)
-        return self.rhs(weight), None
+        def cast():
+            if self.scaling == "blockwise" and self.keep_weight_transpose:
+                return quantize(weight, _B[self.scaling], power_of_two=self.power_of_two_scales, twin=True)
+            return self.rhs(weight), None
+
+        return cached_weight_cast(self, weight, "weights", cast)
 
     def grads(self, dy: torch.Tensor) -> tuple[Quantized, Quantized]:
         """Both backward GEMMs' operands of an output gradient ``dy [M, N]`` held whole: ``lhs(dy,

@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tileweave.nn.fp8 import Float8Recipe
+from tileweave.nn.fp8 import Float8Recipe, cached_weight_cast
 from tileweave.nn.fused_inputs import norm_eps, rms_norm_backward, swiglu_backward
 from tileweave.nn.tp_ops import start_gather
 from tileweave.ops.compute.quantize import Quantized
@@ -79,7 +79,8 @@ def _weight_t(recipe: Float8Recipe, weight, w_scale, data, scale):
     """The input gradient's weight operand: the one the forward kept, else cast now."""
     if data is not None:
         return Quantized(data, scale)
-    return recipe.rhs(weight, transpose=True, scale=w_scale)
+    return cached_weight_cast(recipe, weight, "rhs transposed",
+                              lambda: recipe.rhs(weight, transpose=True, scale=w_scale))
 
 
 def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-from tileweave.nn.fp8 import Float8Recipe
+from tileweave.nn.fp8 import Float8Recipe, cached_weight_cast
 from tileweave.nn.moe_autograd import gather_rows, reduce_scatter_rows, row_weights
 from tileweave.ops.compute.grouped_wgrad import grouped_wgrad
 from tileweave.ops.compute.quantize import Segments
@@ -81,7 +81,7 @@ def quantize_experts(recipe: Float8Recipe, w: torch.Tensor, *, transpose: bool =
     N]``, each expert's transpose quantized, read through its strides in the same pass (an input
     gradient's operand); ``scale``: tensorwise, the scale to cast with (the other orientation's: the
     amax is the same), no amax pass."""
-    q = recipe.rhs(w, transpose=transpose, scale=scale)
+    q = cached_weight_cast(recipe, w, ("experts", transpose), lambda: recipe.rhs(w, transpose=transpose, scale=scale))
     e, n, _ = q.data.shape
     data = q.data.transpose(1, 2)
     if recipe.scaling == "tensorwise":
