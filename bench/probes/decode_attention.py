@@ -5,35 +5,15 @@ over the filled slots alone (what an eager step with a host length runs). Llama-
 key/value heads of 128, bf16). Times are CUDA-graph replays of 20 calls, the median of 5; outputs checked
 against each other first. Run by hand: ``PYTHONPATH=src python3 bench/probes/decode_attention.py OUT``."""
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+from decode_splitk import graph_ms  # the probes' graph timing (run from this folder's path)
 from tileweave.ops.compute.decode_attention import decode_attention
 
 HEADS, KV, DIM = 32, 8, 128
-
-
-def graph_ms(call, iters=20, reps=5):
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            call()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
 
 
 def main(out):
