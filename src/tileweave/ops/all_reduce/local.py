@@ -80,7 +80,9 @@ def epilogue(part, bias, residual, norm_weight, eps: float, y: torch.Tensor, res
     CPU in Triton's interpreter, float16 or float32)."""
     m, n = y.shape
     norm = norm_weight is not None
-    key = (m, n, y.dtype, y.device, bias is not None, residual is not None, norm)
+    # The compiled kernel is specialised on its pointers' 16-byte alignment too (views may be unaligned).
+    aligned = tuple(t is None or t.data_ptr() % 16 == 0 for t in (part, y, resid, bias, residual, norm_weight))
+    key = (m, n, y.dtype, y.device, bias is not None, residual is not None, norm, aligned)
     plan = _plans.get(key)
     if plan is None:
         bn = min(triton.next_power_of_2(n), ROW_ELEMS if y.is_cuda else INTERPRETED_ROW_ELEMS)
