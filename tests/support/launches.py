@@ -217,15 +217,14 @@ def _dense_h200_calls() -> dict[str, Callable[[], object]]:
     calls["matmul, fp8 rowwise, e5m2 a, row-major b, H200 config"] = lambda: tileweave.matmul(
         _fp8(256, 256, dtype=E5M2), _fp8(256, 256), config=config, out_dtype=torch.float16,
         **dict(zip(("scale_a", "scale_b"), _fp8_scales("rowwise", 256, 256, 256))))
-    # The split-K decode GEMM with the configs it takes on an H200, one per row tile (16, 32, 64 rows), its
-    # spans split (a weight of 256 x 1024) and one span alone (K = 256); TMA reads beside pointer reads.
-    for m in (1, 32, 64):
-        decode = choose_splitk_config(m, 8192, 8192, torch.bfloat16, num_sms=H200_SMS)
-        for n, k, tma in ((256, 1024, False), (64, 256, False), (256, 1024, True)):
-            calls[f"split-K, H200 config {decode.key()}, {m} x {n} x {k}{', TMA' if tma else ''}"] = \
-                lambda config=dataclasses.replace(decode, tma=tma), m=m, n=n, k=k: splitk.launch(
-                    _randn(m, k), _randn(n, k).t(), torch.empty(m, n, dtype=torch.float16), _randn(n), config,
-                    num_sms=H200_SMS)
+    # The split-K decode GEMM with the configs it takes on an H200, one per row tile (16, 32, 64 rows): its
+    # spans split (a weight of 256 x 1024) or one span alone (K = 256); TMA reads and pointer reads.
+    for m, n, k, tma in ((1, 256, 1024, False), (32, 64, 256, False), (64, 256, 1024, True)):
+        decode = dataclasses.replace(choose_splitk_config(m, 8192, 8192, torch.bfloat16, num_sms=H200_SMS), tma=tma)
+        calls[f"split-K, H200 config {decode.key()}, {m} x {n} x {k}"] = \
+            lambda config=decode, m=m, n=n, k=k: splitk.launch(
+                _randn(m, k), _randn(n, k).t(), torch.empty(m, n, dtype=torch.float16), _randn(n), config,
+                num_sms=H200_SMS)
     return calls
 
 
