@@ -61,8 +61,11 @@ def test_cache_views_and_strided_query():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_bad_shapes_are_named():
+def test_bad_shapes_and_dtypes_are_named():
     q = torch.randn(1, 6, 32)
     k = torch.randn(1, 4, 16, 32)
     with pytest.raises(ValueError, match="KVH"):
         decode_attention(q, k, k, torch.ones(1, 16, dtype=torch.bool), torch.tensor(3), limit=16)
+    with pytest.raises(ValueError, match="computes bfloat16 wrongly"):  # refused, not computed wrongly
+        decode_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), torch.ones(1, 16, dtype=torch.bool),
+                         torch.tensor(3), limit=16)

@@ -42,6 +42,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
     the device (its first element), and ``valid [B, max_seq]`` (bool) marks the slots that hold tokens
     (the query's own slot is attended to in any case). ``scale`` defaults to ``D ** -0.5``; ``splits``
     (spans of the filled keys per sequence and head) to a few programs per SM. Last dimensions contiguous."""
+    if not suits(q, k):
+        raise ValueError(f"decode_attention: {q.dtype} q and {k.dtype} k on {q.device}: it runs float16, bfloat16 or "
+                         "float32 (one dtype) on GPUs, float16 or float32 in Triton's interpreter (which computes "
+                         "bfloat16 wrongly)")
     bsz, heads, dim = q.shape
     kvh, max_seq = k.shape[1], k.shape[2]
     if heads % kvh or k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != dim or valid.shape != (bsz, max_seq):
